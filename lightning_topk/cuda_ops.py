@@ -1,0 +1,454 @@
+"""CuPy kernels for CUDA tensors, with torch reference implementations of the same semantics.
+
+Each public function dispatches: CUDA tensor of a supported dtype + CuPy importable with a device
+-> the CUDA C kernel in ``lightning_topk.kernels`` (compiled by CuPy's ``RawModule``, tensors shared
+zero-copy through DLPack, launched on torch's current stream); anything else -> the torch reference
+(``*_torch``), which is what the CPU tests check. Importing this module does not import CuPy.
+
+Set ``LIGHTNING_TOPK_DISABLE_CUPY=1`` to force the torch path everywhere.
+
+Status: the CUDA sources are compiled (nvcc and NVRTC) in the tests here, but have not been run on a
+GPU in this project's CI; the torch references are the tested semantics.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.resources
+import os
+import re
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = [
+    "cupy_available",
+    "multi_threshold_count",
+    "compact_selected",
+    "scatter_add_dense",
+    "fused_lars_step",
+    "multi_threshold_count_torch",
+    "compact_selected_torch",
+    "scatter_add_dense_torch",
+    "fused_lars_step_torch",
+    "kernel_source",
+    "KERNEL_FILES",
+    "NVRTC_OPTIONS",
+]
+
+# kernel file (without .cu) -> the extern "C" kernels it defines
+KERNEL_FILES: Dict[str, Tuple[str, ...]] = {
+    "threshold_count": ("multi_threshold_count_f32", "multi_threshold_count_f16", "multi_threshold_count_bf16"),
+    "compact": ("compact_count_f32", "compact_write_f32", "compact_count_f16", "compact_write_f16",
+                "compact_count_bf16", "compact_write_bf16"),
+    "scatter_add": ("scatter_add_f32", "scatter_add_f64", "scatter_add_f16", "scatter_add_bf16"),
+    "fused_lars": ("lars_norms", "lars_update"),
+}
+# No FMA contraction: every multiply and add rounds on its own, as in the torch references.
+NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++14", "--fmad=false")
+
+_SUFFIX = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64"}
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}   # common.cuh LT_F32/F16/BF16
+_BLOCK = 256
+_MTC_MAX_THRESHOLDS = 4096      # per launch (shared memory: 8 bytes per threshold)
+_COMPACT_TILE = 256 * 16        # compact.cu LT_TILE
+_LARS_CHUNK = 16384             # fused_lars.cu LT_CHUNK
+_LARS_FLAG_ADAPT, _LARS_FLAG_FIRST = 1, 2
+_INT32_MAX = 2**31 - 1
+_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_]+\.cuh)"\s*$', re.M)
+
+
+# ----------------------------------------------------------------------------------------- loading
+def _kernel_dir_text(name: str) -> str:
+    try:
+        return importlib.resources.files("lightning_topk.kernels").joinpath(name).read_text()
+    except ModuleNotFoundError:  # source checkout whose install does not map lightning_topk.kernels
+        return (Path(__file__).resolve().parent.parent / "kernels" / name).read_text()
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_source(name: str) -> str:
+    """Full CUDA source of ``kernels/<name>.cu`` with its ``#include "*.cuh"`` lines inlined.
+
+    This exact string is what ``RawModule(code=...)`` compiles (NVRTC has no include path to them).
+    """
+    if name not in KERNEL_FILES:
+        raise ValueError(f"kernel_source: unknown kernel file {name!r}; allowed: {', '.join(KERNEL_FILES)}")
+    return _INCLUDE.sub(lambda m: _kernel_dir_text(m.group(1)), _kernel_dir_text(f"{name}.cu"))
+
+
+@functools.lru_cache(maxsize=None)
+def cupy_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device (and LIGHTNING_TOPK_DISABLE_CUPY is unset)."""
+    if os.environ.get("LIGHTNING_TOPK_DISABLE_CUPY", "") not in ("", "0"):
+        return False
+    try:
+        import cupy  # noqa: F401
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, or a CuPy without a driver / device
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    import cupy
+
+    return cupy.RawModule(code=kernel_source(name), options=NVRTC_OPTIONS)
+
+
+def _use_cupy(*tensors: Tensor) -> bool:
+    return all(t.is_cuda for t in tensors) and cupy_available()
+
+
+def _launch(device: torch.device, module: str, kernel: str, grid: int, args: Sequence,
+            shared_mem: int = 0) -> None:
+    """Launch ``kernel`` on torch's current stream of ``device``; tensors in ``args`` go through DLPack."""
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+        with stream:  # from_dlpack on the same stream: no extra synchronisation
+            cargs = [cupy.from_dlpack(a) if isinstance(a, Tensor) else a for a in args]
+            fn = _module(module).get_function(kernel)
+            fn((int(grid),), (_BLOCK,), tuple(cargs), shared_mem=int(shared_mem))
+
+
+def _grid_for(n: int, device: torch.device) -> int:
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min((n + _BLOCK - 1) // _BLOCK, sms * 8))
+
+
+def _compute_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _check_float(name: str, what: str, t: Tensor) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name}: {what} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def _scalar(name: str, what: str, v) -> float:
+    if isinstance(v, Tensor):
+        if v.numel() != 1:
+            raise ValueError(f"{name}: {what} must be a number or a 1-element tensor, got shape {tuple(v.shape)}")
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name}: {what} must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+# --------------------------------------------------------------------------- multi-threshold count
+def multi_threshold_count(absx: Tensor, thresholds: Tensor) -> Tensor:
+    """Count, for each threshold, the entries of ``absx`` that are ``>= threshold``, in one read.
+
+    ``absx``: floating tensor of any shape (normally magnitudes); ``thresholds``: 1-D, any order, may
+    repeat. Returns int64 counts shaped like ``thresholds``, on ``absx``'s device. Comparisons are in
+    fp32 (fp64 for fp64 input) after rounding the thresholds to that dtype; NaN entries and NaN
+    thresholds count nothing. On CUDA (fp32/fp16/bf16): one kernel pass per 4096 thresholds.
+    """
+    _check_mtc(absx, thresholds)
+    if absx.dtype in _DTYPE_CODE and _use_cupy(absx):
+        return _multi_threshold_count_cupy(absx, thresholds)
+    return multi_threshold_count_torch(absx, thresholds)
+
+
+def _check_mtc(absx: Tensor, thresholds: Tensor) -> None:
+    _check_float("multi_threshold_count", "absx", absx)
+    if not isinstance(thresholds, Tensor) or thresholds.dim() != 1:
+        raise ValueError("multi_threshold_count: thresholds must be a 1-D tensor")
+
+
+def _sorted_thresholds(absx: Tensor, thresholds: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    t = thresholds.to(device=absx.device, dtype=_compute_dtype(absx))
+    valid = torch.nonzero(~torch.isnan(t)).squeeze(1)
+    ts, order = torch.sort(t.index_select(0, valid))
+    return ts, valid.index_select(0, order), t
+
+
+def _unsort(hist: Tensor, pos: Tensor, m: int) -> Tensor:
+    """hist[j] = #entries with exactly j+1 sorted thresholds <= them -> counts in the caller's order."""
+    counts_sorted = hist.flip(0).cumsum(0).flip(0)
+    out = torch.zeros(m, dtype=torch.int64, device=hist.device)
+    out.index_copy_(0, pos, counts_sorted)
+    return out
+
+
+def multi_threshold_count_torch(absx: Tensor, thresholds: Tensor) -> Tensor:
+    """Torch reference of :func:`multi_threshold_count` (chunked bucketize + bincount)."""
+    _check_mtc(absx, thresholds)
+    ts, pos, _ = _sorted_thresholds(absx, thresholds)
+    mv = ts.numel()
+    hist = torch.zeros(mv + 1, dtype=torch.int64, device=absx.device)
+    if mv:
+        for chunk in absx.reshape(-1).split(1 << 22):
+            c = chunk.to(ts.dtype)
+            j = torch.bucketize(c, ts, right=True)        # number of sorted thresholds <= c
+            j.masked_fill_(torch.isnan(c), 0)
+            hist += torch.bincount(j, minlength=mv + 1)
+    return _unsort(hist[1:], pos, thresholds.numel())
+
+
+def _multi_threshold_count_cupy(absx: Tensor, thresholds: Tensor) -> Tensor:
+    x = absx.reshape(-1).contiguous()
+    ts, pos, _ = _sorted_thresholds(x, thresholds)
+    hist = torch.zeros(ts.numel(), dtype=torch.int64, device=x.device)
+    n = x.numel()
+    if n and ts.numel():
+        grid = max(_grid_for(n, x.device), (n + (1 << 30) - 1) >> 30)   # < 2^32 hits per block counter
+        kernel = f"multi_threshold_count_{_SUFFIX[x.dtype]}"
+        for s in range(0, ts.numel(), _MTC_MAX_THRESHOLDS):
+            tc = ts[s:s + _MTC_MAX_THRESHOLDS].contiguous()
+            hc = hist[s:s + _MTC_MAX_THRESHOLDS]
+            m = tc.numel()
+            _launch(x.device, "threshold_count", kernel, grid,
+                    (x, np.int64(n), tc, np.int32(m), hc), shared_mem=8 * m)
+            if s + m < ts.numel():  # entries above this chunk's last threshold belong to later chunks
+                hc[-1] -= (multi_threshold_count(x, ts[s + m:s + m + 1]))[0]
+    return _unsort(hist, pos, thresholds.numel())
+
+
+# -------------------------------------------------------------------------------------- compaction
+def compact_selected(x: Tensor, threshold_hi, threshold_lo, k: int) -> Tuple[Tensor, Tensor]:
+    """MSTopK output rule: pack exactly ``k`` entries of 1-D ``x`` into ``(values, int32 indices)``.
+
+    Selected: every entry with ``|x| >= threshold_hi``, then the first ``k - count_hi`` entries in
+    index order with ``threshold_lo <= |x| < threshold_hi``. Output order: the ``hi`` entries in index
+    order, then the band entries in index order (same order on every path). Comparisons in fp32 (fp64
+    for fp64 ``x``); NaN entries are never selected. Requires ``count_hi <= k <= count_hi +
+    count_band`` (else ``ValueError``) and ``x.numel() < 2**31``. The CUDA path reads the two totals
+    back to the host once to check this.
+    """
+    hi, lo, k = _check_compact(x, threshold_hi, threshold_lo, k)
+    if x.dtype in _DTYPE_CODE and _use_cupy(x):
+        return _compact_selected_cupy(x, hi, lo, k)
+    return compact_selected_torch(x, hi, lo, k)
+
+
+def _check_compact(x: Tensor, hi, lo, k) -> Tuple[float, float, int]:
+    _check_float("compact_selected", "x", x)
+    if x.dim() != 1:
+        raise ValueError(f"compact_selected: x must be 1-D, got shape {tuple(x.shape)}")
+    if x.numel() > _INT32_MAX:
+        raise ValueError(f"compact_selected: x has {x.numel()} entries; int32 indices allow at most {_INT32_MAX}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"compact_selected: k must be a non-negative int, got {k!r}")
+    return _scalar("compact_selected", "threshold_hi", hi), _scalar("compact_selected", "threshold_lo", lo), k
+
+
+def _check_totals(count_hi: int, count_band: int, k: int) -> None:
+    if not count_hi <= k <= count_hi + count_band:
+        raise ValueError(
+            f"compact_selected: need count_hi <= k <= count_hi + count_band, got count_hi={count_hi}, "
+            f"count_band={count_band}, k={k}: threshold_hi must keep at most k entries and threshold_lo at least k")
+
+
+def compact_selected_torch(x: Tensor, threshold_hi, threshold_lo, k: int) -> Tuple[Tensor, Tensor]:
+    """Torch reference of :func:`compact_selected` (same set and same order)."""
+    hi, lo, k = _check_compact(x, threshold_hi, threshold_lo, k)
+    cdt = _compute_dtype(x)
+    a = x.abs().to(cdt)
+    is_hi = a >= torch.tensor(hi, dtype=cdt)
+    is_band = (a >= torch.tensor(lo, dtype=cdt)) & ~is_hi
+    hi_idx = torch.nonzero(is_hi).squeeze(1)
+    band_idx = torch.nonzero(is_band).squeeze(1)
+    _check_totals(hi_idx.numel(), band_idx.numel(), k)
+    idx = torch.cat([hi_idx, band_idx[: k - hi_idx.numel()]])
+    return x.index_select(0, idx), idx.to(torch.int32)
+
+
+def _compact_selected_cupy(x: Tensor, hi: float, lo: float, k: int) -> Tuple[Tensor, Tensor]:
+    x = x.contiguous()
+    n = x.numel()
+    sfx = _SUFFIX[x.dtype]
+    nb = (n + _COMPACT_TILE - 1) // _COMPACT_TILE
+    counts = torch.zeros(max(nb, 1), 2, dtype=torch.int64, device=x.device)
+    hi32, lo32 = np.float32(hi), np.float32(lo)
+    if nb:
+        _launch(x.device, "compact", f"compact_count_{sfx}", nb, (x, np.int64(n), hi32, lo32, counts))
+    inclusive = counts.cumsum(0)
+    count_hi, count_band = inclusive[-1].tolist()
+    _check_totals(count_hi, count_band, k)
+    values = torch.empty(k, dtype=x.dtype, device=x.device)
+    indices = torch.empty(k, dtype=torch.int32, device=x.device)
+    if k:
+        offsets = (inclusive - counts).contiguous()
+        _launch(x.device, "compact", f"compact_write_{sfx}", nb,
+                (x, np.int64(n), hi32, lo32, offsets, np.int64(count_hi), np.int64(k), values, indices))
+    return values, indices
+
+
+# ------------------------------------------------------------------------------------- scatter-add
+def scatter_add_dense(out: Tensor, values: Tensor, indices: Tensor, scale: float = 1.0,
+                      check: bool = True) -> Tensor:
+    """``out[indices[i]] += values[i] * scale`` for all i, duplicates adding up; returns ``out``.
+
+    ``out``: 1-D; ``values``: 1-D of ``out``'s dtype; ``indices``: int32 (int64 accepted), same length.
+    Same semantics as ``out.index_add_(0, indices.long(), values * scale)`` (up to the order in which
+    duplicates are summed on CUDA). Out-of-range indices raise ``IndexError``; on CUDA that check
+    costs one device-to-host read, skipped with ``check=False`` (bad indices are then ignored).
+    """
+    s = _check_scatter(out, values, indices, scale)
+    if out.dtype in _SUFFIX and _use_cupy(out, values, indices):
+        return _scatter_add_dense_cupy(out, values, indices, s, check)
+    return scatter_add_dense_torch(out, values, indices, s)
+
+
+def _check_scatter(out: Tensor, values: Tensor, indices: Tensor, scale) -> float:
+    _check_float("scatter_add_dense", "out", out)
+    _check_float("scatter_add_dense", "values", values)
+    if out.dim() != 1 or values.dim() != 1:
+        raise ValueError("scatter_add_dense: out and values must be 1-D")
+    if values.dtype != out.dtype:
+        raise TypeError(f"scatter_add_dense: values dtype {values.dtype} must equal out dtype {out.dtype}")
+    if not isinstance(indices, Tensor) or indices.dtype not in (torch.int32, torch.int64) or indices.dim() != 1:
+        raise TypeError("scatter_add_dense: indices must be a 1-D int32 (or int64) tensor")
+    if indices.numel() != values.numel():
+        raise ValueError(f"scatter_add_dense: {indices.numel()} indices for {values.numel()} values")
+    return _scalar("scatter_add_dense", "scale", scale)
+
+
+def scatter_add_dense_torch(out: Tensor, values: Tensor, indices: Tensor, scale: float = 1.0) -> Tensor:
+    """Torch reference of :func:`scatter_add_dense`: ``out.index_add_(0, indices.long(), values * scale)``."""
+    s = _check_scatter(out, values, indices, scale)
+    return out.index_add_(0, indices.long(), values * s if s != 1.0 else values)
+
+
+def _scatter_add_dense_cupy(out: Tensor, values: Tensor, indices: Tensor, scale: float,
+                            check: bool) -> Tensor:
+    if not out.is_contiguous():
+        raise ValueError("scatter_add_dense: out must be contiguous on CUDA")
+    if out.numel() > _INT32_MAX:
+        raise ValueError(f"scatter_add_dense: out has {out.numel()} entries; int32 indices allow at most {_INT32_MAX}")
+    nnz = values.numel()
+    if nnz == 0:
+        return out
+    idx = indices.to(torch.int32).contiguous()
+    bad = torch.zeros(1, dtype=torch.int32, device=out.device)
+    sc = np.float64(scale) if out.dtype == torch.float64 else np.float32(scale)
+    _launch(out.device, "scatter_add", f"scatter_add_{_SUFFIX[out.dtype]}", _grid_for(nnz, out.device),
+            (out, np.int64(out.numel()), values.contiguous(), idx, np.int64(nnz), sc, bad))
+    if check and int(bad) != 0:
+        raise IndexError(f"scatter_add_dense: an index is out of range for out of size {out.numel()}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------- fused LARS
+PerTensor = Union[float, Sequence[float]]
+
+
+def _per_tensor(name: str, v, n: int, kind=float) -> List:
+    if isinstance(v, (list, tuple)):
+        if len(v) != n:
+            raise ValueError(f"fused_lars_step: {name} has {len(v)} entries for {n} tensors")
+        return [kind(x) for x in v]
+    if isinstance(v, Tensor):
+        if v.numel() != n:
+            raise ValueError(f"fused_lars_step: {name} has {v.numel()} entries for {n} tensors")
+        return [kind(x) for x in v.tolist()]
+    return [kind(v)] * n
+
+
+def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step):
+    params, grads, bufs = list(params), list(grads), list(bufs)
+    n = len(params)
+    if len(grads) != n or len(bufs) != n:
+        raise ValueError(f"fused_lars_step: {n} params, {len(grads)} grads, {len(bufs)} momentum_bufs")
+    for i, (p, g, b) in enumerate(zip(params, grads, bufs)):
+        for what, t in (("params", p), ("grads", g), ("momentum_bufs", b)):
+            _check_float("fused_lars_step", f"{what}[{i}]", t)
+        if g.shape != p.shape or b.shape != p.shape:
+            raise ValueError(f"fused_lars_step: tensor {i}: shapes param {tuple(p.shape)}, grad "
+                             f"{tuple(g.shape)}, buf {tuple(b.shape)} differ")
+    return (params, grads, bufs, _per_tensor("lrs", lrs, n), _per_tensor("weight_decays", weight_decays, n),
+            _per_tensor("adapt", adapt, n, bool), _per_tensor("first_step", first_step, n, bool))
+
+
+def fused_lars_step(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_bufs: Sequence[Tensor],
+                    lrs: PerTensor, weight_decays: PerTensor, adapt: Union[bool, Sequence[bool]],
+                    momentum: float, trust_coeff: float, eps: float, nesterov: bool = False,
+                    first_step: Union[bool, Sequence[bool]] = False) -> None:
+    """One LARS step over all tensors, in place on ``params`` and ``momentum_bufs``.
+
+    ``lrs``, ``weight_decays``, ``adapt`` and ``first_step`` are one value for all tensors or one per
+    tensor. All math in fp32 whatever the storage dtypes (fp32/fp16/bf16; each result rounded once):
+
+    * adapted: ``w = ||p||``, ``gn = ||g||``, ``trust = trust_coeff * w / (gn + wd * w + eps)`` (1 where
+      ``w == 0`` or ``gn == 0``), ``d = trust * (g + wd * p)``; not adapted: ``d = g`` (no decay);
+    * ``buf = d`` on the first step, else ``buf = momentum * buf + d``;
+    * ``update = d + momentum * buf`` if ``nesterov`` else ``buf``; ``p -= lr * update``.
+
+    On CUDA (all tensors on one device, contiguous): one norm launch and one update launch in total.
+    """
+    args = _check_lars(params, grads, momentum_bufs, lrs, weight_decays, adapt, first_step)
+    ps, gs, bs = args[:3]
+    hyper = (float(momentum), float(trust_coeff), float(eps), bool(nesterov))
+    if ps and _lars_cupy_ok(ps, gs, bs):
+        _fused_lars_step_cupy(*args, *hyper)
+    else:
+        _fused_lars_step_torch(*args, *hyper)
+
+
+def _lars_cupy_ok(ps, gs, bs) -> bool:
+    ts = ps + gs + bs
+    dev = ts[0].device
+    return (all(t.device == dev and t.dtype in _DTYPE_CODE and t.is_contiguous() for t in ts)
+            and _use_cupy(ts[0]))
+
+
+def fused_lars_step_torch(params, grads, momentum_bufs, lrs, weight_decays, adapt, momentum: float,
+                          trust_coeff: float, eps: float, nesterov: bool = False, first_step=False) -> None:
+    """Torch reference of :func:`fused_lars_step` (same arguments, same math)."""
+    args = _check_lars(params, grads, momentum_bufs, lrs, weight_decays, adapt, first_step)
+    _fused_lars_step_torch(*args, float(momentum), float(trust_coeff), float(eps), bool(nesterov))
+
+
+def _fused_lars_step_torch(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:
+    if not ps:
+        return
+    f32 = torch.float32
+    p32 = [p if p.dtype == f32 else p.to(f32) for p in ps]
+    g32 = [g.to(f32) for g in gs]
+    d = list(g32)
+    ad = [i for i in range(len(ps)) if adapt[i]]
+    if ad:
+        w = torch.stack(torch._foreach_norm([p32[i] for i in ad]))
+        gn = torch.stack(torch._foreach_norm([g32[i] for i in ad]))
+        wd = torch.tensor([wds[i] for i in ad], dtype=f32, device=w.device)
+        trust = torch.where((w == 0) | (gn == 0), torch.ones_like(w), tc * w / (gn + wd * w + eps))
+        decayed = torch._foreach_add([g32[i] for i in ad], torch._foreach_mul([p32[i] for i in ad], wd.tolist()))
+        for i, di in zip(ad, torch._foreach_mul(decayed, trust.tolist())):
+            d[i] = di
+    b32 = []
+    for i, (b, di) in enumerate(zip(bs, d)):
+        b32.append(di.clone() if first[i] else b.to(f32) * momentum + di)
+    upd = torch._foreach_add(d, torch._foreach_mul(b32, momentum)) if nesterov else b32
+    new_p = torch._foreach_sub(p32, torch._foreach_mul(upd, lrs))
+    torch._foreach_copy_(ps, new_p)
+    torch._foreach_copy_(bs, b32)
+
+
+def _fused_lars_step_cupy(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:
+    dev = ps[0].device
+    meta, chunks = [], []
+    for t, (p, g, b) in enumerate(zip(ps, gs, bs)):
+        n = p.numel()
+        c0 = len(chunks)
+        chunks.extend((t, s) for s in range(0, n, _LARS_CHUNK))
+        flags = (_LARS_FLAG_ADAPT if adapt[t] else 0) | (_LARS_FLAG_FIRST if first[t] else 0)
+        codes = (_DTYPE_CODE[p.dtype] | _DTYPE_CODE[g.dtype] << 8 | _DTYPE_CODE[b.dtype] << 16 | flags << 24)
+        meta.append([p.data_ptr(), g.data_ptr(), b.data_ptr(), n, codes, c0, len(chunks), 0])
+    if not chunks:
+        return
+    meta_d = torch.tensor(meta, dtype=torch.int64).to(dev)
+    chunks_d = torch.tensor(chunks, dtype=torch.int64).to(dev)
+    hyper_d = torch.tensor(list(zip(lrs, wds)), dtype=torch.float32).to(dev)
+    partials = torch.empty(len(chunks), 2, dtype=torch.float64, device=dev)
+    _launch(dev, "fused_lars", "lars_norms", len(chunks), (meta_d, chunks_d, partials))
+    _launch(dev, "fused_lars", "lars_update", len(chunks),
+            (meta_d, chunks_d, partials, hyper_d, np.float32(momentum), np.float32(tc), np.float32(eps),
+             np.int32(1 if nesterov else 0)))

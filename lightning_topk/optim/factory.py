@@ -1,0 +1,33 @@
+"""Build an optimizer by name, choosing torch's fused, multi-tensor (foreach) or per-parameter form."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_topk.optim.lamb import LAMB
+from lightning_topk.optim.lars import LARS
+
+OPTIMIZERS = ("sgd", "adam", "adamw", "lars", "lamb")
+IMPLS = ("fused", "foreach", "loop")
+_TORCH = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
+
+
+def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kwargs: Any) -> torch.optim.Optimizer:
+    """``name`` in :data:`OPTIMIZERS`; ``impl`` in :data:`IMPLS` (torch optimizers only: LARS and LAMB are
+    always multi-tensor). ``params`` may come from :func:`lightning_topk.optim.param_groups`; other keyword
+    arguments go to the optimizer."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"build_optimizer: option 'name' must be one of {OPTIMIZERS}, got {name!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"build_optimizer: option 'impl' must be one of {IMPLS}, got {impl!r}")
+    if name == "lars":
+        return LARS(params, lr=lr, **kwargs)
+    if name == "lamb":
+        return LAMB(params, lr=lr, **kwargs)
+    if name == "sgd" and kwargs.get("momentum", 0) == 0 and kwargs.get("nesterov"):
+        raise ValueError("build_optimizer: option 'nesterov' needs 'momentum' > 0")
+    flags = {"fused": {"fused": True, "foreach": False},
+             "foreach": {"fused": False, "foreach": True},
+             "loop": {"fused": False, "foreach": False}}[impl]
+    return _TORCH[name](params, lr=lr, **flags, **kwargs)
