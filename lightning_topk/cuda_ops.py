@@ -111,7 +111,7 @@ def _launch(device: torch.device, module: str, kernel: str, grid: int, args: Seq
     with cupy.cuda.Device(device.index):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:  # from_dlpack on the same stream: no extra synchronisation
-            cargs = [cupy.from_dlpack(a) if isinstance(a, Tensor) else a for a in args]
+            cargs = [cupy.from_dlpack(a.detach()) if isinstance(a, Tensor) else a for a in args]
             fn = _module(module).get_function(kernel)
             fn((int(grid),), (_BLOCK,), tuple(cargs), shared_mem=int(shared_mem))
 
@@ -170,12 +170,15 @@ def _sorted_thresholds(absx: Tensor, thresholds: Tensor) -> Tuple[Tensor, Tensor
     return ts, valid.index_select(0, order), t
 
 
-def _unsort(hist: Tensor, pos: Tensor, m: int) -> Tensor:
-    """hist[j] = #entries with exactly j+1 sorted thresholds <= them -> counts in the caller's order."""
-    counts_sorted = hist.flip(0).cumsum(0).flip(0)
-    out = torch.zeros(m, dtype=torch.int64, device=hist.device)
+def _unsort(counts_sorted: Tensor, pos: Tensor, m: int) -> Tensor:
+    out = torch.zeros(m, dtype=torch.int64, device=counts_sorted.device)
     out.index_copy_(0, pos, counts_sorted)
     return out
+
+
+def _suffix_sum(hist: Tensor) -> Tensor:
+    """hist[j] = #entries with exactly j+1 sorted thresholds <= them -> count(x >= t[j]) = sum(hist[j:])."""
+    return hist.flip(0).cumsum(0).flip(0)
 
 
 def multi_threshold_count_torch(absx: Tensor, thresholds: Tensor) -> Tensor:
@@ -190,26 +193,27 @@ def multi_threshold_count_torch(absx: Tensor, thresholds: Tensor) -> Tensor:
             j = torch.bucketize(c, ts, right=True)        # number of sorted thresholds <= c
             j.masked_fill_(torch.isnan(c), 0)
             hist += torch.bincount(j, minlength=mv + 1)
-    return _unsort(hist[1:], pos, thresholds.numel())
+    return _unsort(_suffix_sum(hist[1:]), pos, thresholds.numel())
 
 
 def _multi_threshold_count_cupy(absx: Tensor, thresholds: Tensor) -> Tensor:
     x = absx.reshape(-1).contiguous()
     ts, pos, _ = _sorted_thresholds(x, thresholds)
-    hist = torch.zeros(ts.numel(), dtype=torch.int64, device=x.device)
+    counts = torch.zeros(ts.numel(), dtype=torch.int64, device=x.device)
     n = x.numel()
     if n and ts.numel():
         grid = max(_grid_for(n, x.device), (n + (1 << 30) - 1) >> 30)   # < 2^32 hits per block counter
         kernel = f"multi_threshold_count_{_SUFFIX[x.dtype]}"
+        # More thresholds than fit in shared memory: one pass per slice; each slice's last bin counts
+        # everything above its last threshold, so its suffix sums are exact counts on their own.
         for s in range(0, ts.numel(), _MTC_MAX_THRESHOLDS):
             tc = ts[s:s + _MTC_MAX_THRESHOLDS].contiguous()
-            hc = hist[s:s + _MTC_MAX_THRESHOLDS]
             m = tc.numel()
+            hist = torch.zeros(m, dtype=torch.int64, device=x.device)
             _launch(x.device, "threshold_count", kernel, grid,
-                    (x, np.int64(n), tc, np.int32(m), hc), shared_mem=8 * m)
-            if s + m < ts.numel():  # entries above this chunk's last threshold belong to later chunks
-                hc[-1] -= (multi_threshold_count(x, ts[s + m:s + m + 1]))[0]
-    return _unsort(hist, pos, thresholds.numel())
+                    (x, np.int64(n), tc, np.int32(m), hist), shared_mem=8 * m)
+            counts[s:s + m] = _suffix_sum(hist)
+    return _unsort(counts, pos, thresholds.numel())
 
 
 # -------------------------------------------------------------------------------------- compaction
