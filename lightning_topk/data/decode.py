@@ -52,7 +52,7 @@ def decode_image(data: bytes, mode: str, size: Optional[Tuple[int, int]]) -> tor
         img = img.convert(mode)
         if size is not None and img.size != (size[1], size[0]):
             img = img.resize((size[1], size[0]), Image.BILINEAR)
-        arr = np.asarray(img, dtype=np.uint8)
+        arr = np.array(img, dtype=np.uint8)
     if arr.ndim == 2:
         arr = arr[None]
     else:

@@ -68,8 +68,6 @@ def scan_tar(path: str, on_bad_sample: str = "raise") -> ShardInfo:
                     samples += 1
                     last = key
                 nbytes += m.size
-        if os.path.getsize(path) < (tf.offset if hasattr(tf, "offset") else 0):
-            raise tarfile.ReadError("unexpected end of data")
     except (tarfile.TarError, OSError, EOFError) as exn:
         msg = f"corrupt or truncated tar shard {path!r} after key {last!r}: {exn}"
         if on_bad_sample == "raise":

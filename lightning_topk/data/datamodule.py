@@ -1,0 +1,251 @@
+"""WebDataModule: WebDataset tar shards for Lightning, correct under DDP, with disk/RAM/device caches."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Sequence, Union
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from .cache import STATS, DecodedArena, DiskCache, EncodedArena, GpuCache, new_stats
+from .decode import SampleDecoder
+from .index import expand_shards, local_path, shard_infos
+from .stream import ShardStream, iter_tar
+from .transforms import BatchAugment, resolve_callable
+
+RAM_LEVELS = ("off", "encoded", "decoded")
+BAD_SAMPLE = ("raise", "skip")
+WORKER_START = (None, "fork", "spawn", "forkserver")
+GiB = 1 << 30
+
+
+class WebLoader(DataLoader):
+    """DataLoader that sets the dataset's epoch before each pass and serves cached epochs.
+
+    The epoch comes from ``epoch_fn()`` (the trainer's current epoch) or, outside Lightning, from an
+    internal counter that starts at 0 and can be pinned with :meth:`set_epoch`.
+    """
+
+    def __init__(self, dataset, *args, gpu_cache: Optional[GpuCache] = None, epoch_fn: Optional[Callable] = None, **kw):
+        super().__init__(dataset, *args, **kw)
+        self.gpu_cache, self.epoch_fn, self._next_epoch = gpu_cache, epoch_fn, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self._next_epoch = int(epoch)
+
+    def __iter__(self):
+        ds = self.dataset
+        epoch = self.epoch_fn() if self.epoch_fn is not None else None
+        epoch = self._next_epoch if epoch is None else epoch
+        self._next_epoch = epoch + 1
+        ds.set_epoch(epoch)
+        if self.gpu_cache is not None and self.gpu_cache.complete():
+            return ds.iter_gpu(epoch)
+        if ds.ram_servable():
+            return ds.iter_ram(epoch)
+        return super().__iter__()
+
+
+class CacheStatsLogger(pl.Callback):
+    """Logs the data module's cache counters (``data/<name>``, summed over ranks) at each train epoch end."""
+
+    def __init__(self, prog_bar: bool = False):
+        self.prog_bar = prog_bar
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        dm = trainer.datamodule
+        if not isinstance(dm, WebDataModule):
+            return
+        for k, v in dm.cache_stats().items():
+            pl_module.log(f"data/{k}", float(v), on_epoch=True, sync_dist=True, reduce_fx="sum",
+                          prog_bar=self.prog_bar and k.endswith("hits"))
+
+
+class WebDataModule(pl.LightningDataModule):
+    """LightningDataModule over WebDataset tar shards. See docs/data.md for every option.
+
+    Batches leave the loaders as dicts (``local``, ``ids``, ``data``) and become ``(images, labels, ...)``
+    tuples in :meth:`on_after_batch_transfer`, after the batched augmentation on the device.
+    """
+
+    def __init__(self, train_shards: Union[str, Sequence[str]], val_shards: Union[str, Sequence[str], None] = None,
+                 keys: Sequence[str] = ("png;jpg", "cls"), batch_size: int = 64, val_batch_size: Optional[int] = None,
+                 num_workers: int = 2, seed: int = 0, shuffle: bool = True, shuffle_buffer: int = 1000,
+                 drop_last: bool = False, samples_per_epoch: Optional[int] = None, shard_sizes: Any = None,
+                 image_mode: str = "RGB", image_size: Any = None, transform: Any = None, val_transform: Any = None,
+                 crop_padding: int = 0, flip: bool = False, mean: Optional[Sequence[float]] = None,
+                 std: Optional[Sequence[float]] = None, disk_cache_dir: Optional[str] = None,
+                 disk_cache_bytes: int = 20 * GiB, disk_cache_local: bool = False, ram_cache: str = "off",
+                 ram_cache_bytes: int = 4 * GiB, gpu_cache: bool = False, gpu_cache_bytes: int = 4 * GiB,
+                 on_bad_sample: str = "raise", persistent_workers: bool = False, pin_memory: bool = False,
+                 worker_start: Optional[str] = None, log_cache_stats: bool = True,
+                 rank: Optional[int] = None, world_size: Optional[int] = None):
+        super().__init__()
+        if ram_cache not in RAM_LEVELS:
+            raise ValueError(f"ram_cache must be one of {RAM_LEVELS}, got {ram_cache!r}")
+        if on_bad_sample not in BAD_SAMPLE:
+            raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE}, got {on_bad_sample!r}")
+        if worker_start not in WORKER_START:
+            raise ValueError(f"worker_start must be one of {WORKER_START}, got {worker_start!r}")
+        for name, v in (("batch_size", batch_size), ("num_workers", num_workers + 1), ("shuffle_buffer", shuffle_buffer + 1)):
+            if int(v) < 1:
+                raise ValueError(f"{name} must be {'>= 1' if name == 'batch_size' else '>= 0'}, got {v}")
+        if samples_per_epoch is not None and (ram_cache != "off" or gpu_cache):
+            raise ValueError("samples_per_epoch (resampled shards) draws a different sample set each epoch; "
+                             "it cannot be combined with ram_cache or gpu_cache")
+        if transform is not None and (ram_cache == "decoded" or gpu_cache):
+            raise ValueError("transform= runs per sample on CPU after decoding, which ram_cache='decoded' and gpu_cache "
+                             "skip; use crop_padding/flip/mean/std (batched, on device) or ram_cache='encoded'")
+        self.train_shards, self.val_shards, self.keys = train_shards, val_shards, tuple(keys)
+        self.batch_size, self.val_batch_size = int(batch_size), int(val_batch_size or batch_size)
+        self.num_workers, self.seed, self.shuffle, self.shuffle_buffer = int(num_workers), int(seed), shuffle, int(shuffle_buffer)
+        self.drop_last, self.samples_per_epoch, self.shard_sizes = drop_last, samples_per_epoch, shard_sizes
+        self.decoder = SampleDecoder(self.keys, image_mode, image_size)
+        self.transform = resolve_callable(transform, "transform", need_pickle=num_workers > 0)
+        self.val_transform = resolve_callable(val_transform, "val_transform", need_pickle=num_workers > 0)
+        self.augment_args = dict(crop_padding=crop_padding, flip=flip, mean=mean, std=std)
+        BatchAugment(**self.augment_args)  # validate now
+        self.disk_cache = DiskCache(disk_cache_dir, disk_cache_bytes, disk_cache_local) if disk_cache_dir else None
+        self.ram_cache, self.ram_cache_bytes = ram_cache, int(ram_cache_bytes)
+        self.gpu_cache_on, self.gpu_cache_bytes = bool(gpu_cache), int(gpu_cache_bytes)
+        self.on_bad_sample, self.persistent_workers, self.pin_memory = on_bad_sample, persistent_workers, pin_memory
+        self.worker_start, self.log_cache_stats = worker_start, log_cache_stats
+        self._rank, self._world = rank, world_size
+        self.train_set: Optional[ShardStream] = None
+        self.val_set: Optional[ShardStream] = None
+        self.gpu_cache: Optional[GpuCache] = None
+        self.augment: Optional[BatchAugment] = None
+        self.gpu_misses = 0
+
+    # ------------------------------------------------------------------ setup
+    def rank_world(self):
+        if self._rank is not None or self._world is not None:
+            return int(self._rank or 0), int(self._world or 1)
+        if self.trainer is not None:
+            return self.trainer.global_rank, self.trainer.world_size
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        rank, world = self.rank_world()
+        if stage in (None, "fit") and self.train_set is None:
+            self.train_set = self._build(self.train_shards, "train_shards", train=True, rank=rank, world=world)
+            self.augment = BatchAugment(**self.augment_args, seed=self.seed * 1000003 + rank)
+        if self.val_shards is not None and stage in (None, "fit", "validate") and self.val_set is None:
+            self.val_set = self._build(self.val_shards, "val_shards", train=False, rank=rank, world=world)
+        if self.augment is None:
+            self.augment = BatchAugment(**self.augment_args, seed=self.seed)
+        if self.log_cache_stats and self.trainer is not None and not any(
+                isinstance(c, CacheStatsLogger) for c in self.trainer.callbacks):
+            self.trainer.callbacks.append(CacheStatsLogger())
+
+    def _build(self, shards, option: str, train: bool, rank: int, world: int) -> ShardStream:
+        urls = expand_shards(shards, option)
+        resampled = train and self.samples_per_epoch is not None
+        infos = None
+        if not resampled:
+            fetch = (lambda u: self.disk_cache.fetch(u)[0]) if self.disk_cache is not None else None
+            infos = shard_infos(urls, self.shard_sizes if train else None, self.on_bad_sample, fetch)
+            if infos is None:
+                raise ValueError(f"{option}: cannot count the samples of remote shards {urls[:2]}...; pass shard_sizes=, "
+                                 "disk_cache_dir= (shards are fetched and counted at setup) or samples_per_epoch=")
+        ds = ShardStream(urls, None if infos is None else [i.samples for i in infos], self.decoder, rank=rank,
+                         world_size=world, batch_size=self.batch_size if train else self.val_batch_size,
+                         drop_last=self.drop_last if train else False, seed=self.seed, shuffle=self.shuffle and train,
+                         shuffle_buffer=self.shuffle_buffer, num_workers=self.num_workers,
+                         transform=self.transform if train else self.val_transform, on_bad_sample=self.on_bad_sample,
+                         samples_per_epoch=self.samples_per_epoch if train else None, disk_cache=self.disk_cache,
+                         stats=new_stats(self.num_workers))
+        first = self._peek(ds)
+        if train and (self.ram_cache == "decoded" or self.gpu_cache_on):
+            if len(first) != 2 or not isinstance(first[0], torch.Tensor) or first[0].dtype != torch.uint8 \
+                    or first[0].ndim != 3 or not isinstance(first[1], int):
+                raise ValueError(f"ram_cache='decoded' and gpu_cache need keys=(image, int label), e.g. ('png;jpg','cls'); "
+                                 f"keys={self.keys} give {[type(v).__name__ for v in first]}")
+            shape = tuple(first[0].shape)
+            if self.ram_cache == "decoded":
+                ds.arena = DecodedArena(ds.num_local, self.ram_cache_bytes, shape)
+            if self.gpu_cache_on:
+                self.gpu_cache = GpuCache(ds.num_local, self.gpu_cache_bytes, shape)
+        elif train and self.ram_cache == "encoded":
+            budget = self.ram_cache_bytes
+            if infos is not None and all(i.nbytes for i in infos):
+                need = sum(infos[s].nbytes * (b - a) / max(infos[s].samples, 1) for s, a, b, _ in ds.segments)
+                budget = min(budget, int(need * 1.05) + 64 * ds.num_local + (1 << 16))
+            ds.arena = EncodedArena(ds.num_local, budget, self.num_workers)
+        return ds
+
+    def _peek(self, ds: ShardStream) -> tuple:
+        """Decode one sample at setup so wrong keys or an unreadable first shard fail early."""
+        s, a = (ds.segments[0][0], ds.segments[0][1]) if ds.segments else (0, 0)
+        url = ds.urls[s]
+        stream, seekable = ds._open(url, -1)
+        with stream:
+            for _, key, raw in iter_tar(stream, url, seekable, a, a + 1):
+                try:
+                    return self.decoder(raw, url, key)
+                except Exception:
+                    if self.on_bad_sample == "raise":
+                        raise
+                    return ()
+        return ()
+
+    # ------------------------------------------------------------------ loaders
+    def _loader(self, ds: ShardStream, gpu: Optional[GpuCache]) -> WebLoader:
+        kw: Dict[str, Any] = dict(batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
+        if self.num_workers > 0:
+            kw.update(persistent_workers=self.persistent_workers, multiprocessing_context=self.worker_start)
+        epoch_fn = (lambda: self.trainer.current_epoch if self.trainer is not None else None)
+        return WebLoader(ds, gpu_cache=gpu, epoch_fn=epoch_fn, **kw)
+
+    def train_dataloader(self) -> WebLoader:
+        if self.train_set is None:
+            self.setup("fit")
+        return self._loader(self.train_set, self.gpu_cache)
+
+    def val_dataloader(self):
+        if self.val_shards is None:
+            return []
+        if self.val_set is None:
+            self.setup("validate")
+        return self._loader(self.val_set, None)
+
+    # ------------------------------------------------------------------ device side
+    def finalize_batch(self, batch: Any, train: bool = True) -> Any:
+        """Internal batch dict (already on its device) -> ``(images, labels, ...)`` with augmentation applied."""
+        if not (isinstance(batch, dict) and "data" in batch or isinstance(batch, dict) and "served" in batch):
+            return batch
+        if batch.get("served") == "gpu":
+            data = self.gpu_cache.get(batch["local"])
+        else:
+            data = batch["data"]
+            gc = self.gpu_cache
+            if train and gc is not None and gc.enabled and not gc.complete():
+                gc.put(batch["local"], data[0], data[1])
+                self.gpu_misses += int(batch["local"].numel())
+        if self.augment is not None and isinstance(data[0], torch.Tensor) and data[0].dtype == torch.uint8 \
+                and data[0].ndim == 4:
+            data = (self.augment(data[0], train=train), *data[1:])
+        return tuple(data)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        train = self.trainer is None or self.trainer.training
+        return self.finalize_batch(batch, train=train)
+
+    # ------------------------------------------------------------------ telemetry
+    def cache_stats(self) -> Dict[str, int]:
+        """Counters of this rank since setup: RAM/disk/GPU hits and misses, bad samples skipped, bytes held."""
+        out = {name: 0 for name in STATS}
+        for ds in (self.train_set, self.val_set):
+            if ds is not None:
+                for name, v in zip(STATS, ds.stats.sum(0).tolist()):
+                    out[name] += int(v)
+        arena = self.train_set.arena if self.train_set is not None else None
+        out["ram_bytes"] = arena.held_bytes() if arena is not None else 0
+        out["gpu_hits"] = self.gpu_cache.hits if self.gpu_cache is not None else 0
+        out["gpu_misses"] = self.gpu_misses
+        out["gpu_bytes"] = self.gpu_cache.held_bytes() if self.gpu_cache is not None else 0
+        out["disk_bytes"] = self.disk_cache.held_bytes() if self.disk_cache is not None else 0
+        return out

