@@ -11,7 +11,7 @@ from lightning_topk.optim.reference import LoopLamb, LoopLars
 
 def _net(dtype=torch.float32):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
                         nn.Linear(8 * 6 * 6, 16), nn.LayerNorm(16), nn.Linear(16, 4))
     return net.to(dtype)
 
@@ -88,7 +88,7 @@ def test_param_groups_exclusions():
     decay, excl = groups
     names = {id(p): n for n, p in net.named_parameters()}
     assert sorted(names[id(p)] for p in decay["params"]) == ["0.weight", "4.weight", "6.weight"]
-    assert sorted(names[id(p)] for p in excl["params"]) == ["0.bias", "1.bias", "1.weight", "4.bias", "5.bias",
+    assert sorted(names[id(p)] for p in excl["params"]) == ["1.bias", "1.weight", "4.bias", "5.bias",
                                                              "5.weight", "6.bias"]
     assert decay["weight_decay"] == 5e-4 and "lars_adapt" not in decay
     assert excl["weight_decay"] == 0.0 and excl["lars_adapt"] is False
