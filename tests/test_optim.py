@@ -175,3 +175,31 @@ def test_state_dict_roundtrip_continues_identically():
     pa = _run(a, opt, 5, torch.float32, seed=7)
     pb = _run(b, opt_b, 5, torch.float32, seed=7)
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_lars_kernel_path_matches_foreach_path(nesterov):
+    """kernel=True routes through cuda_ops.fused_lars_step (its torch reference off CUDA): same result."""
+    a, b = _net(), _net()
+    kw = dict(lr=0.5, trust_coeff=0.02, nesterov=nesterov)
+    pa = _run(a, LARS(param_groups(a, 1e-2), kernel=False, **kw), 30, torch.float32)
+    pb = _run(b, LARS(param_groups(b, 1e-2), kernel=True, **kw), 30, torch.float32)
+    for x, y in zip(pa, pb):
+        assert torch.allclose(x, y, rtol=0, atol=1e-6), (x - y).abs().max()
+    with pytest.raises(ValueError, match="'kernel'"):
+        LARS(a.parameters(), lr=0.1, kernel="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lars_on_cuda_matches_reference():
+    a, b = _net().cuda(), _net().cuda()
+    opt_a = LARS(param_groups(a, 1e-2), lr=0.5, trust_coeff=0.02)
+    opt_b = LoopLars(param_groups(b, 1e-2), lr=0.5, trust_coeff=0.02)
+    for _ in range(20):
+        x = torch.randn(5, 3, 8, 8, device="cuda")
+        for net, opt in ((a, opt_a), (b, opt_b)):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    for x, y in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(x, y, atol=1e-5)

@@ -32,11 +32,18 @@ class LARS(Optimizer):
         eps: added to the trust-ratio denominator (>= 0).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         lars_adapt: apply the trust ratio (group option; ``False`` for excluded parameters).
+        kernel: use :func:`lightning_topk.cuda_ops.fused_lars_step` (one norm and one update launch per
+            group on CUDA with CuPy). ``None`` (default): when every parameter of the group is on CUDA and
+            CuPy sees a device; ``True``: always (off CUDA it runs that function's torch reference);
+            ``False``: never.
     """
 
     def __init__(self, params: Any, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coeff: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
-                 lars_adapt: bool = True) -> None:
+                 lars_adapt: bool = True, kernel: Optional[bool] = None) -> None:
+        if kernel not in (None, True, False):
+            raise ValueError(f"LARS: option 'kernel' must be None, True or False, got {kernel!r}")
+        self.kernel = kernel
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coeff=trust_coeff,
                         eps=eps, nesterov=nesterov, lars_adapt=lars_adapt)
         super().__init__(params, defaults)
@@ -64,9 +71,35 @@ class LARS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for (_, dtype), params in bucket_params(group["params"], "LARS").items():
+            buckets = bucket_params(group["params"], "LARS")
+            if buckets and self._use_kernel(buckets):
+                self._kernel_step(group, [p for ps in buckets.values() for p in ps])
+                continue
+            for (_, dtype), params in buckets.items():
                 self._update(group, params, dtype)
         return loss
+
+    def _use_kernel(self, buckets: Dict[Any, List[Tensor]]) -> bool:
+        if self.kernel is not None:
+            return self.kernel
+        if not all(dev.type == "cuda" for dev, _ in buckets):
+            return False
+        from lightning_topk.cuda_ops import cupy_available
+
+        return cupy_available()
+
+    def _kernel_step(self, group: Dict[str, Any], params: List[Tensor]) -> None:
+        from lightning_topk.cuda_ops import fused_lars_step
+
+        first = ["momentum_buffer" not in self.state[p] for p in params]
+        for p, f in zip(params, first):
+            if f:
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
+                                                                    memory_format=torch.contiguous_format)
+        fused_lars_step(params, [p.grad for p in params], [self.state[p]["momentum_buffer"] for p in params],
+                        lrs=group["lr"], weight_decays=group["weight_decay"], adapt=group["lars_adapt"],
+                        momentum=group["momentum"], trust_coeff=group["trust_coeff"], eps=group["eps"],
+                        nesterov=group["nesterov"], first_step=first)
 
     def _update(self, group: Dict[str, Any], params: List[Tensor], dtype: torch.dtype) -> None:
         lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
