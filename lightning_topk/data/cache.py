@@ -72,6 +72,7 @@ class DiskCache:
         if os.path.getsize(tmp) > self.max_bytes:
             warnings.warn(f"shard {url} is larger than disk_cache_bytes={self.max_bytes}; streaming it uncached", RuntimeWarning)
             return tmp, False
+        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         self.evict(keep=path)
         return path, True

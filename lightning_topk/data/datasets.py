@@ -73,6 +73,7 @@ def ensure_digits_shards(root: str, dataset: str = "digits", num_shards: int = 4
             with open(os.path.join(tmp, "splits.json"), "w") as f:
                 json.dump({"train": [os.path.basename(p) for p in train], "val": [os.path.basename(p) for p in val],
                            "num_classes": 10, "image_shape": list(images.shape[1:])}, f)
+            os.chmod(tmp, 0o755)  # mkdtemp creates 0700
             try:
                 os.rename(tmp, final)
             except OSError:  # another process finished first

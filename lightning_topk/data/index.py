@@ -68,6 +68,9 @@ def scan_tar(path: str, on_bad_sample: str = "raise") -> ShardInfo:
                     samples += 1
                     last = key
                 nbytes += m.size
+            # a tar cut at a member boundary reads as a clean end: require the end-of-archive blocks
+            if os.path.getsize(path) - tf.offset < 1024:
+                raise tarfile.ReadError("no end-of-archive marker (file truncated?)")
     except (tarfile.TarError, OSError, EOFError) as exn:
         msg = f"corrupt or truncated tar shard {path!r} after key {last!r}: {exn}"
         if on_bad_sample == "raise":

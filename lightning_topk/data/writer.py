@@ -24,13 +24,14 @@ from webdataset import TarWriter
 from .decode import IMAGE_EXTS
 from .index import INDEX_FORMAT, INDEX_NAME
 
-_TAR_OVERHEAD = 1024  # header + padding per member, for the size estimate
+_TAR_OVERHEAD = 2048  # pax + ustar headers and padding per member (tar also pads the end to 10 KiB)
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path) or ".")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -106,17 +107,18 @@ def write_shards(samples: Iterable[dict], out_dir: str, *, prefix: str = "shard"
     os.makedirs(out_dir, exist_ok=True)
     written: List[str] = []
     entries = {}
-    state = {"writer": None, "tmp": None, "count": 0, "bytes": 0}
+    state = {"writer": None, "tmp": None, "count": 0, "bytes": 0, "est": 0}
 
     def close():
         if state["writer"] is None:
             return
         state["writer"].close()
+        os.chmod(state["tmp"], 0o644)  # mkstemp creates 0600
         path = os.path.join(out_dir, f"{prefix}-{len(written):06d}.tar")
         os.replace(state["tmp"], path)
         entries[os.path.basename(path)] = {"samples": state["count"], "bytes": state["bytes"], "size": os.path.getsize(path)}
         written.append(path)
-        state.update(writer=None, tmp=None, count=0, bytes=0)
+        state.update(writer=None, tmp=None, count=0, bytes=0, est=0)
 
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not progress, transient=False) as bar:
@@ -124,11 +126,14 @@ def write_shards(samples: Iterable[dict], out_dir: str, *, prefix: str = "shard"
         for sample in samples:
             if "__key__" not in sample:
                 raise ValueError("every sample needs a '__key__'")
-            size = sum(len(v) if isinstance(v, (bytes, bytearray)) else len(str(v)) for k, v in sample.items()
-                       if not k.startswith("__"))
+            members = [v for k, v in sample.items() if not k.startswith("__")]
+            size = sum(len(v) if isinstance(v, (bytes, bytearray)) else len(str(v)) for v in members)
+            est = size + _TAR_OVERHEAD * len(members)
+            if state["writer"] is not None:
+                state["est"] = state["writer"].tarstream.fileobj.tell()
             if state["writer"] is not None and (
                     (max_count is not None and state["count"] >= max_count)
-                    or (max_bytes is not None and state["bytes"] + size + _TAR_OVERHEAD * len(sample) > max_bytes)):
+                    or (max_bytes is not None and state["est"] + est > max_bytes)):
                 close()
             if state["writer"] is None:
                 fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tar", dir=out_dir)
@@ -137,6 +142,7 @@ def write_shards(samples: Iterable[dict], out_dir: str, *, prefix: str = "shard"
             state["writer"].write(sample)
             state["count"] += 1
             state["bytes"] += size
+            state["est"] += est
             bar.advance(task)
         close()
     if not written:
