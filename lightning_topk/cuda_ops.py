@@ -265,6 +265,14 @@ def compact_selected_torch(x: Tensor, threshold_hi, threshold_lo, k: int) -> Tup
     return x.index_select(0, idx), idx.to(torch.int32)
 
 
+def _compact_offsets(counts: Tensor, k: int) -> Tuple[Tensor, int]:
+    """Per-tile (hi, band) counts [tiles, 2] -> exclusive offsets across tiles, and count_hi (checked)."""
+    inclusive = counts.cumsum(0)
+    count_hi, count_band = inclusive[-1].tolist()
+    _check_totals(count_hi, count_band, k)
+    return (inclusive - counts).contiguous(), count_hi
+
+
 def _compact_selected_cupy(x: Tensor, hi: float, lo: float, k: int) -> Tuple[Tensor, Tensor]:
     x = x.contiguous()
     n = x.numel()
@@ -274,13 +282,10 @@ def _compact_selected_cupy(x: Tensor, hi: float, lo: float, k: int) -> Tuple[Ten
     hi32, lo32 = np.float32(hi), np.float32(lo)
     if nb:
         _launch(x.device, "compact", f"compact_count_{sfx}", nb, (x, np.int64(n), hi32, lo32, counts))
-    inclusive = counts.cumsum(0)
-    count_hi, count_band = inclusive[-1].tolist()
-    _check_totals(count_hi, count_band, k)
+    offsets, count_hi = _compact_offsets(counts, k)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.empty(k, dtype=torch.int32, device=x.device)
     if k:
-        offsets = (inclusive - counts).contiguous()
         _launch(x.device, "compact", f"compact_write_{sfx}", nb,
                 (x, np.int64(n), hi32, lo32, offsets, np.int64(count_hi), np.int64(k), values, indices))
     return values, indices
@@ -436,16 +441,23 @@ def _fused_lars_step_torch(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps
     torch._foreach_copy_(bs, b32)
 
 
-def _fused_lars_step_cupy(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:
-    dev = ps[0].device
-    meta, chunks = [], []
+def _lars_tables(ps, gs, bs, adapt, first) -> Tuple[List[List[int]], List[Tuple[int, int]]]:
+    """Device tables of fused_lars.cu: per-tensor meta rows and the (tensor, start) chunk list."""
+    meta: List[List[int]] = []
+    chunks: List[Tuple[int, int]] = []
     for t, (p, g, b) in enumerate(zip(ps, gs, bs)):
         n = p.numel()
         c0 = len(chunks)
         chunks.extend((t, s) for s in range(0, n, _LARS_CHUNK))
         flags = (_LARS_FLAG_ADAPT if adapt[t] else 0) | (_LARS_FLAG_FIRST if first[t] else 0)
-        codes = (_DTYPE_CODE[p.dtype] | _DTYPE_CODE[g.dtype] << 8 | _DTYPE_CODE[b.dtype] << 16 | flags << 24)
+        codes = _DTYPE_CODE[p.dtype] | _DTYPE_CODE[g.dtype] << 8 | _DTYPE_CODE[b.dtype] << 16 | flags << 24
         meta.append([p.data_ptr(), g.data_ptr(), b.data_ptr(), n, codes, c0, len(chunks), 0])
+    return meta, chunks
+
+
+def _fused_lars_step_cupy(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:
+    dev = ps[0].device
+    meta, chunks = _lars_tables(ps, gs, bs, adapt, first)
     if not chunks:
         return
     meta_d = torch.tensor(meta, dtype=torch.int64).to(dev)
