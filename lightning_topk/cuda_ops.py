@@ -111,14 +111,24 @@ def _launch(device: torch.device, module: str, kernel: str, grid: int, args: Seq
     with cupy.cuda.Device(device.index):
         stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
         with stream:  # from_dlpack on the same stream: no extra synchronisation
-            cargs = [cupy.from_dlpack(a.detach()) if isinstance(a, Tensor) else a for a in args]
+            cargs = [cupy.from_dlpack(_dlpack_view(a)) if isinstance(a, Tensor) else a for a in args]
             fn = _module(module).get_function(kernel)
             fn((int(grid),), (_BLOCK,), tuple(cargs), shared_mem=int(shared_mem))
 
 
+def _dlpack_view(t: Tensor) -> Tensor:
+    # CuPy has no bfloat16 dtype: hand 16-bit floats over as int16 (same bytes; kernels take unsigned short*).
+    t = t.detach()
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _grid_for(n: int, device: torch.device) -> int:
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min((n + _BLOCK - 1) // _BLOCK, sms * 8))
+    return max(1, min((n + _BLOCK - 1) // _BLOCK, _sm_count(device.index) * 8))
 
 
 def _compute_dtype(t: Tensor) -> torch.dtype:

@@ -617,3 +617,15 @@ def test_gpu_fused_lars(pdtype):
     rtol = 1e-5 if pdtype == torch.float32 else 2 ** -7
     for a, b in zip(cps + cbufs, ps + bufs):
         assert torch.allclose(a.cpu().float(), b.float(), rtol=rtol, atol=1e-6)
+
+
+def test_dlpack_view_is_zero_copy_and_16bit_floats_travel_as_int16():
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        t = torch.randn(8, requires_grad=True).to(dt)
+        v = co._dlpack_view(t)
+        arr = np.from_dlpack(v)               # the same protocol CuPy uses, on CPU
+        assert arr.dtype == (np.int16 if dt != torch.float32 else np.float32)
+        assert arr.__array_interface__["data"][0] == t.data_ptr()   # no copy
+        with torch.no_grad():
+            t[0] = 2.0
+        assert torch.equal(torch.from_numpy(arr.copy()).view(dt)[0], torch.tensor(2.0, dtype=dt))
