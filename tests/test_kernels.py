@@ -9,6 +9,7 @@ chunk tables) reproduce the references. GPU tests at the end run only where CUDA
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import glob
 import re
 import shutil
@@ -59,7 +60,7 @@ def test_nvcc_compiles_every_kernel_file(arch, nvcc_archs, tmp_path):
 
 def _nvrtc():
     cands = glob.glob(str(Path(site.getsitepackages()[0]) / "nvidia" / "*" / "lib" / "libnvrtc.so*"))
-    cands += [p for p in (ctypes.util.find_library("nvrtc"),) if p] if hasattr(ctypes, "util") else []
+    cands += [p for p in (ctypes.util.find_library("nvrtc"),) if p]
     for path in cands:
         if "builtins" in path:
             continue
@@ -92,8 +93,6 @@ def _nvrtc_compile(lib, src: str, name: str, opts):
 @pytest.mark.parametrize("name", sorted(co.KERNEL_FILES))
 def test_nvrtc_compiles_loader_source(name):
     """The exact string RawModule(code=...) gets, with the loader's options, compiles with NVRTC."""
-    import ctypes.util  # noqa: F401
-
     lib = _nvrtc()
     if lib is None:
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc for this check)")
