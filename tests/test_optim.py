@@ -9,6 +9,15 @@ from lightning_topk.optim import LAMB, LARS, build_optimizer, param_groups
 from lightning_topk.optim.reference import LoopLamb, LoopLars
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny tensors on a shared 2-core machine: OpenMP waits would dominate."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _net(dtype=torch.float32):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
