@@ -27,10 +27,8 @@ from lightning_topk.selection import topk_select
 from lightning_topk.state import StepStats, TopKState, _BucketBuffers
 
 
-def _completed(t: Tensor) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
-    fut.set_result(t)
-    return fut
+# torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def bucket_k(state: TopKState, n: int) -> int:
@@ -111,10 +109,14 @@ def record_nonfinite(state: TopKState, bucket, stats: StepStats) -> None:
 
 
 def record_sent(state: TopKState, bucket, dense_sent: Tensor) -> None:
+    """Debug/test aid: keep what this rank sent and the gradient it got, per parameter (unscaled)."""
+    grad = bucket.buffer().float() / state.grad_scale
     off = 0
     for i, p in enumerate(bucket.parameters()):
         n = p.numel()
-        state.sent[state.name_of(p, i)] = dense_sent[off:off + n].clone()
+        name = state.name_of(p, i)
+        state.sent[name] = dense_sent[off:off + n].clone()
+        state.grads_in[name] = grad[off:off + n].clone()
         off += n
 
 
@@ -173,7 +175,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=grad.device)
     state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), bytes_inter=packed.numel())
     t_launch = time.perf_counter()
-    fut = dist.all_gather_into_tensor(out, packed, group=group, async_op=True).get_future()
+    fut = _all_gather(out, packed, group=group, async_op=True).get_future()
     wire_dtype = state.config.wire_dtype
 
     def finish(_f) -> Tensor:

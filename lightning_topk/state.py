@@ -141,6 +141,7 @@ class TopKState:
         self.snapshot_residuals = False
         self.record_sent = False
         self.sent: Dict[str, Tensor] = {}
+        self.grads_in: Dict[str, Tensor] = {}
         self.nonfinite_params: List[str] = []
         self._names: Dict[int, str] = {}
         self._buckets: Dict[Tuple[str, ...], _BucketBuffers] = {}
