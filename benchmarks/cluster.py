@@ -296,7 +296,10 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 i = failed[0]
-                raise ClusterError(f"rank {i} exited with code {codes[i]}; log tail:\n{_tail(run_dir, i)}")
+                tail = _tail(run_dir, i, 40)
+                errs = [ln.strip() for ln in tail.splitlines() if re.search(r"Error|error:|what\(\)", ln)]
+                raise ClusterError(f"rank {i} exited with code {codes[i]}: {errs[-1] if errs else '(no error line)'}"
+                                   f"\nlog tail:\n{tail}")
             if all(c == 0 for c in codes):
                 break
             if time.monotonic() > deadline:
