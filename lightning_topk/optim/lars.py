@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_topk.optim._common import LOW_PRECISION, bucket_params, check_bool, check_number, fp32_views
+from lightning_topk.optim._common import LOW_PRECISION, bucket_params, check_bool, check_number
 
 
 class LARS(Optimizer):
@@ -103,77 +103,98 @@ class LARS(Optimizer):
 
     def _update(self, group: Dict[str, Any], params: List[Tensor], dtype: torch.dtype) -> None:
         lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
-        low = dtype in LOW_PRECISION
-        p32, g32 = fp32_views(params, dtype)
-
-        # d = trust*g + (wd*trust)*p, expressed with per-tensor 0-d factors so no d-sized temporary is needed
+        grads = [p.grad for p in params]
         if group["lars_adapt"]:
-            w = torch.stack(torch._foreach_norm(p32))
-            gn = torch.stack(torch._foreach_norm(g32))
+            norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+            w = torch.stack(torch._foreach_norm(params, 2, dtype=norm_dtype))
+            gn = torch.stack(torch._foreach_norm(grads, 2, dtype=norm_dtype))
             trust = group["trust_coeff"] * w / (gn + w * wd + group["eps"])
             trust = torch.where((w > 0) & (gn > 0), trust, torch.ones_like(trust))
             trust_l = list(trust.unbind(0))
             wdt_l = list((trust * wd).unbind(0)) if wd != 0 else None
         else:
             trust_l = wdt_l = None
+        bufs: List[Optional[Tensor]] = [None] * len(params)
+        first = [False] * len(params)
+        if m != 0:
+            for i, p in enumerate(params):
+                st = self.state[p]
+                if "momentum_buffer" not in st:
+                    st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float64 if dtype == torch.float64
+                                                             else torch.float32,
+                                                             memory_format=torch.contiguous_format)
+                    first[i] = True
+                bufs[i] = st["momentum_buffer"]
+        block = _BLOCK if params[0].device.type == "cpu" else None
+        for idx, ps, gs, bs in _blocks(params, grads, bufs, block):
+            t = [trust_l[i] for i in idx] if trust_l is not None else None
+            wdt = [wdt_l[i] for i in idx] if wdt_l is not None else None
+            self._block(ps, gs, bs, t, wdt, [first[i] for i in idx], group, dtype in LOW_PRECISION)
 
+    @staticmethod
+    def _block(ps, gs, bs, t, wdt, first, group, low) -> None:
+        """The update for a set of tensor slices; on CPU a block fits in cache, so the passes below
+        touch memory about once (d = t*g + wdt*p is never materialised except for Nesterov)."""
+        lr, m = group["lr"], group["momentum"]
+        p32 = [x.float() for x in ps] if low else ps
+        g32 = [x.float() for x in gs] if low else gs
         if group["nesterov"]:
-            self._nesterov(params, p32, g32, trust_l, wd, m, lr)
+            d = torch._foreach_mul(g32, t) if t is not None else [x.clone() for x in g32]
+            if wdt is not None:
+                torch._foreach_addcmul_(d, p32, wdt)
+            old = [b for b, f in zip(bs, first) if not f]
+            if old:
+                torch._foreach_mul_(old, m)
+            torch._foreach_add_(bs, d)  # new buffers are zeros: buf = d
+            torch._foreach_add_(d, bs, alpha=m)
+            torch._foreach_add_(p32, d, alpha=-lr)
         elif m != 0:
-            torch._foreach_add_(p32, self._momentum(params, p32, g32, trust_l, wdt_l, m), alpha=-lr)
+            old = [b for b, f in zip(bs, first) if not f]
+            if old:
+                torch._foreach_mul_(old, m)
+            if t is not None:
+                torch._foreach_addcmul_(bs, g32, t)
+            else:
+                torch._foreach_add_(bs, g32)
+            if wdt is not None:
+                torch._foreach_addcmul_(bs, p32, wdt)
+            torch._foreach_add_(p32, bs, alpha=-lr)
         else:
-            # p -= lr*d with d = trust*g + (wd*trust)*p folded into a per-tensor multiply of p
-            if wdt_l is not None:
-                torch._foreach_mul_(p32, [1.0 - lr * x for x in wdt_l])
-            if trust_l is not None:
-                torch._foreach_addcmul_(p32, g32, trust_l, value=-lr)
+            if wdt is not None:
+                torch._foreach_mul_(p32, [1.0 - lr * x for x in wdt])
+            if t is not None:
+                torch._foreach_addcmul_(p32, g32, t, value=-lr)
             else:
                 torch._foreach_add_(p32, g32, alpha=-lr)
         if low:
-            torch._foreach_copy_(params, p32)
+            torch._foreach_copy_(ps, p32)
 
-    def _nesterov(self, params: List[Tensor], p32: List[Tensor], g32: List[Tensor],
-                  trust_l: Optional[List[Tensor]], wd: float, m: float, lr: float) -> None:
-        """Nesterov needs d itself next to the buffer, so it is materialised here (one temporary per tensor)."""
-        if trust_l is not None:
-            d = torch._foreach_add(g32, p32, alpha=wd) if wd != 0 else torch._foreach_mul(g32, trust_l)
-            if wd != 0:
-                torch._foreach_mul_(d, trust_l)
-        else:
-            d = torch._foreach_add(g32, 0.0)  # a copy: the update below is built in place
-        new = [i for i, p in enumerate(params) if "momentum_buffer" not in self.state[p]]
-        for i in new:
-            self.state[params[i]]["momentum_buffer"] = d[i].clone()
-        old = [i for i, p in enumerate(params) if i not in set(new)]
-        if old:
-            b = [self.state[params[i]]["momentum_buffer"] for i in old]
-            torch._foreach_mul_(b, m)
-            torch._foreach_add_(b, [d[i] for i in old])
-        torch._foreach_add_(d, [self.state[p]["momentum_buffer"] for p in params], alpha=m)
-        torch._foreach_add_(p32, d, alpha=-lr)
 
-    def _momentum(self, params: List[Tensor], p32: List[Tensor], g32: List[Tensor],
-                  trust_l: Optional[List[Tensor]], wdt_l: Optional[List[Tensor]], m: float) -> List[Tensor]:
-        """buf = d on the first step, else momentum*buf + d; returns the buffers in ``params`` order."""
-        old = [i for i, p in enumerate(params) if "momentum_buffer" in self.state[p]]
-        new = [i for i, p in enumerate(params) if "momentum_buffer" not in self.state[p]]
-        for idx, first in ((old, False), (new, True)):
-            if not idx:
-                continue
-            g = [g32[i] for i in idx]
-            t = [trust_l[i] for i in idx] if trust_l is not None else None
-            if first:
-                b = torch._foreach_mul(g, t) if t is not None else [x.detach().clone() for x in g]
-                for i, x in zip(idx, b):
-                    self.state[params[i]]["momentum_buffer"] = x
+# Elements per cache block on CPU: p, g and the fp32 buffer of a block (3 MB) stay in cache between passes.
+_BLOCK = 1 << 18
+
+
+def _blocks(params, grads, bufs, block):
+    """Yield (tensor indices, param slices, grad slices, buffer slices) in blocks of about ``block`` values."""
+    if block is None:
+        yield list(range(len(params))), params, grads, bufs
+        return
+    idx, ps, gs, bs, size = [], [], [], [], 0
+    for i, (p, g, b) in enumerate(zip(params, grads, bufs)):
+        n = p.numel()
+        flat = p.is_contiguous() and g.is_contiguous() and (b is None or b.is_contiguous())
+        starts = range(0, n, block) if flat and n > block else [None]
+        for s in starts:
+            if s is None:
+                idx.append(i); ps.append(p); gs.append(g); bs.append(b)  # noqa: E702
+                size += n
             else:
-                b = [self.state[params[i]]["momentum_buffer"] for i in idx]
-                torch._foreach_mul_(b, m)
-                if t is not None:
-                    torch._foreach_addcmul_(b, g, t)
-                else:
-                    torch._foreach_add_(b, g)
-            if wdt_l is not None:
-                torch._foreach_addcmul_(b, [p32[i] for i in idx], [wdt_l[i] for i in idx])
-        return [self.state[p]["momentum_buffer"] for p in params]
-
+                e = min(s + block, n)
+                idx.append(i); ps.append(p.view(-1)[s:e]); gs.append(g.view(-1)[s:e])  # noqa: E702
+                bs.append(None if b is None else b.view(-1)[s:e])
+                size += e - s
+            if size >= block:
+                yield idx, ps, gs, bs
+                idx, ps, gs, bs, size = [], [], [], [], 0
+    if idx:
+        yield idx, ps, gs, bs

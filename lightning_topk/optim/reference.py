@@ -35,7 +35,7 @@ class LoopLars(Optimizer):
                     continue
                 low = p.dtype in (torch.float16, torch.bfloat16)
                 w = p.float() if low else p
-                grad = p.grad.float() if low else p.grad.clone()
+                grad = p.grad.float() if low else p.grad  # timm modifies p.grad in place
                 if group["lars_adapt"]:
                     w_norm = w.norm(2.0)
                     g_norm = grad.norm(2.0)
