@@ -1,0 +1,125 @@
+"""End-of-run summary: accuracy, throughput, bytes sent vs dense, where the logs and checkpoints are."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from typing import Any, Dict, Mapping, Optional
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.trainer.states import TrainerFn
+
+
+class ThroughputMonitor(pl.Callback):
+    """Counts training samples (all ranks) and the wall time spent in training epochs, validation excluded."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.steps = 0
+        self.train_seconds = 0.0
+        self._t0: Optional[float] = None
+        self._val_t0: Optional[float] = None
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self._t0 = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.samples += _batch_size(batch) * trainer.world_size
+        self.steps += 1
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if self._t0 is not None:
+            self.train_seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            self._t0 = time.perf_counter()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if self._t0 is not None:
+            self.train_seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.train_seconds if self.train_seconds > 0 else 0.0
+
+
+def _batch_size(batch: Any) -> int:
+    while isinstance(batch, (tuple, list)) and batch:
+        batch = batch[0]
+    if isinstance(batch, dict):
+        batch = next(iter(batch.values()))
+    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) else len(batch)
+
+
+def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], monitor: Optional[ThroughputMonitor],
+            output_dir: str, strategy_name: str) -> Dict[str, Any]:
+    """The summary as a plain dict (also written to ``<output_dir>/summary.json`` by :func:`save`)."""
+    out: Dict[str, Any] = {"strategy": strategy_name, "world_size": trainer.world_size,
+                           "num_nodes": trainer.num_nodes, "global_step": trainer.global_step,
+                           "epochs": trainer.current_epoch, "output_dir": os.path.abspath(output_dir)}
+    out["metrics"] = {k: float(v) for k, v in test_metrics.items()}
+    if monitor is not None:
+        out.update(samples=monitor.samples, train_seconds=round(monitor.train_seconds, 3),
+                   samples_per_second=round(monitor.samples_per_second, 2))
+    totals = getattr(trainer.strategy, "topk_totals", None)
+    if totals is not None and totals.bytes_dense:
+        out["bytes"] = {"sent": int(totals.bytes_sent), "dense": int(totals.bytes_dense),
+                        "ratio": round(totals.bytes_dense / max(1, totals.bytes_sent), 2),
+                        "density": round(totals.density, 6), "inter_node": int(totals.bytes_inter),
+                        "intra_node": int(totals.bytes_intra)}
+    out["log_dirs"] = [lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)]
+    ckpt = trainer.checkpoint_callback
+    out["checkpoint"] = (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None else None
+    return out
+
+
+def save(summary: Mapping[str, Any], path: str) -> None:
+    """Write the summary as JSON atomically."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".summary-", dir=os.path.dirname(path) or ".")
+    with os.fdopen(fd, "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000.0
+    return str(n)
+
+
+def render(summary: Mapping[str, Any], console=None) -> None:
+    """Print the summary as a Rich table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title="lightning-topk run summary", show_header=False, title_justify="left")
+    table.add_column(style="bold cyan")
+    table.add_column(overflow="fold")
+    table.add_row("strategy", f"{summary['strategy']} ({summary['world_size']} processes, "
+                              f"{summary['num_nodes']} node{'s' if summary['num_nodes'] > 1 else ''})")
+    for k, v in summary.get("metrics", {}).items():
+        table.add_row(k, f"{v:.4f}")
+    if "samples_per_second" in summary:
+        table.add_row("throughput", f"{summary['samples_per_second']:.1f} samples/s "
+                                    f"({summary['samples']} samples in {summary['train_seconds']:.1f} s, "
+                                    f"{summary['global_step']} steps)")
+    b = summary.get("bytes")
+    if b:
+        table.add_row("bytes sent / dense", f"{_fmt_bytes(b['sent'])} / {_fmt_bytes(b['dense'])} per rank "
+                                            f"({b['ratio']:.1f}x less, density {b['density']:.4g})")
+    else:
+        table.add_row("bytes sent / dense", "not measured (strategy has no top-k telemetry)")
+    for d in summary.get("log_dirs", []):
+        table.add_row("logs", d)
+    table.add_row("checkpoint", summary.get("checkpoint") or "none")
+    table.add_row("output dir", summary["output_dir"])
+    console.print(table)
