@@ -31,6 +31,11 @@ from lightning_topk.state import StepStats, TopKState, _BucketBuffers
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def _link(state: TopKState, nbytes: int) -> dict:
+    # A flat exchange over several nodes sends everything across nodes; on one node, nothing.
+    return {"bytes_inter": nbytes} if state.num_nodes > 1 else {"bytes_intra": nbytes}
+
+
 def bucket_k(state: TopKState, n: int) -> int:
     """Entries to send for a bucket of n elements now; 0 means 'send dense'."""
     density = state.density_now()
@@ -153,7 +158,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
             record_nonfinite(state, bucket, stats)
         if state.record_sent:
             record_sent(state, bucket, acc)
-        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, bytes_inter=n * 4)
+        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4))
         fut = dist.all_reduce(acc, group=group, async_op=True).get_future()
 
         def finish_dense(_f) -> Tensor:
@@ -173,7 +178,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         record_sent(state, bucket, sent)
     packed = codec.pack(wire, idx)
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=grad.device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), bytes_inter=packed.numel())
+    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()))
     t_launch = time.perf_counter()
     fut = _all_gather(out, packed, group=group, async_op=True).get_future()
     wire_dtype = state.config.wire_dtype

@@ -55,6 +55,14 @@ class TopKStrategyMixin:
         self._pending_topk_state: Optional[Dict[str, Any]] = None
         super().__init__(**kwargs)
 
+    def _configure_launcher(self) -> None:
+        # Lightning checks a SLURM allocation against devices/num_nodes only in the popen launcher;
+        # check it for every start method, before any process starts or waits in a collective.
+        env = self.cluster_environment
+        if env is not None and hasattr(env, "validate_settings"):
+            env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        super()._configure_launcher()
+
     # ---- hook registration --------------------------------------------------------------------
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
@@ -62,6 +70,7 @@ class TopKStrategyMixin:
 
         state = TopKState(self.topk_config)
         state.bind(self.lightning_module.named_parameters())
+        state.num_nodes = self.num_nodes
         hook: Callable = topk_allgather_hook
         if self._use_hierarchical():
             from lightning_topk.exchange_hier import build_groups, hierarchical_topk_hook
@@ -146,6 +155,48 @@ class TopKStrategyMixin:
         metrics = self.topk_state.last.as_metrics()
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+
+    # ---- checkpoints and faults (logic in lightning_topk.checkpoint / lightning_topk.faults) ------
+    def setup_distributed(self) -> None:
+        from lightning_topk import faults
+
+        faults.check_before_setup(self)  # fail before any process group or collective exists
+        super().setup_distributed()
+        faults.start(self)
+
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        # Called on every rank: each writes its own shard, then rank 0 writes the main file.
+        from lightning_topk.checkpoint import save_rank_state
+
+        save_rank_state(self, checkpoint, filepath)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        # DDP restores before setup/configure_ddp, so _register_ddp_hooks applies this pending state.
+        from lightning_topk.checkpoint import restore_rank_state
+
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._pending_topk_state = restore_rank_state(self, checkpoint_path, checkpoint)
+        return checkpoint
+
+    def remove_checkpoint(self, filepath) -> None:
+        from lightning_topk.checkpoint import remove_rank_state
+
+        super().remove_checkpoint(filepath)
+        remove_rank_state(self, filepath)
+
+    def on_exception(self, exception: BaseException) -> None:
+        from lightning_topk import faults
+
+        super().on_exception(exception)
+        faults.explain_exception(self, exception)
+
+    def teardown(self) -> None:
+        from lightning_topk import faults
+
+        faults.stop(self)
+        super().teardown()
 
 
 def _has_grad_scaler(plugin) -> bool:

@@ -62,6 +62,8 @@ def main():
     ap.add_argument("--unused", action="store_true")
     ap.add_argument("--error-feedback", type=int, default=1)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--num-nodes", type=int, default=1)
+    ap.add_argument("--hierarchical", default="auto")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -75,10 +77,11 @@ def main():
     elif a.strategy == "topk_ddp" and not any(ddp_kw.values()) and a.density == 0.01 and a.error_feedback:
         strategy = "topk_ddp"  # by registered name
     else:
+        hier = {"true": True, "false": False}.get(a.hierarchical, a.hierarchical)
         strategy = TopKDDPStrategy(density=a.density, selector=a.selector, error_feedback=bool(a.error_feedback),
-                                   **ddp_kw)
+                                   hierarchical=hier, **ddp_kw)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=a.epochs, max_steps=a.max_steps,
+        accelerator="cpu", devices=2, num_nodes=a.num_nodes, strategy=strategy, max_epochs=a.epochs, max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate, logger=pl.loggers.CSVLogger(a.out, name="logs"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, log_every_n_steps=5,
@@ -92,6 +95,8 @@ def main():
         "residuals": {k: v.clone() for k, v in st.residuals().items()} if st else {},
         "steps": st.step if st else None,
         "totals": vars(st.totals) if st else None,
+        "last": vars(st.last) if st else None,
+        "hier": None if not st or st.hier is None else [st.hier.intra_ranks, st.hier.inter_ranks],
     }
     torch.save(dump, os.path.join(a.out, f"rank{rank}.pt"))
     if rank == 0:
