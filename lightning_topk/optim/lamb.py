@@ -64,8 +64,9 @@ class LAMB(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for (_, dtype), params in bucket_params(group["params"], "LAMB").items():
-                self._update(group, params, dtype)
+            for (device, dtype), params in bucket_params(group["params"], "LAMB").items():
+                for chunk in _chunks(params, _CHUNK if device.type == "cpu" else None):
+                    self._update(group, chunk, dtype)
         return loss
 
     def _update(self, group: Dict[str, Any], params: List[Tensor], dtype: torch.dtype) -> None:
@@ -110,3 +111,23 @@ class LAMB(Optimizer):
         torch._foreach_add_(p32, u, alpha=-lr)
         if dtype in LOW_PRECISION:
             torch._foreach_copy_(params, p32)
+
+
+# On CPU, tensors are processed in chunks of about this many values so the temporaries (fp32 copies, u)
+# stay small enough for the allocator to reuse instead of faulting in fresh pages every step.
+_CHUNK = 1 << 20
+
+
+def _chunks(params: List[Tensor], size: Optional[int]):
+    if size is None:
+        yield params
+        return
+    out, n = [], 0
+    for p in params:
+        out.append(p)
+        n += p.numel()
+        if n >= size:
+            yield out
+            out, n = [], 0
+    if out:
+        yield out
