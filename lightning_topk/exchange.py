@@ -58,11 +58,11 @@ def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor) -> T
     if b is None:
         acc = grad.float() if grad.dtype != torch.float32 else grad.clone()
         return (acc.mul_(inv) if inv != 1.0 else acc), None
-    vel = None
+    acc = b.scratch("work")
     if b.velocity is not None:
         vel = b.velocity.mul(state.config.momentum).add_(grad, alpha=inv)
-        return torch.add(b.residual, vel), vel
-    return torch.add(b.residual, grad, alpha=inv), None
+        return torch.add(b.residual, vel, out=acc), vel
+    return torch.add(b.residual, grad, alpha=inv, out=acc), None
 
 
 def select_and_feedback(
@@ -81,12 +81,15 @@ def select_and_feedback(
     finite = bool(torch.isfinite(values).all())
     if b is not None and finite:
         state.before_update(b)
-        res = b.residual[offset:offset + acc.numel()]
-        res.copy_(acc)
+        # acc becomes the new residual: mark what was sent, then swap buffers (no copy).
         if wire.dtype == torch.float32:
-            res.index_fill_(0, idx, 0.0)
+            acc.index_fill_(0, idx, 0.0)
         else:
-            res.index_copy_(0, idx, values - wire.float())
+            acc.index_copy_(0, idx, values - wire.float())
+        if acc is b.work:
+            b.residual, b.work = acc, b.residual
+        else:
+            b.residual[offset:offset + acc.numel()].copy_(acc)
         if vel is not None:
             vel.index_fill_(0, idx, 0.0)  # momentum factor masking
             b.velocity[offset:offset + acc.numel()].copy_(vel)
@@ -125,9 +128,9 @@ def record_sent(state: TopKState, bucket, dense_sent: Tensor) -> None:
         off += n
 
 
-def rebuild(n: int, values: Tensor, indices: Tensor, device: torch.device) -> Tensor:
+def rebuild(n: int, values: Tensor, indices: Tensor, device: torch.device, out: Optional[Tensor] = None) -> Tensor:
     """Dense fp32 sum of gathered sparse entries; duplicates add (``index_add_``, never ``scatter_``)."""
-    out = torch.zeros(n, dtype=torch.float32, device=device)
+    out = torch.zeros(n, dtype=torch.float32, device=device) if out is None else out.zero_()
     if out.is_cuda:
         from lightning_topk import cuda_ops
 
@@ -187,7 +190,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         # On gloo the future's value is not the gathered tensor: read `out`.
         stats.comm_time_s += time.perf_counter() - t_launch
         values, indices = codec.unpack(out, k, wire_dtype, world)
-        dense = rebuild(n, values, indices, grad.device)
+        dense = rebuild(n, values, indices, grad.device, None if b is None else b.scratch("out"))
         return dense.mul_(scale / world).to(grad.dtype)
 
     if bucket.is_last():

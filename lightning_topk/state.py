@@ -125,6 +125,16 @@ class _BucketBuffers:
     residual: Tensor
     velocity: Optional[Tensor]
     owned: set = field(default_factory=set)
+    # Reused scratch buffers (fresh large CPU tensors cost more in page faults than the math on them).
+    work: Optional[Tensor] = None
+    out: Optional[Tensor] = None
+
+    def scratch(self, kind: str) -> Tensor:
+        t = getattr(self, kind)
+        if t is None:
+            t = torch.empty_like(self.residual)
+            setattr(self, kind, t)
+        return t
 
 
 class TopKState:
