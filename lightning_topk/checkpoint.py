@@ -1,0 +1,291 @@
+"""Per-rank checkpoint shards of the top-k compression state (residuals, momentum-correction velocities).
+
+Layout, next to the Lightning checkpoint ``<ckpt>`` (which rank 0 writes)::
+
+    <ckpt>                    Lightning's file; ``checkpoint["lightning_topk"]`` holds metadata only
+                              (format version, save key, world size, node layout, step, config,
+                              parameter name -> numel)
+    <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name (plain CPU
+                              tensors and JSON types: loaded with ``torch.load(weights_only=True)``)
+
+Every rank writes its own shard atomically (temporary file + ``os.replace``) before rank 0 writes the
+main file; no collective is used, so saving works from any point where Lightning saves. The shard
+carries the save key of the main file, so a stale shard (a rank that died before overwriting
+``last.ckpt.topk/rank1.pt``) is detected on load instead of being used silently.
+
+Restore rules (:func:`restore_rank_state`), decided identically on every rank, with at most one
+warning (from rank 0) that says what was redistributed or reset:
+
+* same world size: rank r gets shard r exactly (also when the node layout or the flat/hierarchical
+  exchange changed: both apply ``(1/W) * sum_r residual_r`` as the pending update);
+* different world size W -> W': every new rank gets the average ``(1/W) * sum_r residual_r`` (and the
+  same for velocities). The pending update of error feedback is ``(1/W) * sum_r residual_r``; with
+  W' copies of the average it is ``(1/W') * W' * avg``, i.e. unchanged;
+* a checkpoint without top-k state (plain ``ddp``, weights-only) or with missing/corrupt/stale shards:
+  the affected residuals start at zero; the density schedule continues at the saved step (or the
+  checkpoint's ``global_step``);
+* residuals of parameters the model no longer has (or whose size changed) are dropped; velocities
+  are dropped when ``momentum_correction`` is now off, everything when ``error_feedback`` is off.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from dataclasses import asdict
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+FORMAT = "lightning_topk.rank_state"
+VERSION = 1
+META_KEY = "lightning_topk"
+SHARD_SUFFIX = ".topk"
+KINDS = ("residual", "velocity")
+
+
+def shard_dir(ckpt_path) -> str:
+    return os.fspath(ckpt_path) + SHARD_SUFFIX
+
+
+def shard_path(ckpt_path, rank: int) -> str:
+    return os.path.join(shard_dir(ckpt_path), f"rank{int(rank)}.pt")
+
+
+def _is_url(path) -> bool:
+    return "://" in os.fspath(path)
+
+
+def atomic_torch_save(obj: Any, path: str) -> None:
+    """``torch.save`` to a temporary file in the target directory, fsync, then ``os.replace``."""
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _rank_zero_warn(msg: str) -> None:
+    from pytorch_lightning.utilities.rank_zero import rank_zero_warn
+
+    rank_zero_warn(msg)
+
+
+def layout_of(strategy) -> Dict[str, Any]:
+    state = strategy.topk_state
+    return {
+        "world_size": int(strategy.world_size),
+        "num_nodes": int(strategy.num_nodes),
+        "local_world_size": int(strategy.num_processes),
+        "hierarchical": bool(state is not None and state.hier is not None),
+    }
+
+
+def _param_numels(module) -> Dict[str, int]:
+    return {n: int(p.numel()) for n, p in module.named_parameters() if p.requires_grad}
+
+
+def save_key(checkpoint: Dict[str, Any], step: int) -> str:
+    """Same on every rank without communication; changes whenever training advanced."""
+    return f"epoch{checkpoint.get('epoch', -1)}-gs{checkpoint.get('global_step', -1)}-ex{step}"
+
+
+# ---- save ---------------------------------------------------------------------------------------
+def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
+    """Write this rank's shard and put the metadata into ``checkpoint`` (rank 0 writes that file)."""
+    state = strategy.topk_state
+    if state is None or "optimizer_states" not in checkpoint:
+        return  # nothing exchanged yet, or a weights-only checkpoint (not a resume point)
+    if _is_url(filepath):
+        _rank_zero_warn(f"lightning_topk: checkpoint path {os.fspath(filepath)!r} is a URL; per-rank top-k "
+                        "shards are only written to local/shared file systems, so resuming from it resets "
+                        "the residuals")
+        return
+    sd = state.state_dict()
+    key = save_key(checkpoint, int(sd["step"]))
+    meta = dict(
+        format=FORMAT, version=VERSION, save_key=key, name=os.path.basename(os.fspath(filepath)),
+        step=int(sd["step"]), global_step=int(checkpoint.get("global_step", -1)),
+        config=asdict(state.config), numels=_param_numels(strategy.lightning_module), **layout_of(strategy),
+    )
+    checkpoint[META_KEY] = meta
+    shard = dict(format=FORMAT, version=VERSION, save_key=key, rank=int(strategy.global_rank),
+                 world_size=meta["world_size"], residual=sd["residual"], velocity=sd["velocity"])
+    atomic_torch_save(shard, shard_path(filepath, strategy.global_rank))
+
+
+def remove_rank_state(strategy, filepath) -> None:
+    """Remove this rank's shard; global rank 0 also removes the shard directory."""
+    if _is_url(filepath):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(shard_path(filepath, strategy.global_rank))
+    if strategy.is_global_zero:
+        import shutil
+
+        shutil.rmtree(shard_dir(filepath), ignore_errors=True)
+
+
+# ---- load ---------------------------------------------------------------------------------------
+def find_shard_dir(ckpt_path, meta: Dict[str, Any]) -> Optional[str]:
+    """The shard directory of a checkpoint: next to it, next to its symlink target, or by saved name."""
+    path = os.fspath(ckpt_path)
+    cands = [shard_dir(path), shard_dir(os.path.realpath(path))]
+    name = meta.get("name")
+    # The saved name only ever selects a sibling: no separators, no '..' (cannot leave the directory).
+    if isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", ".."):
+        cands.append(os.path.join(os.path.dirname(path), name + SHARD_SUFFIX))
+    for c in cands:
+        if os.path.isdir(c):
+            return c
+    return None
+
+
+def read_shard(path: str, meta: Dict[str, Any], rank: int, mmap: bool = False) -> Tuple[Optional[dict], str]:
+    """Load and check one shard; returns (shard, "") or (None, reason)."""
+    if not os.path.isfile(path):
+        return None, "missing"
+    try:
+        shard = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:  # corrupt, truncated, or not a weights-only file
+        return None, f"unreadable ({type(e).__name__})"
+    if not isinstance(shard, dict) or shard.get("format") != FORMAT:
+        return None, "not a lightning_topk shard"
+    if shard.get("version") != VERSION:
+        return None, f"format version {shard.get('version')!r} (this build reads {VERSION})"
+    if shard.get("save_key") != meta.get("save_key"):
+        return None, f"stale (saved at {shard.get('save_key')}, checkpoint is {meta.get('save_key')})"
+    if shard.get("rank") != rank or shard.get("world_size") != meta.get("world_size"):
+        return None, "rank/world size do not match the checkpoint"
+    for kind in KINDS:
+        d = shard.get(kind, {})
+        if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in d.items()):
+            return None, f"malformed {kind} entries"
+    return shard, ""
+
+
+def _average(shards: List[dict], kind: str, world: int) -> Dict[str, Tensor]:
+    names: List[str] = []
+    for s in shards:
+        names += [n for n in s[kind] if n not in names]
+    out = {}
+    for n in names:
+        acc = None
+        for s in shards:  # fixed order: every rank computes bit-identical averages
+            t = s[kind].get(n)
+            if t is None:
+                continue
+            t = t.to(torch.float64)
+            acc = t.clone() if acc is None else acc.add_(t)
+        out[n] = acc.div_(world).to(torch.float32)
+    return out
+
+
+def _is_fitting(strategy) -> bool:
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return trainer is None or getattr(fn, "value", fn) == "fit"
+
+
+def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """This rank's state for :meth:`TopKState.load_state_dict`, following the module docstring's rules."""
+    if not _is_fitting(strategy):
+        return None  # validate/test/predict from a checkpoint: no exchange will run
+    cfg = strategy.topk_config
+    rank, world = int(strategy.global_rank), int(strategy.world_size)
+    meta = checkpoint.get(META_KEY)
+    notes: List[str] = []
+    empty = {kind: {} for kind in KINDS}
+    gstep = int(checkpoint.get("global_step", 0) or 0)
+
+    def done(step: int, tensors: Dict[str, Dict[str, Tensor]]) -> Dict[str, Any]:
+        tensors = _fit_to_model(strategy, tensors, notes)
+        if notes:
+            _rank_zero_warn("lightning_topk: restoring top-k compression state from "
+                            f"{os.fspath(ckpt_path)!r}: " + "; ".join(notes))
+        return {"step": step, **tensors}
+
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        if not cfg.error_feedback:
+            return done(gstep, empty)
+        notes.append("the checkpoint has no top-k state (written by another strategy such as plain 'ddp', "
+                     "or weights-only), so every rank's residuals start at zero and the density schedule "
+                     f"continues at step {gstep} (the checkpoint's global_step)")
+        return done(gstep, empty)
+    step = int(meta.get("step", gstep))
+    if meta.get("version") != VERSION:
+        notes.append(f"top-k state format version {meta.get('version')!r} is not readable by this build "
+                     f"(version {VERSION}); residuals reset to zero")
+        return done(step, empty)
+    old_world = int(meta.get("world_size", 0))
+    sdir = find_shard_dir(ckpt_path, meta)
+    if sdir is None:
+        notes.append(f"shard directory {shard_dir(ckpt_path)!r} not found; residuals of all ranks reset to zero")
+        return done(step, empty)
+    if old_world == world:
+        # Everyone checks every shard's header (cheap with mmap) so all ranks take the same decision.
+        bad = {r: why for r in range(old_world)
+               for _, why in [read_shard(os.path.join(sdir, f"rank{r}.pt"), meta, r, mmap=True)] if why}
+        if bad:
+            notes.append("shards not usable: " + ", ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+                         + "; those ranks' residuals reset to zero, the other ranks keep theirs")
+        if rank in bad:
+            return done(step, empty)
+        shard, _ = read_shard(os.path.join(sdir, f"rank{rank}.pt"), meta, rank)
+        # Same world size: per-rank residuals stay valid for any node layout (see module docstring).
+        return done(step, {kind: dict(shard[kind]) for kind in KINDS})
+    shards, bad = [], {}
+    for r in range(old_world):
+        s, why = read_shard(os.path.join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
+        if why:
+            bad[r] = why
+        else:
+            shards.append(s)
+    if bad or not shards:
+        notes.append(f"world size changed from {old_world} to {world} and shards are not usable ("
+                     + ", ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+                     + "); residuals of all ranks reset to zero")
+        return done(step, empty)
+    tensors = {kind: _average(shards, kind, old_world) for kind in KINDS}
+    notes.append(f"world size changed from {old_world} to {world}: every rank starts from the average of "
+                 f"the {old_world} saved ranks' residuals" + (" and velocities" if tensors["velocity"] else "")
+                 + ", which keeps the pending update (1/W)*sum(residuals) unchanged")
+    return done(step, tensors)
+
+
+def _fit_to_model(strategy, tensors: Dict[str, Dict[str, Tensor]], notes: List[str]) -> Dict[str, Dict[str, Tensor]]:
+    """Drop entries the current model/config cannot take, and say so."""
+    cfg = strategy.topk_config
+    if not cfg.error_feedback:
+        if any(tensors[k] for k in KINDS):
+            notes.append("error_feedback is off: saved residuals and velocities were discarded")
+        return {kind: {} for kind in KINDS}
+    if not cfg.momentum_correction and tensors["velocity"]:
+        notes.append("momentum_correction is off: saved momentum-correction velocities were discarded "
+                     "(residuals kept)")
+        tensors = {"residual": tensors["residual"], "velocity": {}}
+    elif cfg.momentum_correction and tensors["residual"] and not tensors["velocity"]:
+        notes.append("momentum_correction is on but the checkpoint has no velocities: they start at zero")
+    numels = _param_numels(strategy.lightning_module)
+    out: Dict[str, Dict[str, Tensor]] = {}
+    dropped: List[str] = []
+    for kind in KINDS:
+        out[kind] = {}
+        for name, t in tensors[kind].items():
+            if numels.get(name) == t.numel():
+                out[kind][name] = t
+            elif name not in dropped:
+                dropped.append(name)
+    if dropped:
+        notes.append(f"dropped saved state of {len(dropped)} parameter(s) the model does not have with that "
+                     f"size: {dropped[:5]}")
+    return out

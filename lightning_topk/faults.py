@@ -1,0 +1,258 @@
+"""Fault handling for ``topk_ddp``: checks before the process group starts, a heartbeat that names the
+rank that was lost when a collective fails, and SLURM requeue at a step boundary.
+
+* :func:`check_before_setup` rejects option combinations that would fail or lose data later
+  (non-timedelta ``timeout``, bad ``bucket_cap_mb``, ``hierarchical=True`` with one process per node,
+  ``value_dtype='fp16'`` with a bf16 model), before any process group or collective exists.
+* :class:`Heartbeat`: every rank bumps a counter in the rendezvous store (a second client connection
+  to the c10d store) every ``HEARTBEAT_S`` seconds. When a collective fails (gloo's "Connection closed
+  by peer", a timeout), :func:`explain_exception` compares the counters over ``DIAGNOSE_S`` seconds:
+  a rank whose counter stopped and that did not report a failure itself is *lost*; if the store does
+  not answer, rank 0 (which hosts it) is. The exception message is prefixed with that diagnosis.
+* :class:`RequeueSync`: Lightning runs its SLURM requeue handler (save ``hpc_ckpt_N.ckpt``, ``scontrol
+  requeue``) inside the signal handler, i.e. at a different point of the step on each rank, and its
+  ``barrier`` then meets another rank's gradient collective. This callback only records the signal
+  and runs Lightning's handler on all ranks together after the next optimizer step (one 1-element
+  all-reduce per step, only when SLURM auto-requeue is active). ``topk_ddp`` adds it by itself.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5
+DIAGNOSE_S = 2.0
+STORE_TIMEOUT_S = 3.0
+_PREFIX = "lightning_topk/"
+_COMM_PATTERNS = ("connection closed by peer", "connection reset by peer", "timed out", "broken pipe",
+                  "socket timeout", "connection refused", "no route to host", "gloo", "nccl")
+
+
+# ---- validation before the process group -------------------------------------------------------
+def check_before_setup(strategy) -> None:
+    """Raise ``ValueError`` naming the option for combinations that cannot work; runs before init."""
+    t = getattr(strategy, "_timeout", None)
+    if t is not None and (not isinstance(t, timedelta) or t.total_seconds() <= 0):
+        raise ValueError(f"topk_ddp: timeout must be a datetime.timedelta > 0, got {t!r}")
+    cap = getattr(strategy, "_ddp_kwargs", {}).get("bucket_cap_mb")
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
+        raise ValueError(f"topk_ddp: bucket_cap_mb must be a number > 0, got {cap!r}")
+    strategy._use_hierarchical()  # raises for hierarchical=True with one process per node
+    cfg = strategy.topk_config
+    if cfg.value_dtype == "fp16" and _is_bf16_model(strategy):
+        raise ValueError(
+            "topk_ddp: value_dtype='fp16' with a bf16 model loses range: bf16 gradients reach 3e38 but fp16 "
+            "overflows to inf above 65504 (and poisons the residuals). Use value_dtype='bf16' or 'fp32'"
+        )
+
+
+def _is_bf16_model(strategy) -> bool:
+    plugin = getattr(strategy, "precision_plugin", None)
+    if getattr(plugin, "precision", None) == "bf16-true":
+        return True
+    module = strategy.lightning_module
+    return module is not None and any(p.dtype == torch.bfloat16 for p in module.parameters())
+
+
+# ---- heartbeat and diagnosis -------------------------------------------------------------------
+def _store_client():
+    """A separate client connection to the job's c10d store (not shared with the main thread)."""
+    store = dist.distributed_c10d._get_default_store().clone()
+    store.set_timeout(timedelta(seconds=STORE_TIMEOUT_S))
+    return store
+
+
+class Heartbeat:
+    """Background counter per rank in the rendezvous store; see the module docstring."""
+
+    def __init__(self, rank: int, world: int, interval: float = HEARTBEAT_S) -> None:
+        self.rank, self.world, self.interval = rank, world, interval
+        self.store = _store_client()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.store.set(f"{_PREFIX}who/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
+        self._beat()
+        self._thread = threading.Thread(target=self._run, name="lightning_topk-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        with self._lock:
+            self.store.add(f"{_PREFIX}hb/{self.rank}", 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+            except Exception:  # store gone (rank 0 died or the job ended): nothing left to report to
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _get(self, key: str) -> Optional[str]:
+        with self._lock:
+            if not self.store.check([key]):
+                return None
+            return self.store.get(key).decode()
+
+    def _count(self, r: int) -> int:
+        with self._lock:
+            return int(self.store.add(f"{_PREFIX}hb/{r}", 0))
+
+    def diagnose(self, wait: float = DIAGNOSE_S) -> str:
+        """One sentence naming the lost rank(s), or saying that none stopped."""
+        others = [r for r in range(self.world) if r != self.rank]
+        try:
+            with self._lock:
+                self.store.set(f"{_PREFIX}failed/{self.rank}", "1")
+            before = {r: self._count(r) for r in others}
+            time.sleep(wait)
+            after = {r: self._count(r) for r in others}
+            failed = {r for r in others if self._get(f"{_PREFIX}failed/{r}") is not None}
+            lost = [r for r in others if after[r] == before[r] and r not in failed]
+            who = {r: self._get(f"{_PREFIX}who/{r}") for r in lost}
+            with self._lock:
+                self.store.set(f"{_PREFIX}done/{self.rank}", "1")
+            if self.rank == 0:  # the store lives in this process: stay until the others have read it
+                self._linger(set(lost), wait)
+        except Exception as e:
+            if self.rank == 0:
+                return f"the rendezvous store does not answer ({type(e).__name__})"
+            addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+            return (f"lost rank 0: the rendezvous store it hosts at {addr} does not answer "
+                    f"({type(e).__name__}); rank 0 died, hangs or is unreachable")
+        if lost:
+            names = ", ".join(f"rank {r} ({who[r] or 'unknown host'})" for r in lost)
+            return (f"lost {names}: heartbeat stopped (process killed, stopped or its host unreachable); "
+                    f"seen from rank {self.rank}")
+        alive = [r for r in others if r not in failed]
+        if alive:
+            return (f"no rank was lost, but rank(s) {alive} are alive and did not join the failed collective "
+                    f"(stuck or out of step); seen from rank {self.rank}")
+        return f"no rank was lost; all ranks report the same failure; seen from rank {self.rank}"
+
+    def _linger(self, lost: set, wait: float) -> None:
+        deadline = time.monotonic() + 2 * wait
+        while time.monotonic() < deadline:
+            if all(r in lost or self._get(f"{_PREFIX}done/{r}") is not None for r in range(1, self.world)):
+                return
+            time.sleep(0.1)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    seen = set()
+    e: Optional[BaseException] = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, getattr(dist, "DistError", ())):
+            return True
+        if isinstance(e, RuntimeError) and any(p in str(e).lower() for p in _COMM_PATTERNS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def explain_exception(strategy, exc: BaseException) -> Optional[str]:
+    """Prefix a failed collective's message with the lost-rank diagnosis (and log it)."""
+    hb: Optional[Heartbeat] = getattr(strategy, "_topk_heartbeat", None)
+    if hb is None or not is_comm_error(exc):
+        return None
+    hb.stop()
+    note = "lightning_topk: " + hb.diagnose()
+    log.error(note)
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{note}\n{exc.args[0]}",) + tuple(exc.args[1:])
+    else:
+        exc.args = (note,) + tuple(exc.args)
+    return note
+
+
+# ---- SLURM requeue at a step boundary ----------------------------------------------------------
+class RequeueSync(pl.Callback):
+    """Defers Lightning's SLURM requeue handler to the end of the next optimizer step, on all ranks."""
+
+    def __init__(self) -> None:
+        self._requested = False
+        self._handler: Any = None
+        self._signum: Optional[int] = None
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        env = _slurm_requeue_env(trainer.strategy)
+        if env is None:
+            return
+        signum = env.requeue_signal
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler != self._on_signal:
+            self._handler, self._signum = handler, signum
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._requested = True
+        log.info("lightning_topk: requeue signal %s received; checkpointing after the current step", signum)
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
+        if self._handler is None or _mid_accumulation(trainer):
+            return
+        if trainer.strategy.reduce_boolean_decision(self._requested, all=False):
+            self._requested = False
+            self._handler(self._signum, None)
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._handler is not None and signal.getsignal(self._signum) == self._on_signal:
+            signal.signal(self._signum, self._handler)
+        self._handler = None
+
+
+def _slurm_requeue_env(strategy):
+    from lightning_fabric.plugins.environments import SLURMEnvironment
+
+    env = getattr(strategy, "cluster_environment", None)
+    if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
+        return env
+    return None
+
+
+def _mid_accumulation(trainer) -> bool:
+    loop = trainer.fit_loop.epoch_loop
+    try:
+        return bool(loop._should_accumulate())
+    except Exception:  # private Lightning API changed: assume a step happened
+        return False
+
+
+# ---- strategy glue -----------------------------------------------------------------------------
+def start(strategy) -> None:
+    """After the process group exists: start the heartbeat, add :class:`RequeueSync` under SLURM."""
+    stop(strategy)
+    if dist.is_available() and dist.is_initialized() and strategy.world_size > 1:
+        try:
+            strategy._topk_heartbeat = Heartbeat(strategy.global_rank, strategy.world_size)
+        except Exception as e:  # no TCP store (file:// init) or no clone(): diagnosis unavailable
+            log.warning("lightning_topk: heartbeat unavailable (%s); failed collectives will not name the "
+                        "lost rank", e)
+    trainer = getattr(strategy.lightning_module, "_trainer", None)
+    if trainer is not None and _slurm_requeue_env(strategy) is not None:
+        if not any(isinstance(cb, RequeueSync) for cb in trainer.callbacks):
+            trainer.callbacks.append(RequeueSync())
+
+
+def stop(strategy) -> None:
+    hb = getattr(strategy, "_topk_heartbeat", None)
+    if hb is not None:
+        hb.stop()
+    strategy._topk_heartbeat = None
+
+
+__all__ = ["Heartbeat", "RequeueSync", "check_before_setup", "explain_exception", "is_comm_error", "start", "stop"]

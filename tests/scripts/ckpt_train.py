@@ -1,0 +1,158 @@
+"""Checkpoint/resume scenarios on sklearn digits; every rank dumps what it ended with, per phase.
+
+Phases (run in order in one launch; Lightning's popen launcher re-runs this script for rank 1 and
+later Trainers reuse the process group):
+
+  straight       topk_ddp, 2 epochs, no checkpoint (the reference)
+  stop           topk_ddp, 1 epoch, ModelCheckpoint(save_top_k=-1, save_last=True) into OUT/ckpt
+  ddp_from_topk  plain DDPStrategy resumes OUT/ckpt/epoch=0-step=N.ckpt to 2 epochs, saves OUT/ddp/last.ckpt
+  topk_from_ddp  topk_ddp resumes OUT/ddp/last.ckpt to 3 epochs
+  resume         topk_ddp resumes ckpt_path="last" (OUT/ckpt) to 2 epochs, save_top_k=1 (prunes epoch 0)
+  shrink         (--devices 1) topk_ddp resumes OUT/ckpt/last.ckpt to 3 epochs
+  slurm          topk_ddp, 2 epochs, default_root_dir OUT/slurm, ckpt_path=None (SLURM auto-resume
+                 of hpc_ckpt_N.ckpt); --slow sleeps per step; the caller starts the ranks with SLURM env
+
+The training DataLoader is resumable (Lightning's state_dict/load_state_dict interface for loaders):
+it records how many batches of the epoch it handed out and skips them after a mid-epoch restore.
+Lightning fetches exactly one batch per step from a sized loader, so that count is what was trained.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_probe import digits  # noqa: E402
+
+from lightning_topk import TopKDDPStrategy  # noqa: E402
+from lightning_topk.models import Classifier, SmallCNN  # noqa: E402
+
+
+class ResumableLoader(DataLoader):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self._handed_out = 0
+        self._skip = 0
+
+    def __iter__(self):
+        it = super().__iter__()
+        skip, self._skip = self._skip, 0
+        for _ in range(skip):
+            next(it)
+        self._handed_out = skip
+        for batch in it:
+            self._handed_out += 1
+            yield batch
+
+    def state_dict(self):
+        return {"handed_out": self._handed_out}
+
+    def load_state_dict(self, sd):
+        n = int(sd["handed_out"])
+        self._skip = n if n < len(self) else 0  # a finished epoch restarts at the next one
+
+
+class Progress(pl.Callback):
+    def __init__(self, out, slow):
+        self.out, self.slow = out, slow
+
+    def on_train_batch_end(self, trainer, *args):
+        with open(os.path.join(self.out, f"progress_rank{trainer.global_rank}.txt"), "w") as f:
+            f.write(str(trainer.global_step))
+        if self.slow:
+            time.sleep(self.slow)
+
+
+class Restored(pl.Callback):
+    """Records the compression state as restored, before the first exchange applies it."""
+
+    def on_train_start(self, trainer, pl_module):
+        st = getattr(trainer.strategy, "topk_state", None)
+        self.state = st.state_dict() if st is not None else None
+
+
+def topk(**kw):
+    # Default bucket cap: the model's gradients form one DDP bucket (see docs/faults.md on exactness).
+    return TopKDDPStrategy(density=0.01, min_sparse_numel=1024, momentum_correction=True, **kw)
+
+
+def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None, seed=0):
+    pl.seed_everything(seed, workers=True)
+    model = Classifier(SmallCNN(width=16), lr=0.05)
+    restored = Restored()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=a.devices, strategy=strategy, max_epochs=max_epochs,
+        callbacks=[restored, Progress(a.out, a.slow), *callbacks], logger=False,
+        enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+        enable_progress_bar=False, enable_model_summary=False, deterministic=True, use_distributed_sampler=False,
+        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root or a.out,
+    )
+    train, _ = digits()
+    sampler = DistributedSampler(train, num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=True,
+                                 seed=0)
+    loader = ResumableLoader(train, batch_size=32, sampler=sampler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader, ckpt_path=ckpt_path)
+    st = getattr(trainer.strategy, "topk_state", None)
+    dump = {
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "residuals": {k: v.clone() for k, v in st.residuals().items()} if st else {},
+        "velocities": {k: v.clone() for k, v in st.velocities().items()} if st else {},
+        "step": st.step if st else None,
+        "global_step": trainer.global_step,
+        "restored": restored.state,
+        "ckpt_path": str(trainer.ckpt_path),
+        "warnings": [str(w.message) for w in caught if "lightning_topk" in str(w.message)],
+    }
+    torch.save(dump, os.path.join(a.out, f"{phase}_rank{trainer.global_rank}.pt"))
+    return trainer
+
+
+def ckpt_cb(dirpath, top_k):
+    return pl.callbacks.ModelCheckpoint(dirpath=dirpath, save_top_k=top_k, save_last=True,
+                                        every_n_epochs=1, filename="{epoch}-{step}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--phases", default="straight,stop,ddp_from_topk,topk_from_ddp,resume")
+    ap.add_argument("--devices", type=int, default=2)
+    ap.add_argument("--slow", type=float, default=0.0)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    ck = os.path.join(a.out, "ckpt")
+    for phase in a.phases.split(","):
+        if phase == "straight":
+            run(a, phase, topk(), 2)
+        elif phase == "stop":
+            run(a, phase, topk(), 1, callbacks=[ckpt_cb(ck, -1)])
+        elif phase == "ddp_from_topk":
+            first = sorted(f for f in os.listdir(ck) if f.startswith("epoch=0"))[0]
+            run(a, phase, pl.strategies.DDPStrategy(), 2, ckpt_path=os.path.join(ck, first),
+                callbacks=[ckpt_cb(os.path.join(a.out, "ddp"), 1)])
+        elif phase == "topk_from_ddp":
+            run(a, phase, topk(), 3, ckpt_path=os.path.join(a.out, "ddp", "last.ckpt"))
+        elif phase == "resume":
+            run(a, phase, topk(), 2, ckpt_path="last", callbacks=[ckpt_cb(ck, 1)], seed=1)
+        elif phase == "shrink":
+            run(a, phase, topk(), 3, ckpt_path=os.path.join(ck, "last.ckpt"))
+        elif phase == "slurm":
+            run(a, phase, topk(), 2, root=os.path.join(a.out, "slurm"))
+        else:
+            raise SystemExit(f"unknown phase {phase!r}")
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0 and "SLURM_PROCID" not in os.environ:
+        with open(os.path.join(a.out, "done.json"), "w") as f:
+            json.dump({"phases": a.phases}, f)
+
+
+if __name__ == "__main__":
+    main()
