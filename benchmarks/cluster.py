@@ -241,10 +241,11 @@ class RunResult:
 
 def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2, rate: Optional[str] = "100mbit",
                 latency_ms: float = 0.0, timeout: float = 600.0, run_dir: Optional[str] = None,
-                force_loopback: bool = False, quiet: bool = False) -> RunResult:
+                force_loopback: bool = False, quiet: bool = False, stall_timeout: float = 180.0) -> RunResult:
     """Start nodes x procs_per_node workers (in namespaces when possible), wait, collect their JSON results.
 
-    Raises ClusterError when a worker fails or the run times out; namespaces are removed in every case.
+    Raises ClusterError when a worker fails, no rank finishes a step for stall_timeout seconds (a hung
+    collective), or the run exceeds timeout; namespaces are removed in every case.
     """
     if nodes < 1 or procs_per_node < 1:
         raise ValueError(f"--nodes and --procs-per-node must be >= 1, got {nodes} and {procs_per_node}")
@@ -258,7 +259,7 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
     run_dir = run_dir or tempfile.mkdtemp(prefix="ltk_cluster_")
     os.makedirs(run_dir, exist_ok=True)
     for f in os.listdir(run_dir):
-        if f.startswith("rank") and f.endswith(".json"):
+        if f.startswith("rank") and f.endswith((".json", ".progress")):
             os.remove(os.path.join(run_dir, f))
     world = nodes * procs_per_node
     procs: List[subprocess.Popen] = []
@@ -291,6 +292,7 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
                 procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               start_new_session=True, cwd=os.path.dirname(HERE)))
         deadline = time.monotonic() + timeout
+        last_progress, progress_seen = time.time(), {}
         while True:
             codes = [p.poll() for p in procs]
             failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
@@ -302,6 +304,16 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
                                    f"\nlog tail:\n{tail}")
             if all(c == 0 for c in codes):
                 break
+            for r in range(world):
+                try:
+                    m = os.stat(os.path.join(run_dir, f"rank{r}.progress")).st_mtime
+                except OSError:
+                    continue
+                if m != progress_seen.get(r):
+                    progress_seen[r], last_progress = m, time.time()
+            if stall_timeout and time.time() - last_progress > stall_timeout:
+                raise ClusterError(f"stalled: no rank finished a step for {stall_timeout:.0f} s (hung collective?); "
+                                   f"rank 0 log tail:\n{_tail(run_dir, 0)}")
             if time.monotonic() > deadline:
                 raise ClusterError(f"timed out after {timeout:.0f} s; rank 0 log tail:\n{_tail(run_dir, 0)}")
             time.sleep(0.2)
@@ -385,6 +397,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--latency-ms", type=float, default=0.0, help="added one-way latency per link (needs netem)")
     p.add_argument("--steps", type=int, default=None, help="training steps (passed to the worker as --steps)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the run is killed")
+    p.add_argument("--stall-timeout", type=float, default=180.0,
+                   help="kill the run when no rank finishes a step for this many seconds (0: never)")
     p.add_argument("--run-dir", default=None, help="directory for per-rank logs and JSON results (default: a temp dir)")
     p.add_argument("--out", default=None, help="write the summary JSON here")
     p.add_argument("--loopback", action="store_true", help="skip namespaces: all processes on 127.0.0.1")
@@ -403,7 +417,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         parse_rate(a.rate)
         res = run_cluster(worker_args, a.nodes, a.procs_per_node, a.rate, a.latency_ms, a.timeout, a.run_dir,
-                          force_loopback=a.loopback)
+                          force_loopback=a.loopback, stall_timeout=a.stall_timeout)
     except (ValueError, ClusterError) as e:
         print(f"[cluster] error: {e}", file=sys.stderr)
         return 2

@@ -215,6 +215,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not distributed:  # the shard DistributedSampler would give this rank
         xtr, ytr = xtr[env["rank"]::env["world"]], ytr[env["rank"]::env["world"]]
 
+    os.makedirs(env["result_dir"], exist_ok=True)
+    progress_path = os.path.join(env["result_dir"], f"rank{env['rank']}.progress")
     step_end: List[float] = []       # wall time at the end of each step, eval time removed
     if_bytes: List[Optional[List[int]]] = []
     evals: List[Dict[str, float]] = []
@@ -258,6 +260,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             if stats is not None:
                 telemetry_steps.append(jsonable(stats))
             step = len(step_end)
+            with open(progress_path, "w") as f:  # heartbeat for the harness' stall detector
+                f.write(str(step))
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 out_of_time = bool(args.max_time) and step_end[-1] > args.max_time
                 acc, out_of_time = self.evaluate(pl_module, out_of_time)
