@@ -59,6 +59,7 @@ def optimizer(params: Union[nn.Module, Iterable], name: str = "sgd", lr: float =
     """
     from lightning_topk.optim import build_optimizer, param_groups
 
+    kwargs = {k: _plain(v) for k, v in kwargs.items()}
     if not isinstance(exclude_from_decay, bool):
         raise ValueError(f"optimizer: option 'exclude_from_decay' must be true or false, got {exclude_from_decay!r}")
     if isinstance(params, nn.Module):
@@ -66,6 +67,13 @@ def optimizer(params: Union[nn.Module, Iterable], name: str = "sgd", lr: float =
             return build_optimizer(name, param_groups(params, weight_decay), lr=lr, impl=impl, **kwargs)
         params = [p for p in params.parameters() if p.requires_grad]
     return build_optimizer(name, params, lr=lr, impl=impl, weight_decay=weight_decay, **kwargs)
+
+
+def _plain(value: Any) -> Any:
+    """OmegaConf lists (e.g. ``betas`` from YAML) -> tuples, so optimizers that check for tuple/list accept them."""
+    from omegaconf import ListConfig, OmegaConf
+
+    return tuple(OmegaConf.to_container(value)) if isinstance(value, ListConfig) else value
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total_steps: int, warmup_steps: Optional[int] = None,

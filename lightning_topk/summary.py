@@ -43,9 +43,24 @@ class ThroughputMonitor(pl.Callback):
             self.train_seconds += time.perf_counter() - self._t0
             self._t0 = None
 
-    @property
-    def samples_per_second(self) -> float:
-        return self.samples / self.train_seconds if self.train_seconds > 0 else 0.0
+    def on_train_end(self, trainer, pl_module) -> None:
+        # Stored as callback metrics because spawn launchers send exactly those back to the main process.
+        vals = {"samples": self.samples, "batches": self.steps, "train_seconds": self.train_seconds,
+                "global_step": trainer.global_step, "epochs": trainer.current_epoch}
+        totals = getattr(trainer.strategy, "topk_totals", None)
+        if totals is not None:
+            vals.update(bytes_sent=totals.bytes_sent, bytes_dense=totals.bytes_dense, numel=totals.numel,
+                        numel_sent=totals.numel_sent, bytes_inter=totals.bytes_inter, bytes_intra=totals.bytes_intra)
+        for k, v in vals.items():
+            trainer.callback_metrics[f"{PREFIX}{k}"] = torch.tensor(float(v), dtype=torch.float64)
+
+
+PREFIX = "run_summary/"
+
+
+def fit_stats(trainer: pl.Trainer) -> Dict[str, float]:
+    """Rank 0's throughput and byte counts of the last ``fit`` (read right after fit, before test)."""
+    return {k[len(PREFIX):]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(PREFIX)}
 
 
 def _batch_size(batch: Any) -> int:
@@ -56,25 +71,30 @@ def _batch_size(batch: Any) -> int:
     return int(batch.shape[0]) if isinstance(batch, torch.Tensor) else len(batch)
 
 
-def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], monitor: Optional[ThroughputMonitor],
+def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mapping[str, float],
             output_dir: str, strategy_name: str) -> Dict[str, Any]:
-    """The summary as a plain dict (also written to ``<output_dir>/summary.json`` by :func:`save`)."""
+    """The summary as a plain dict (``stats`` from :func:`fit_stats`); :func:`save` writes it as JSON."""
     out: Dict[str, Any] = {"strategy": strategy_name, "world_size": trainer.world_size,
-                           "num_nodes": trainer.num_nodes, "global_step": trainer.global_step,
-                           "epochs": trainer.current_epoch, "output_dir": os.path.abspath(output_dir)}
+                           "num_nodes": trainer.num_nodes,
+                           "global_step": int(stats.get("global_step", trainer.global_step)),
+                           "epochs": int(stats.get("epochs", trainer.current_epoch)), "output_dir": os.path.abspath(output_dir)}
     out["metrics"] = {k: float(v) for k, v in test_metrics.items()}
-    if monitor is not None:
-        out.update(samples=monitor.samples, train_seconds=round(monitor.train_seconds, 3),
-                   samples_per_second=round(monitor.samples_per_second, 2))
-    totals = getattr(trainer.strategy, "topk_totals", None)
-    if totals is not None and totals.bytes_dense:
-        out["bytes"] = {"sent": int(totals.bytes_sent), "dense": int(totals.bytes_dense),
-                        "ratio": round(totals.bytes_dense / max(1, totals.bytes_sent), 2),
-                        "density": round(totals.density, 6), "inter_node": int(totals.bytes_inter),
-                        "intra_node": int(totals.bytes_intra)}
+    if "samples" in stats:
+        secs = stats["train_seconds"]
+        out.update(samples=int(stats["samples"]), train_seconds=round(secs, 3),
+                   samples_per_second=round(stats["samples"] / secs, 2) if secs > 0 else 0.0)
+    if stats.get("bytes_dense"):
+        sent, dense = int(stats["bytes_sent"]), int(stats["bytes_dense"])
+        out["bytes"] = {"sent": sent, "dense": dense, "ratio": round(dense / max(1, sent), 2),
+                        "density": round(stats["numel_sent"] / max(1.0, stats["numel"]), 6),
+                        "inter_node": int(stats["bytes_inter"]), "intra_node": int(stats["bytes_intra"])}
     out["log_dirs"] = [lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)]
     ckpt = trainer.checkpoint_callback
-    out["checkpoint"] = (ckpt.last_model_path or ckpt.best_model_path or None) if ckpt is not None else None
+    path = None
+    if ckpt is not None:
+        last = os.path.join(str(ckpt.dirpath), "last.ckpt") if ckpt.dirpath else ""
+        path = ckpt.last_model_path or (last if os.path.isfile(last) else "") or ckpt.best_model_path or None
+    out["checkpoint"] = path
     return out
 
 

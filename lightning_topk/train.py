@@ -123,13 +123,15 @@ def build(cfg: DictConfig) -> Dict[str, Any]:
     monitor = summary_mod.ThroughputMonitor()
     callbacks = _named(cfg.get("callbacks")) + [monitor]
     loggers = _named(cfg.get("logger"))
+    for lg in loggers:
+        _ = lg.version  # pin the version now, so spawned fit/test processes log into the same directory
     if not loggers:
         callbacks = [c for c in callbacks if not isinstance(c, pl.callbacks.LearningRateMonitor)]
     has_bar = any(isinstance(c, pl.callbacks.ProgressBar) for c in callbacks)
     trainer = instantiate(cfg.trainer, strategy=strategy, plugins=plugins, callbacks=callbacks,
                           logger=loggers if loggers else False,
                           enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
-                          enable_progress_bar=True if has_bar else None)
+                          enable_progress_bar=has_bar)
     return dict(datamodule=datamodule, model=model, trainer=trainer, monitor=monitor)
 
 
@@ -141,17 +143,18 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
     warnings.filterwarnings("ignore", message=".*Your `IterableDataset` has `__len__` defined.*")
     objs = build(cfg)
     trainer: pl.Trainer = objs["trainer"]
-    model, dm, monitor = objs["model"], objs["datamodule"], objs["monitor"]
+    model, dm = objs["model"], objs["datamodule"]
     _check_multirun(trainer)
     # Same line in every process's Hydra log: popen children must see the same composed config.
     log.info("rank %d/%d config sha1 %s", trainer.global_rank, trainer.world_size, config_digest(cfg))
     _set_threads(cfg.run.get("threads", "auto"), trainer)
     trainer.fit(model, datamodule=dm, ckpt_path=_resume_path(cfg.run.resume, trainer))
+    stats = summary_mod.fit_stats(trainer)
     metrics: Dict[str, float] = {}
     if cfg.run.test:
         metrics = _test(trainer, model, dm)
     strategy_name = _choice("strategy") or getattr(trainer.strategy, "strategy_name", type(trainer.strategy).__name__)
-    result = summary_mod.collect(trainer, metrics, monitor, str(cfg.run.output_dir), strategy_name)
+    result = summary_mod.collect(trainer, metrics, stats, str(cfg.run.output_dir), strategy_name)
     if trainer.is_global_zero:
         summary_mod.save(result, os.path.join(str(cfg.run.output_dir), "summary.json"))
         if cfg.run.get("print_summary", True):
