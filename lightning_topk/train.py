@@ -68,10 +68,18 @@ def _set_threads(threads: Any, trainer: pl.Trainer) -> None:
     torch.set_num_threads(threads)
 
 
-def _check_multirun(trainer: pl.Trainer) -> None:
+def starts_children_by_rerunning(trainer: pl.Trainer) -> bool:
+    """True when Lightning will start the other local processes by re-running the command (popen launcher):
+    more than one device and no cluster (SLURM, torchrun) that starts the processes itself."""
     from pytorch_lightning.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
-    if _hydra_mode() == "MULTIRUN" and isinstance(getattr(trainer.strategy, "launcher", None), _SubprocessScriptLauncher):
+    launcher = getattr(trainer.strategy, "launcher", None)
+    return (isinstance(launcher, _SubprocessScriptLauncher) and trainer.num_devices > 1
+            and not trainer.strategy.cluster_environment.creates_processes_externally)
+
+
+def _check_multirun(trainer: pl.Trainer) -> None:
+    if _hydra_mode() == "MULTIRUN" and starts_children_by_rerunning(trainer):
         raise MultirunNotSupported(
             "Hydra multirun (-m) cannot be combined with a strategy that starts its processes by re-running the "
             f"command (start_method=popen, strategy={_choice('strategy') or type(trainer.strategy).__name__}, "
