@@ -36,8 +36,10 @@ HEARTBEAT_S = 0.5
 DIAGNOSE_S = 2.0
 STORE_TIMEOUT_S = 3.0
 _PREFIX = "lightning_topk/"
-_COMM_PATTERNS = ("connection closed by peer", "connection reset by peer", "timed out", "broken pipe",
-                  "socket timeout", "connection refused", "no route to host", "gloo", "nccl")
+# gloo says e.g. "Connection closed by peer", "Connection reset by peer", "Application timeout caused
+# pair closure", "Timed out waiting ... for recv operation".
+_COMM_PATTERNS = ("connection closed", "connection reset", "timed out", "timeout", "pair closure", "broken pipe",
+                  "connection refused", "no route to host", "gloo", "nccl")
 
 
 # ---- validation before the process group -------------------------------------------------------
@@ -74,27 +76,44 @@ def _store_client():
     return store
 
 
+def _timed(fn, timeout: float = STORE_TIMEOUT_S):
+    """``fn()`` in a daemon thread: a store whose host is stopped blocks ``add``/``check`` forever."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="lightning_topk-store", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise TimeoutError(f"no answer within {timeout:.0f}s")
+    if "error" in box:
+        raise box["error"]
+    return box.get("value")
+
+
 class Heartbeat:
     """Background counter per rank in the rendezvous store; see the module docstring."""
 
     def __init__(self, rank: int, world: int, interval: float = HEARTBEAT_S) -> None:
         self.rank, self.world, self.interval = rank, world, interval
-        self.store = _store_client()
-        self._lock = threading.Lock()
+        self._beat_store = _timed(_store_client)  # used only by the heartbeat thread
+        self._store = _timed(_store_client)  # used only by diagnose(), through _timed
         self._stop = threading.Event()
-        self.store.set(f"{_PREFIX}who/{rank}", f"{socket.gethostname()} pid {os.getpid()}")
-        self._beat()
+        self._key = f"{_PREFIX}hb/{rank}"
+        _timed(lambda: self._store.set(f"{_PREFIX}who/{rank}", f"{socket.gethostname()} pid {os.getpid()}"))
+        self._beat_store.add(self._key, 1)
         self._thread = threading.Thread(target=self._run, name="lightning_topk-heartbeat", daemon=True)
         self._thread.start()
-
-    def _beat(self) -> None:
-        with self._lock:
-            self.store.add(f"{_PREFIX}hb/{self.rank}", 1)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self._beat()
+                self._beat_store.add(self._key, 1)
             except Exception:  # store gone (rank 0 died or the job ended): nothing left to report to
                 return
 
@@ -102,37 +121,35 @@ class Heartbeat:
         self._stop.set()
 
     def _get(self, key: str) -> Optional[str]:
-        with self._lock:
-            if not self.store.check([key]):
-                return None
-            return self.store.get(key).decode()
+        v = _timed(lambda: self._store.get(key).decode() if self._store.check([key]) else None)
+        return v
 
-    def _count(self, r: int) -> int:
-        with self._lock:
-            return int(self.store.add(f"{_PREFIX}hb/{r}", 0))
+    def _set(self, key: str) -> None:
+        _timed(lambda: self._store.set(key, "1"))
+
+    def _counts(self, ranks) -> dict:
+        return _timed(lambda: {r: int(self._store.add(f"{_PREFIX}hb/{r}", 0)) for r in ranks})
 
     def diagnose(self, wait: float = DIAGNOSE_S) -> str:
         """One sentence naming the lost rank(s), or saying that none stopped."""
         others = [r for r in range(self.world) if r != self.rank]
         try:
-            with self._lock:
-                self.store.set(f"{_PREFIX}failed/{self.rank}", "1")
-            before = {r: self._count(r) for r in others}
+            self._set(f"{_PREFIX}failed/{self.rank}")
+            before = self._counts(others)
             time.sleep(wait)
-            after = {r: self._count(r) for r in others}
+            after = self._counts(others)
             failed = {r for r in others if self._get(f"{_PREFIX}failed/{r}") is not None}
             lost = [r for r in others if after[r] == before[r] and r not in failed]
             who = {r: self._get(f"{_PREFIX}who/{r}") for r in lost}
-            with self._lock:
-                self.store.set(f"{_PREFIX}done/{self.rank}", "1")
+            self._set(f"{_PREFIX}done/{self.rank}")
             if self.rank == 0:  # the store lives in this process: stay until the others have read it
                 self._linger(set(lost), wait)
         except Exception as e:
             if self.rank == 0:
-                return f"the rendezvous store does not answer ({type(e).__name__})"
+                return f"the rendezvous store does not answer ({type(e).__name__}: {e})"
             addr = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
             return (f"lost rank 0: the rendezvous store it hosts at {addr} does not answer "
-                    f"({type(e).__name__}); rank 0 died, hangs or is unreachable")
+                    f"({type(e).__name__}: {e}); rank 0 died, hangs or is unreachable")
         if lost:
             names = ", ".join(f"rank {r} ({who[r] or 'unknown host'})" for r in lost)
             return (f"lost {names}: heartbeat stopped (process killed, stopped or its host unreachable); "
