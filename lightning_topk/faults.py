@@ -233,10 +233,10 @@ class RequeueSync(pl.Callback):
 
 
 def _slurm_requeue_env(strategy):
-    from lightning_fabric.plugins.environments import SLURMEnvironment
-
+    # By class name: lightning_fabric and lightning.fabric each define their own SLURMEnvironment.
     env = getattr(strategy, "cluster_environment", None)
-    if isinstance(env, SLURMEnvironment) and env.auto_requeue and env.requeue_signal is not None:
+    is_slurm = any(c.__name__ == "SLURMEnvironment" for c in type(env).__mro__)
+    if is_slurm and getattr(env, "auto_requeue", False) and getattr(env, "requeue_signal", None) is not None:
         return env
     return None
 
