@@ -2,7 +2,10 @@
 
 ``import lightning_topk`` registers the strategies ``topk_ddp`` and ``topk_ddp_spawn``.
 """
+from lightning_topk.data import WebDataModule, write_shards
 from lightning_topk.exchange import topk_allgather_hook
+from lightning_topk.exchange_hier import hierarchical_topk_hook
+from lightning_topk.precision import TopKPrecision
 from lightning_topk.registry import register_strategies
 from lightning_topk.schedule import DensitySchedule
 from lightning_topk.selection import topk_select
@@ -18,6 +21,10 @@ __all__ = [
     "StepStats",
     "TopKConfig",
     "TopKDDPStrategy",
+    "TopKPrecision",
+    "WebDataModule",
+    "hierarchical_topk_hook",
+    "write_shards",
     "TopKState",
     "__version__",
     "register_strategies",

@@ -93,6 +93,7 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     n = grad.numel()
     s = math.ceil(n / L)  # shard size
     if bucket_k(state, n) == 0 or L == 1:
+        flush_pending(state)
         return topk_allgather_hook(state, bucket)  # dense (flat all-reduce) or nothing to shard
     k = max(1, math.ceil(state.density_now() * s))
     stats = state.current
@@ -137,18 +138,55 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=grad.device)
     state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel() + s * 4, bytes_inter=packed.numel(),
                     bytes_intra=s * 4)
-    wire_dtype = state.config.wire_dtype
-    t2 = time.perf_counter()
-    fut = _all_gather(out, packed, group=h.inter, async_op=True).get_future()
-
-    def finish(_f) -> torch.Tensor:
-        vals, ids = codec.unpack(out, k, wire_dtype, h.num_nodes)
-        shard_sum = rebuild(s, vals, ids, grad.device)
-        full = torch.empty(s * L, dtype=torch.float32, device=grad.device)
-        _all_gather(full, shard_sum, group=h.intra, async_op=True).wait()
-        stats.comm_time_s += time.perf_counter() - t2
-        return full[:n].mul_(scale / world).to(grad.dtype)
-
+    # Every collective is issued from this (backward) thread, in bucket order, so all ranks issue the
+    # same sequence on each group. The previous bucket's intra-node all-gather goes out now, after
+    # its inter-node all-gather had the time between two hooks to run.
+    flush_pending(state)
+    result: torch.futures.Future = torch.futures.Future()
+    work = _all_gather(out, packed, group=h.inter, async_op=True)
+    state.hier_pending = _Pending(result, work, out, k, s, n, scale / world, grad.dtype, stats,
+                                  time.perf_counter(), state.config.wire_dtype)
     if bucket.is_last():
+        flush_pending(state)
         state.end_exchange()
-    return fut.then(finish)
+    return result
+
+
+@dataclass
+class _Pending:
+    result: torch.futures.Future
+    work: Any
+    out: torch.Tensor
+    k: int
+    s: int
+    n: int
+    factor: float
+    dtype: torch.dtype
+    stats: Any
+    t_launch: float
+    wire_dtype: torch.dtype
+
+
+def flush_pending(state: TopKState) -> None:
+    """Finish the pending bucket: wait for its inter-node gather, rebuild the shard, launch the intra-node
+    all-gather, and complete the bucket's future when that arrives."""
+    p: _Pending = getattr(state, "hier_pending", None)
+    if p is None:
+        return
+    state.hier_pending = None
+    h: HierGroups = state.hier
+    p.work.wait()
+    vals, ids = codec.unpack(p.out, p.k, p.wire_dtype, h.num_nodes)
+    shard_sum = rebuild(p.s, vals, ids, p.out.device)
+    full = torch.empty(p.s * h.local_world, dtype=torch.float32, device=p.out.device)
+    fut = _all_gather(full, shard_sum, group=h.intra, async_op=True).get_future()
+
+    def done(f) -> None:
+        try:
+            f.wait()
+            p.stats.comm_time_s += time.perf_counter() - p.t_launch
+            p.result.set_result(full[:p.n].mul_(p.factor).to(p.dtype))
+        except Exception as e:  # surface comm errors to DDP rather than hanging
+            p.result.set_exception(e)
+
+    fut.then(done)

@@ -146,6 +146,7 @@ class TopKState:
         self.process_group = process_group
         # Hierarchical exchange: groups set by the strategy (see exchange_hier.HierGroups).
         self.hier = None
+        self.hier_pending = None
         self.num_nodes = 1
         self.step = 0
         self.grad_scale = 1.0

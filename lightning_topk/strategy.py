@@ -112,9 +112,13 @@ class TopKStrategyMixin:
     # ---- step: non-finite handling and logging ------------------------------------------------
     def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
         state = self.topk_state
-        if state is None or _has_grad_scaler(self.precision_plugin):
-            # The scaler makes the skip decision (and the precision plugin rolls residuals back).
+        if state is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
+        if _has_grad_scaler(self.precision_plugin):
+            # The scaler makes the skip decision (and the precision plugin rolls residuals back).
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            self._log_topk()
+            return out
 
         def checked_closure():
             out = closure()

@@ -64,11 +64,13 @@ def fit_stats(trainer: pl.Trainer) -> Dict[str, float]:
 
 
 def _batch_size(batch: Any) -> int:
-    while isinstance(batch, (tuple, list)) and batch:
-        batch = batch[0]
+    """Samples in a batch: the first field (tensor rows, or list length) of a tuple/list/dict batch."""
     if isinstance(batch, dict):
         batch = next(iter(batch.values()))
-    return int(batch.shape[0]) if isinstance(batch, torch.Tensor) else len(batch)
+    field = batch[0] if isinstance(batch, (tuple, list)) and batch else batch
+    if isinstance(field, torch.Tensor):
+        return int(field.shape[0]) if field.ndim else 1
+    return len(field) if isinstance(field, (list, tuple)) else 1
 
 
 def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mapping[str, float],

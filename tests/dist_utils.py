@@ -27,6 +27,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: 
         result = fn(rank, world, *args)
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+        dist.barrier()  # nobody tears down its groups while a peer's last callback still runs
     finally:
         dist.destroy_process_group()
 

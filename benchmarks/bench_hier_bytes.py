@@ -1,0 +1,67 @@
+"""Bytes per step crossing nodes: flat vs hierarchical top-k at the same density (2 nodes x L procs).
+
+    python benchmarks/bench_hier_bytes.py [--local 2] [--density 0.01] [--params 4000000]
+
+Runs N x L real gloo processes on this machine (the node layout only decides the process groups);
+reports each rank's telemetry (payload bytes it put on inter-node and intra-node links per step).
+For real link bytes under a rate limit see benchmarks/cluster.py.
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from dist_utils import run_distributed  # noqa: E402
+
+from lightning_topk import TopKConfig, TopKState, topk_allgather_hook  # noqa: E402
+from lightning_topk.exchange_hier import hierarchical_topk_hook, make_groups  # noqa: E402
+
+
+def work(rank, world, nodes, local, density, params, hierarchical):
+    torch.manual_seed(0)
+    width = int((params / 2) ** 0.5)
+    m = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+    ddp = DDP(m)
+    st = TopKState(TopKConfig(density=density, dense_steps=1, hierarchical=hierarchical))
+    st.bind(m.named_parameters())
+    st.num_nodes = nodes
+    if hierarchical:
+        st.hier = make_groups(nodes, local, rank)
+    ddp.register_comm_hook(st, hierarchical_topk_hook if hierarchical else topk_allgather_hook)
+    for _ in range(3):
+        m.zero_grad()
+        ddp(torch.randn(4, width)).square().mean().backward()
+    return vars(st.last), sum(p.numel() for p in m.parameters())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--local", type=int, default=2)
+    ap.add_argument("--density", type=float, default=0.01)
+    ap.add_argument("--params", type=int, default=4_000_000)
+    a = ap.parse_args()
+    world = a.nodes * a.local
+    rows = {}
+    for hier in (False, True):
+        res = run_distributed(work, world, (a.nodes, a.local, a.density, a.params, hier))
+        rows[hier] = res
+    n = rows[False][0][1]
+    print(f"# inter-node bytes per step, {a.nodes} nodes x {a.local} procs, density {a.density}, {n:,} params\n")
+    print("| exchange | inter-node bytes / rank / step | inter-node bytes / node / step | intra-node bytes / rank / step |")
+    print("|---|---:|---:|---:|")
+    for hier, res in rows.items():
+        inter = [r[0]["bytes_inter"] for r in res]
+        intra = [r[0]["bytes_intra"] for r in res]
+        per_node = sum(inter[: a.local])
+        print(f"| {'hierarchical' if hier else 'flat'} | {inter[0]:,} | {per_node:,} | {intra[0]:,} |")
+    ratio = sum(r[0]["bytes_inter"] for r in rows[False]) / sum(r[0]["bytes_inter"] for r in rows[True])
+    print(f"\nflat / hierarchical inter-node bytes: {ratio:.2f}x (expected about L = {a.local})")
+
+
+if __name__ == "__main__":
+    main()
