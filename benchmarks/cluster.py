@@ -299,7 +299,7 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
             if failed:
                 i = failed[0]
                 tail = _tail(run_dir, i, 40)
-                errs = [ln.strip() for ln in tail.splitlines() if re.search(r"Error|error:|what\(\)", ln)]
+                errs = _error_lines(tail)
                 raise ClusterError(f"rank {i} exited with code {codes[i]}: {errs[-1] if errs else '(no error line)'}"
                                    f"\nlog tail:\n{tail}")
             if all(c == 0 for c in codes):
@@ -312,8 +312,10 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
                 if m != progress_seen.get(r):
                     progress_seen[r], last_progress = m, time.time()
             if stall_timeout and time.time() - last_progress > stall_timeout:
+                errs = [f"rank {r}: {e}" for r in range(world) for e in _error_lines(_tail(run_dir, r, 60))[-1:]]
                 raise ClusterError(f"stalled: no rank finished a step for {stall_timeout:.0f} s (hung collective?); "
-                                   f"rank 0 log tail:\n{_tail(run_dir, 0)}")
+                                   + ("; ".join(errs) if errs else "no error in any rank's log")
+                                   + f"\nrank 0 log tail:\n{_tail(run_dir, 0)}")
             if time.monotonic() > deadline:
                 raise ClusterError(f"timed out after {timeout:.0f} s; rank 0 log tail:\n{_tail(run_dir, 0)}")
             time.sleep(0.2)
@@ -345,6 +347,10 @@ def _tail(run_dir: str, rank: int, n: int = 15) -> str:
             return "".join(f.readlines()[-n:])
     except OSError:
         return "(no log)"
+
+
+def _error_lines(text: str) -> List[str]:
+    return [ln.strip() for ln in text.splitlines() if re.search(r"Error:|error:|what\(\)", ln)]
 
 
 def summarize(res: RunResult) -> Dict[str, object]:

@@ -105,19 +105,20 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
         "Columns: *x ddp* and *% bound* are samples/s ratios (bound = `local`, every process training alone "
         "with no communication); *inter-node MB/step* is the ground truth from the veth `tx_bytes` counters "
         "of both nodes (payload + TCP/IP headers, both directions' senders summed); *select/comm ms* are the "
-        "strategy's own telemetry per step (mean over ranks).",
+        "strategy's own telemetry per step (mean over ranks; comm includes waiting for the other ranks); "
+        "*link ms* is the time one node's link needs for its share of those bytes at the nominal rate.",
         "",
     ]
     for rate, rows in results.items():
         ddp = rows.get("ddp", {}).get("samples_per_s")
         bound = rows.get("local", {}).get("samples_per_s")
         lines += [f"## Link rate {rate}", "",
-                  "| entry | samples/s | x ddp | % bound | step s | inter-node MB/step | select ms | comm ms "
+                  "| entry | samples/s | x ddp | % bound | step s | inter-node MB/step | link ms | select ms | comm ms "
                   "| steps to target | time to target s | final acc |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in rows.items():
             if "error" in s:
-                lines.append(f"| {name} | failed: {s['error'].splitlines()[0][:120]} |||||||||| ")
+                lines.append(f"| {name} | failed: {s['error'].splitlines()[0][:160]} ||||||||||| ")
                 continue
             sps = s["samples_per_s"]
             tm = s.get("telemetry_mean") or {}
@@ -125,12 +126,12 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
             lines.append(
                 f"| {name} | {sps:.1f} | {fmt(sps / ddp if ddp else None, '.2f')} | "
                 f"{fmt(100 * sps / bound if bound else None, '.0f')} | {s['step_time_s']:.3f} | "
-                f"{fmt(mb(s['inter_node_bytes_per_step']), '.2f')} | "
+                f"{fmt(mb(s['inter_node_bytes_per_step']), '.2f')} | {fmt(link_ms(s, a.nodes), '.0f')} | "
                 f"{fmt(1e3 * tm['select_time_s'] if tm else None, '.0f')} | "
                 f"{fmt(1e3 * tm['comm_time_s'] if tm else None, '.0f')} | {fmt(s['steps_to_target'], 'd')} | "
                 + (f"{tta:.1f}" if tta is not None else f"not reached in {s['evals'][-1]['time']:.0f}")
                 + f" | {fmt(s['final_acc'], '.3f')} |")
-        lines += ["", *targets(rows), ""]
+        lines += ["", *targets(rows), "", *profile(rows, a.nodes), ""]
     lines += ["![samples/s and accuracy over time](cluster.png)", ""]
     return "\n".join(lines)
 
@@ -138,6 +139,32 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
 def load_range(results) -> str:
     loads = [s["loadavg_1min_after"] for rows in results.values() for s in rows.values() if "loadavg_1min_after" in s]
     return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "(not recorded)"
+
+
+def link_ms(s: dict, nodes: int) -> Optional[float]:
+    """Time a node's link is busy per step: its tx bytes at the nominal rate (bytes are summed over nodes)."""
+    b, rate = s.get("inter_node_bytes_per_step"), s.get("rate")
+    if b is None or rate in (None, "loopback"):
+        return None
+    return 1e3 * (b / nodes) / (cluster.parse_rate(rate) / 8)
+
+
+def profile(rows: Dict[str, dict], nodes: int) -> List[str]:
+    """Where topk_0.01's step goes, next to the no-communication step."""
+    t, loc = rows.get("topk_0.01", {}), rows.get("local", {})
+    tm = t.get("telemetry_mean")
+    if "step_time_s" not in t or "step_time_s" not in loc or not tm:
+        return []
+    bound_step = loc["step_time_s"]
+    return [
+        "Where `topk_0.01`'s step time goes (per rank, ms):", "",
+        f"- step {1e3 * t['step_time_s']:.0f} vs {fmt(1e3 * bound_step if bound_step else None, '.0f')} without "
+        f"communication (`local`, same 4 processes on 2 cores);",
+        f"- selection {1e3 * tm['select_time_s']:.0f}; exchange {1e3 * tm['comm_time_s']:.0f} (gloo all-gather plus "
+        f"waiting for the slowest rank), of which the link itself needs {fmt(link_ms(t, nodes), '.0f')} "
+        f"({mb(t['inter_node_bytes_per_step'] / nodes):.2f} MB per node per step);",
+        f"- wire bytes per rank per step: {tm['bytes_sent'] / 1e6:.2f} MB (telemetry).",
+    ]
 
 
 def first(results, key):
