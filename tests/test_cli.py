@@ -17,7 +17,8 @@ FAST = ["trainer.num_sanity_val_steps=0", "data.num_workers=0", "trainer.enable_
 
 def cli(args, tmp_path, timeout=300, module=True):
     env = dict(os.environ, LIGHTNING_TOPK_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
+    for k in [k for k in env if k.startswith(("SLURM_", "MASTER_")) or k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")]:
+        env.pop(k)
     cmd = [sys.executable, "-m", "lightning_topk"] if module else [str(Path(sys.executable).parent / "lightning-topk-train")]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 

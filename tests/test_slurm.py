@@ -29,7 +29,10 @@ def slurm_env(monkeypatch, nodes=2, per_node=2, node=1, local=1, job="4242"):
     for k, v in env.items():
         monkeypatch.setenv(k, str(v))
     for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "SLURM_ARRAY_JOB_ID"):
-        monkeypatch.delenv(k, raising=False)
+        # set first so monkeypatch restores the original state: SLURMEnvironment.main_address writes
+        # os.environ["MASTER_ADDR"] itself, which must not leak into later tests
+        monkeypatch.setenv(k, "unset")
+        monkeypatch.delenv(k)
 
 
 def test_slurm_env_gives_lightning_the_ranks(monkeypatch):
