@@ -228,24 +228,23 @@ class TopKState:
         return self._param_view(name, "residual")
 
     def residuals(self) -> Dict[str, Tensor]:
-        out = {}
-        for b in self._buckets.values():
-            off = 0
-            for nm, n in zip(b.names, b.numels):
-                if nm in b.owned:
-                    out[nm] = b.residual[off:off + n]
-                off += n
-        return out
+        """Per-parameter flat views of this rank's residuals."""
+        return self._per_param("residual")
 
     def velocities(self) -> Dict[str, Tensor]:
+        """Per-parameter flat views of the momentum-correction velocities (empty when off)."""
+        return self._per_param("velocity")
+
+    def _per_param(self, kind: str) -> Dict[str, Tensor]:
         out = {}
         for b in self._buckets.values():
-            if b.velocity is None:
+            flat = getattr(b, kind)
+            if flat is None:
                 continue
             off = 0
             for nm, n in zip(b.names, b.numels):
                 if nm in b.owned:
-                    out[nm] = b.velocity[off:off + n]
+                    out[nm] = flat[off:off + n]
                 off += n
         return out
 

@@ -9,11 +9,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-def run_script(args, timeout=600, env=None, cwd=None):
+def run_script(args, timeout=420, env=None, cwd=None):
     """Run a Python script in a fresh process (Lightning's popen launcher re-runs sys.argv)."""
     e = dict(os.environ)
     e.setdefault("OMP_NUM_THREADS", "1")
-    e.pop("LOCAL_RANK", None)
+    # In-process Trainers of other tests may have exported these; a stale MASTER_PORT makes the child
+    # rendezvous with whatever else listens there, and hang.
+    for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "GROUP_RANK",
+              "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS"):
+        e.pop(k, None)
     if env:
         e.update(env)
     p = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
@@ -26,3 +30,13 @@ def run_script(args, timeout=600, env=None, cwd=None):
 @pytest.fixture(scope="session")
 def root():
     return ROOT
+
+
+@pytest.fixture(autouse=True)
+def _restore_environ():
+    """Lightning's launchers write MASTER_PORT, LOCAL_RANK, WORLD_SIZE... into os.environ; a later
+    subprocess that inherits a stale MASTER_PORT can rendezvous with a stranger and hang."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

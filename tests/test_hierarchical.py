@@ -102,7 +102,8 @@ def _two_nodes(out, hierarchical, epochs=3):
     procs = []
     for node in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node), OMP_NUM_THREADS="1")
-        env.pop("LOCAL_RANK", None)
+        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
+            env.pop(k, None)
         procs.append(subprocess.Popen(
             [sys.executable, "tests/scripts/train_probe.py", "--strategy", "topk", "--density", "0.01",
              "--num-nodes", "2", "--hierarchical", hierarchical, "--epochs", str(epochs), "--out", str(out)],

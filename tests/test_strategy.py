@@ -87,6 +87,7 @@ def digits_runs(tmp_path_factory):
         out[name] = {
             "result": json.loads((d / "result.json").read_text()),
             "ranks": [torch.load(d / f"rank{r}.pt") for r in range(2)],
+            "dir": d,
         }
     return out
 
@@ -130,3 +131,19 @@ def test_manual_optimization_with_static_graph(digits_runs):
     run = digits_runs["manual_static"]
     assert run["result"]["global_step"] == 8
     assert run["ranks"][0]["steps"] == 8
+
+
+def test_plot_command_draws_runs_side_by_side(digits_runs, tmp_path_factory):
+    from lightning_topk.plots import find_metrics, main, read_series
+
+    base = digits_runs["topk"]["dir"].parent
+    topk = read_series(find_metrics(str(base / "topk")))
+    ddp = read_series(find_metrics(str(base / "ddp")))
+    assert "topk/bytes_sent" in topk and "topk/bytes_sent" not in ddp  # telemetry reached the CSV logger
+    assert topk["topk/bytes_sent"][-1][1] < 0.1 * topk["topk/bytes_dense"][-1][1]
+    out = tmp_path_factory.mktemp("plot") / "cmp.png"
+    assert main([str(base / "topk"), str(base / "ddp"), "--labels", "topk", "ddp", "--out", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    assert main([str(base / "nope"), "--out", str(out)]) == 2
+    assert main([str(base / "topk"), "--labels", "a", "b", "--out", str(out)]) == 2
