@@ -126,7 +126,9 @@ def _exact(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
     for _ in range(6):
         ks = min(s.numel(), max(1, int(k * s.numel() / n * ratio) + 8))
         t = float(torch.topk(s, ks, sorted=False).values.min())
-        c = _count_ge(a, mask, t)
+        torch.ge(a, t, out=mask)
+        cand = torch.nonzero(mask).squeeze(1)  # the count comes with the candidates: no extra pass
+        c = cand.numel()
         if c >= k:
             if c > 3 * k + 1024:   # threshold far too low: raise it
                 ratio = max(1.0, ratio * 0.5 * (3 * k) / c * 1.2)
@@ -135,7 +137,11 @@ def _exact(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
         ratio *= 1.5 if c > 0.5 * k else 3.0
     else:
         return None
-    cand = torch.nonzero(mask).squeeze(1)
+    return _keep_largest(a, cand, k)
+
+
+def _keep_largest(a: Tensor, cand: Tensor, k: int) -> Tensor:
+    """The k candidates of largest magnitude (exact)."""
     drop = cand.numel() - k
     if drop == 0:
         return cand
@@ -184,27 +190,39 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
             t1 = t
         if t1 - t2 <= 1e-7 * (amax - mean):
             break
-    # Widen the sample-based bracket so the full counts straddle k, then confirm.
+    # The sample's count has noise ~sqrt(k m / n): aim the lower bracket a few sigmas low so that one
+    # full pass usually confirms it.
+    ks = k / scale
+    margin = int(ks + 4 * ks ** 0.5 + 8)
+    t2_tight = t2
+    if margin < m:
+        t2 = min(t2, float(s[m - margin]))
+    # Confirm the lower bracket with one full pass (widening if the sample misled us); the upper
+    # bracket is then checked on the candidates alone, which are few.
     span = max(t1 - t2, 1e-3 * (amax - mean))
     for _ in range(8):
-        c1 = _count_ge(a, mask, t1)
-        if c1 <= k:
-            break
-        t1 = min(amax, t1 + span)
-        span *= 2
-    else:
-        return None
-    span = max(t1 - t2, 1e-3 * (amax - mean))
-    for _ in range(8):
-        c2 = _count_ge(a, mask, t2)
-        if c2 >= k:
+        torch.ge(a, t2, out=mask)
+        cand = torch.nonzero(mask).squeeze(1)  # a >= t2, in index order
+        if cand.numel() >= k:
             break
         t2 = max(0.0, t2 - span)
         span *= 2
     else:
         return None
-    cand = torch.nonzero(mask).squeeze(1)           # a >= t2, in index order
-    upper = a.index_select(0, cand) >= t1
+    ca = a.index_select(0, cand)
+    span = max(t1 - t2, 1e-3 * (amax - mean))
+    for _ in range(40):
+        upper = ca >= t1
+        if int(torch.count_nonzero(upper)) <= k:
+            break
+        t1 += span
+        span *= 2
+    else:
+        return None
     above = cand[upper]
-    band = cand[~upper]
+    in_band = ~upper
+    tight = in_band & (ca >= t2_tight)  # the search's own bracket, if it holds enough entries
+    if int(torch.count_nonzero(upper)) + int(torch.count_nonzero(tight)) >= k:
+        in_band = tight
+    band = cand[in_band]
     return torch.cat([above, band[: k - above.numel()]])
