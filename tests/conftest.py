@@ -40,3 +40,14 @@ def _restore_environ():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny tensors on a shared 2-core machine: OpenMP waits would dominate. Restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

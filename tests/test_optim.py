@@ -9,13 +9,7 @@ from lightning_topk.optim import LAMB, LARS, build_optimizer, param_groups
 from lightning_topk.optim.reference import LoopLamb, LoopLars
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: OpenMP waits would dominate."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _net(dtype=torch.float32):

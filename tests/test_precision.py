@@ -4,7 +4,9 @@ import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
 
 from lightning_topk.precision import STATE_KEY, TopKPrecision
-from test_precision_helpers import DigitsNet, accuracy, one_thread, trainer  # noqa: F401 (fixture)
+from test_precision_helpers import DigitsNet, accuracy, trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

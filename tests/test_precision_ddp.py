@@ -8,7 +8,9 @@ import lightning_topk  # noqa: F401  (registers the strategies)
 from lightning_topk.precision import TopKPrecision
 from lightning_topk.strategy import TopKDDPStrategy
 from pytorch_lightning.strategies import DDPStrategy
-from test_precision_helpers import DigitsNet, accuracy, one_thread, trainer  # noqa: F401 (fixture)
+from test_precision_helpers import DigitsNet, accuracy, trainer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 EPOCHS = 4
 INJECT = 4

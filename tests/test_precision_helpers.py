@@ -111,10 +111,3 @@ def finite(x):
     return math.isfinite(x)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Restore torch's thread count after a module that trains the tiny model (see DigitsNet.setup)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)

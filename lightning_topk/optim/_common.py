@@ -10,6 +10,14 @@ from torch import Tensor
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
+def run_closure(closure) -> Any:
+    """Re-evaluate the loss with gradients on, as torch optimizers do (None without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def check_number(opt: str, name: str, value: Any, *, lo: float = None, hi: float = None,
                  lo_open: bool = False, hi_open: bool = False) -> None:
     """Raise ``ValueError`` naming ``name`` unless ``value`` is a real number in the given range."""

@@ -8,7 +8,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_topk.optim._common import LOW_PRECISION, bucket_params, check_bool, check_number, fp32_views
+from lightning_topk.optim._common import (
+    LOW_PRECISION, bucket_params, check_bool, check_number, fp32_views, run_closure,
+)
 
 
 class LAMB(Optimizer):
@@ -59,10 +61,7 @@ class LAMB(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             for (device, dtype), params in bucket_params(group["params"], "LAMB").items():
                 for chunk in _chunks(params, _CHUNK if device.type == "cpu" else None):

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_topk.optim._common import LOW_PRECISION, bucket_params, check_bool, check_number
+from lightning_topk.optim._common import LOW_PRECISION, bucket_params, check_bool, check_number, run_closure
 
 
 class LARS(Optimizer):
@@ -66,10 +66,7 @@ class LARS(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             buckets = bucket_params(group["params"], "LARS")
             if buckets and self._use_kernel(buckets):

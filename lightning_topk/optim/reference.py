@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.optim import Optimizer
 
+from lightning_topk.optim._common import run_closure
+
 
 class LoopLars(Optimizer):
     """LARS as a Python loop over parameters (timm ``Lars`` structure, dampening 0, no trust clipping)."""
@@ -21,10 +23,7 @@ class LoopLars(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         device = self.param_groups[0]["params"][0].device
         one_tensor = torch.tensor(1.0, device=device)
         for group in self.param_groups:
@@ -69,10 +68,7 @@ class LoopLamb(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             for p in group["params"]:
