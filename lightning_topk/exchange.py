@@ -12,11 +12,11 @@ and int32 indices are packed into one fixed-size buffer and all-gathered; every 
 average with ``index_add_`` (entries picked by several ranks add up) and returns it in the scaled
 units the optimizer/GradScaler expect.
 """
-
-
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration
+# and rejects a string "dist.GradBucket".
 import math
 import time
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,17 +65,39 @@ def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor) -> T
     return torch.add(b.residual, grad, alpha=inv, out=acc), None
 
 
+def param_ks(state: TopKState, numels: Sequence[int]) -> List[int]:
+    """``selection_scope="parameter"``: k per parameter (small parameters are sent whole)."""
+    d = state.density_now()
+    return [n if n < state.config.min_sparse_numel else max(1, math.ceil(d * n)) for n in numels]
+
+
+def select_per_param(acc: Tensor, numels: Sequence[int], ks: Sequence[int], selector: str) -> Tensor:
+    """Top-k of each parameter's slice, as indices into the bucket. Independent of how DDP groups
+    parameters into buckets, so a resumed run (whose first iteration uses DDP's pre-rebuild buckets)
+    selects exactly what an uninterrupted run does."""
+    out, off = [], 0
+    for n, k in zip(numels, ks):
+        _, i = topk_select(acc[off:off + n], k, selector)
+        out.append(i + off)
+        off += n
+    return torch.cat(out)
+
+
 def select_and_feedback(
     state: TopKState, b: Optional[_BucketBuffers], acc: Tensor, k: int, vel: Optional[Tensor],
-    stats: StepStats, offset: int = 0,
+    stats: StepStats, offset: int = 0, ks: Optional[Sequence[int]] = None, numels: Optional[Sequence[int]] = None,
 ) -> Tuple[Tensor, Tensor, bool]:
     """Select k entries of ``acc`` and update the residual slice ``[offset, offset+len(acc))``.
 
+    With ``ks``/``numels`` the selection is per parameter (``selection_scope="parameter"``).
     Returns (wire values, int32 indices into acc, finite). The residual is left untouched when the
     selected values are not finite (an inf/NaN always ranks first, so it is always selected).
     """
     t0 = time.perf_counter()
-    _, idx = topk_select(acc, k, state.config.selector)
+    if ks is not None:
+        idx = select_per_param(acc, numels, ks, state.config.selector)
+    else:
+        _, idx = topk_select(acc, k, state.config.selector)
     values = acc.index_select(0, idx)
     wire = values.to(state.config.wire_dtype)
     finite = bool(torch.isfinite(values).all())
@@ -150,7 +172,13 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     scale = state.grad_scale
     b = state.buffers(bucket.parameters(), grad.device) if state.config.error_feedback else None
     acc, vel = accumulate(state, b, grad)
-    k = bucket_k(state, n)
+    ks = numels = None
+    if state.config.selection_scope == "parameter" and state.density_now() < 1.0:
+        numels = [p.numel() for p in bucket.parameters()]
+        ks = param_ks(state, numels)
+        k = sum(ks)
+    else:
+        k = bucket_k(state, n)
     elem = grad.element_size()
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * elem)
     t_launch = time.perf_counter()
@@ -172,7 +200,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
             state.end_exchange()
         return fut.then(finish_dense)
 
-    wire, idx, finite = select_and_feedback(state, b, acc, k, vel, stats)
+    wire, idx, finite = select_and_feedback(state, b, acc, k, vel, stats, ks=ks, numels=numels)
     if not finite:
         record_nonfinite(state, bucket, stats)
     if state.record_sent:

@@ -82,6 +82,9 @@ def build_groups(strategy) -> HierGroups:
     if strategy.topk_config.momentum_correction:
         raise ValueError("topk_ddp: momentum_correction is not supported with the hierarchical exchange; "
                          "set hierarchical=false or momentum_correction=false")
+    if strategy.topk_config.selection_scope != "bucket":
+        raise ValueError("topk_ddp: selection_scope='parameter' is not supported with the hierarchical exchange "
+                         "(its shards cut across parameters); set hierarchical=false or selection_scope='bucket'")
     return make_groups(num_nodes, local_world, rank, timeout=getattr(strategy, "_timeout", None))
 
 

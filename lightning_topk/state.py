@@ -20,6 +20,7 @@ from lightning_topk.schedule import DensitySchedule
 from lightning_topk.selection import METHODS
 
 HIERARCHICAL_CHOICES = ("auto", True, False)
+SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("propagate", "skip", "raise")
 
 
@@ -39,6 +40,7 @@ class TopKConfig:
     min_sparse_numel: int = 16384
     hierarchical: object = "auto"
     nonfinite: str = "propagate"
+    selection_scope: str = "bucket"
 
     def __post_init__(self) -> None:
         d = self.density
@@ -64,6 +66,10 @@ class TopKConfig:
             self.hierarchical, bool
         ):
             raise ValueError(f"topk_ddp: hierarchical must be 'auto', true or false, got {self.hierarchical!r}")
+        if self.selection_scope not in SCOPE_CHOICES:
+            raise ValueError(
+                f"topk_ddp: selection_scope must be one of {list(SCOPE_CHOICES)}, got {self.selection_scope!r}"
+            )
         if self.nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"topk_ddp: nonfinite must be one of {list(NONFINITE_CHOICES)}, got {self.nonfinite!r}")
         try:

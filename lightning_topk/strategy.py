@@ -36,6 +36,7 @@ class TopKStrategyMixin:
         min_sparse_numel: int = 16384,
         hierarchical: Any = "auto",
         nonfinite: str = "raise",
+        selection_scope: str = "bucket",
         log_telemetry: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -46,7 +47,7 @@ class TopKStrategyMixin:
             density=density, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
             momentum_correction=momentum_correction, momentum=momentum, dense_steps=dense_steps,
             warmup_steps=warmup_steps, warmup_start=warmup_start, min_sparse_numel=min_sparse_numel,
-            hierarchical=hierarchical, nonfinite=nonfinite,
+            hierarchical=hierarchical, nonfinite=nonfinite, selection_scope=selection_scope,
         )
         if not isinstance(log_telemetry, bool):
             raise ValueError(f"topk_ddp: log_telemetry must be true or false, got {log_telemetry!r}")

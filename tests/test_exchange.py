@@ -55,6 +55,8 @@ def _all_scenarios(rank, world):
         "identical": _identical(rank, world),
         "mc": _mc(rank, world),
         "nonfinite": _nonfinite(rank, world),
+        "param": _train(rank, world, dict(density=0.02, min_sparse_numel=100, selection_scope="parameter"),
+                        steps=4, record=True),
     }
 
 
@@ -169,3 +171,14 @@ def test_nonfinite_on_one_rank_reaches_all_ranks_and_residual_untouched(runs):
     assert names  # rank 1 names its non-finite parameters
     for k in before:
         assert torch.equal(before[k], after[k])  # residual left as it was on the overflowing rank
+
+
+def test_parameter_scope_sends_k_per_parameter_and_conserves(runs):
+    for params, history, totals in runs["param"]:
+        for old, new, sent, grad, _ in history[1:]:  # step 0 is dense
+            for name, g in grad.items():
+                n = g.numel()
+                k = n if n < 100 else math.ceil(0.02 * n)
+                assert int(sent[name].count_nonzero()) <= k, name
+                o = old.get(name, torch.zeros_like(g))
+                assert torch.allclose(sent[name] + new[name], o + g, atol=1e-6, rtol=1e-5), name

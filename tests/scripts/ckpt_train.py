@@ -78,9 +78,13 @@ class Restored(pl.Callback):
         self.state = st.state_dict() if st is not None else None
 
 
+EXTRA = {}  # --bucket-cap-mb / --scope
+
+
 def topk(**kw):
-    # Default bucket cap: the model's gradients form one DDP bucket (see docs/faults.md on exactness).
-    return TopKDDPStrategy(density=0.01, min_sparse_numel=1024, momentum_correction=True, **kw)
+    # Default bucket cap: the model's gradients form one DDP bucket (see docs/faults.md on exactness);
+    # with --bucket-cap-mb small and --scope parameter they span several buckets.
+    return TopKDDPStrategy(density=0.01, min_sparse_numel=1024, momentum_correction=True, **EXTRA, **kw)
 
 
 def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None, seed=0):
@@ -107,6 +111,7 @@ def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None,
         "residuals": {k: v.clone() for k, v in st.residuals().items()} if st else {},
         "velocities": {k: v.clone() for k, v in st.velocities().items()} if st else {},
         "step": st.step if st else None,
+        "buckets": st.totals.buckets if st else None,
         "global_step": trainer.global_step,
         "restored": restored.state,
         "ckpt_path": str(trainer.ckpt_path),
@@ -127,7 +132,13 @@ def main():
     ap.add_argument("--phases", default="straight,stop,ddp_from_topk,topk_from_ddp,resume")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--slow", type=float, default=0.0)
+    ap.add_argument("--bucket-cap-mb", type=float, default=None)
+    ap.add_argument("--scope", default=None)
     a = ap.parse_args()
+    if a.bucket_cap_mb is not None:
+        EXTRA["bucket_cap_mb"] = a.bucket_cap_mb
+    if a.scope is not None:
+        EXTRA["selection_scope"] = a.scope
     torch.set_num_threads(1)
     ck = os.path.join(a.out, "ckpt")
     for phase in a.phases.split(","):
