@@ -195,3 +195,15 @@ def test_resolvers_cache_dir_and_devices(monkeypatch, tmp_path):
     monkeypatch.delenv("LIGHTNING_TOPK_CACHE")
     assert builders.cache_dir() == os.path.expanduser("~/.cache/lightning_topk")
     assert builders.default_devices(2) == (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+
+
+def test_topk_strategy_config_lists_every_option():
+    from pathlib import Path
+
+    import yaml
+
+    from lightning_topk.state import TopKConfig
+
+    cfg = yaml.safe_load((Path(__file__).parents[1] / "conf" / "strategy" / "topk_ddp.yaml").read_text())
+    missing = set(TopKConfig.__dataclass_fields__) | {"log_telemetry"} - set(cfg)
+    assert not (missing - set(cfg)), f"conf/strategy/topk_ddp.yaml lacks {sorted(missing - set(cfg))}"
