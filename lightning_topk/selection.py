@@ -19,6 +19,17 @@ _DENSE_SHARE = 0.2       # k above this share of n: torch.topk
 _SAMPLE = 1 << 16        # sample size for the threshold estimate
 _MSTOPK_ROUNDS = 24      # binary-search rounds of MSTopK (on the sample)
 
+# "auto": MSTopK uses the CuPy kernels (multi-threshold count + compaction) for CUDA tensors when CuPy
+# sees a device; "always": that code path everywhere (off CUDA the kernels' torch references run,
+# which is how it is tested here); "never": the torch path.
+KERNEL_PATH = "auto"
+
+
+def _cupy_ready() -> bool:
+    from lightning_topk import cuda_ops
+
+    return cuda_ops.cupy_available()
+
 
 class _Workspace:
     """Grow-only |x| (fp32) and mask buffers, one set per device."""
@@ -90,6 +101,9 @@ def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tenso
     mask = _WS.get(n, x.device, torch.bool)
     if method == "exact":
         idx = _exact(a, mask, k)
+    elif KERNEL_PATH == "always" or (KERNEL_PATH == "auto" and x.is_cuda and _cupy_ready()):
+        out = _mstopk_kernels(x, a, k)
+        return out if out is not None else _torch_topk(x, k)
     else:
         idx = _mstopk(a, mask, k)
     if idx is None:
@@ -155,7 +169,13 @@ def _keep_largest(a: Tensor, cand: Tensor, k: int) -> Tensor:
     return cand.index_select(0, pos)
 
 
-def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
+def _mstopk_brackets(a: Tensor, k: int):
+    """MSTopK's threshold search on a sorted random sample.
+
+    Returns ``(t1, t2_tight, t2, span)``: upper bracket t1 (about count <= k), the search's own lower
+    bracket, a safer lower bracket a few sigmas of sampling noise lower, and a step for widening.
+    Returns ``"exact"`` when fewer than k entries exceed the mean, None when it cannot bracket.
+    """
     n = a.numel()
     amax = float(a.max())
     mean = float(a.mean())
@@ -172,22 +192,18 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
         return float(m - int(torch.searchsorted(s, ts)[0])) * scale
 
     if est(mean) < k:  # fewer than k entries above the mean (large density): exact is the right tool
-        return _exact(a, mask, k)
+        return "exact"
     # Binary search of r in [0, 1], t = mean + r (max - mean); keep the best t1 (count <= k, upper
-    # bracket) and t2 (count >= k, lower bracket). Counts come from the sample, so the brackets are
-    # aimed with a margin and then confirmed with full counts.
+    # bracket) and t2 (count >= k, lower bracket).
     lo_r, hi_r = 0.0, 1.0
     t1, t2 = amax, mean
     for _ in range(_MSTOPK_ROUNDS):
         r = 0.5 * (lo_r + hi_r)
         t = mean + r * (amax - mean)
-        c = est(t)
-        if c > k:
-            lo_r = r
-            t2 = t
+        if est(t) > k:
+            lo_r, t2 = r, t
         else:
-            hi_r = r
-            t1 = t
+            hi_r, t1 = r, t
         if t1 - t2 <= 1e-7 * (amax - mean):
             break
     # The sample's count has noise ~sqrt(k m / n): aim the lower bracket a few sigmas low so that one
@@ -197,9 +213,19 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
     t2_tight = t2
     if margin < m:
         t2 = min(t2, float(s[m - margin]))
+    return t1, t2_tight, t2, max(t1 - t2, 1e-3 * (amax - mean))
+
+
+def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
+    br = _mstopk_brackets(a, k)
+    if br == "exact":
+        return _exact(a, mask, k)
+    if br is None:
+        return None
+    t1, t2_tight, t2, span0 = br
     # Confirm the lower bracket with one full pass (widening if the sample misled us); the upper
     # bracket is then checked on the candidates alone, which are few.
-    span = max(t1 - t2, 1e-3 * (amax - mean))
+    span = span0
     for _ in range(8):
         torch.ge(a, t2, out=mask)
         cand = torch.nonzero(mask).squeeze(1)  # a >= t2, in index order
@@ -210,7 +236,7 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
     else:
         return None
     ca = a.index_select(0, cand)
-    span = max(t1 - t2, 1e-3 * (amax - mean))
+    span = span0
     for _ in range(40):
         upper = ca >= t1
         if int(torch.count_nonzero(upper)) <= k:
@@ -226,3 +252,24 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
         in_band = tight
     band = cand[in_band]
     return torch.cat([above, band[: k - above.numel()]])
+
+
+def _mstopk_kernels(x: Tensor, a: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
+    """MSTopK through the CUDA kernels: candidate brackets are checked in ONE multi-threshold count
+    pass, then the compaction kernel packs exactly k entries (torch references off CUDA)."""
+    from lightning_topk import cuda_ops
+
+    br = _mstopk_brackets(a, k)
+    if br is None or br == "exact":
+        return None
+    t1, t2_tight, t2, span = br
+    ups = [t1 + span * (2 ** j - 1) for j in range(16)]
+    downs = [max(0.0, t2 - span * (2 ** j - 1)) for j in range(16)]
+    th = torch.tensor([*ups, t2_tight, *downs], dtype=torch.float32, device=a.device)
+    cnt = cuda_ops.multi_threshold_count(a, th).tolist()
+    hi = next((t for t, c in zip(ups, cnt[:16]) if c <= k), None)
+    lo = t2_tight if cnt[16] >= k else next((t for t, c in zip(downs, cnt[17:]) if c >= k), None)
+    if hi is None or lo is None or lo > hi:
+        return None
+    values, idx = cuda_ops.compact_selected(x, hi, lo, k)
+    return values, idx.long()

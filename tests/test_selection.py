@@ -81,3 +81,19 @@ def test_nonfinite_entries_always_selected():
 def test_bad_input_names_the_argument(args, match):
     with pytest.raises((ValueError, TypeError), match=match):
         topk_select(*args)
+
+
+def test_mstopk_kernel_path_via_references(monkeypatch):
+    """The CUDA path of MSTopK (one multi-threshold count, then compaction), run through the kernels'
+    torch references: same contract as the torch path."""
+    import lightning_topk.selection as sel
+
+    monkeypatch.setattr(sel, "KERNEL_PATH", "always")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(400_000, generator=g) * torch.exp(torch.randn(400_000, generator=g))
+    for k in (4_000, 400):
+        v, i = topk_select(x, k, "mstopk")
+        assert i.numel() == k and i.unique().numel() == k and i.dtype == torch.long
+        assert torch.equal(v, x[i])
+        ref = torch.topk(x.abs(), k).values
+        assert (v.double() ** 2).sum() / (ref.double() ** 2).sum() >= 0.99
