@@ -144,8 +144,10 @@ class TopKStrategyMixin:
                 "Set strategy nonfinite='skip' to skip such steps on all ranks, or use fp16 loss scaling."
             )
         if mode == "skip":
+            trainer = getattr(self.lightning_module, "_trainer", None)
+            step = trainer.global_step if trainer is not None else state.step - 1
             log.warning("topk_ddp: skipping optimizer step %d on all ranks: non-finite gradient in %s",
-                        state.step, names[:8])
+                        step, names[:8])
             state.rollback_step()
             for group in optimizer.param_groups:
                 for p in group["params"]:
