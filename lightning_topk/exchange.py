@@ -194,6 +194,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
 
         def finish_dense(_f) -> Tensor:
             stats.comm_time_s += time.perf_counter() - t_launch
+            if not bool(torch.isfinite(acc).all()):
+                state.nonfinite_seen = True
             return acc.mul_(scale / world).to(grad.dtype)
 
         if bucket.is_last():
@@ -218,6 +220,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         # On gloo the future's value is not the gathered tensor: read `out`.
         stats.comm_time_s += time.perf_counter() - t_launch
         values, indices = codec.unpack(out, k, wire_dtype, world)
+        if not bool(torch.isfinite(values).all()):  # k entries per rank: cheap, unlike a pass over the grads
+            state.nonfinite_seen = True
         dense = rebuild(n, values, indices, grad.device, None if b is None else b.scratch("out"))
         return dense.mul_(scale / world).to(grad.dtype)
 

@@ -180,6 +180,8 @@ def flush_pending(state: TopKState) -> None:
     h: HierGroups = state.hier
     p.work.wait()
     vals, ids = codec.unpack(p.out, p.k, p.wire_dtype, h.num_nodes)
+    if not bool(torch.isfinite(vals).all()):
+        state.nonfinite_seen = True
     shard_sum = rebuild(p.s, vals, ids, p.out.device)
     full = torch.empty(p.s * h.local_world, dtype=torch.float32, device=p.out.device)
     fut = _all_gather(full, shard_sum, group=h.intra, async_op=True).get_future()

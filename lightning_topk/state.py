@@ -8,7 +8,6 @@ and restored per parameter.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -19,7 +18,6 @@ from lightning_topk.codec import value_dtype_of
 from lightning_topk.schedule import DensitySchedule
 from lightning_topk.selection import METHODS
 
-HIERARCHICAL_CHOICES = ("auto", True, False)
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("propagate", "skip", "raise")
 
@@ -62,9 +60,7 @@ class TopKConfig:
             raise ValueError("topk_ddp: momentum_correction=True needs error_feedback=True (it accumulates velocity)")
         if isinstance(self.min_sparse_numel, bool) or not isinstance(self.min_sparse_numel, int) or self.min_sparse_numel < 0:
             raise ValueError(f"topk_ddp: min_sparse_numel must be an int >= 0, got {self.min_sparse_numel!r}")
-        if self.hierarchical not in HIERARCHICAL_CHOICES or isinstance(self.hierarchical, int) and not isinstance(
-            self.hierarchical, bool
-        ):
+        if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
             raise ValueError(f"topk_ddp: hierarchical must be 'auto', true or false, got {self.hierarchical!r}")
         if self.selection_scope not in SCOPE_CHOICES:
             raise ValueError(
@@ -160,7 +156,8 @@ class TopKState:
         self.record_sent = False
         self.sent: Dict[str, Tensor] = {}
         self.grads_in: Dict[str, Tensor] = {}
-        self.nonfinite_params: List[str] = []
+        self.nonfinite_params: List[str] = []  # this rank's parameters that were non-finite going in
+        self.nonfinite_seen = False  # an exchanged result was non-finite (on every rank alike)
         self._names: Dict[int, str] = {}
         self._buckets: Dict[Tuple[str, ...], _BucketBuffers] = {}
         self._owner: Dict[str, Tuple[str, ...]] = {}
@@ -320,11 +317,3 @@ class TopKState:
         self._owner.clear()
         self._snapshots.clear()
         self._pending_load = None
-
-
-class Timer:
-    def __init__(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.t0

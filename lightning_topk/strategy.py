@@ -118,12 +118,14 @@ class TopKStrategyMixin:
         if _has_grad_scaler(self.precision_plugin):
             # The scaler makes the skip decision (and the precision plugin rolls residuals back).
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
+            state.nonfinite_seen = False
             self._log_topk()
             return out
 
         def checked_closure():
             out = closure()
-            if state.nonfinite_params or _any_nonfinite_grad(optimizer):
+            # The hooks flag a non-finite exchanged result on every rank alike: no pass over the grads here.
+            if state.nonfinite_params or state.nonfinite_seen:
                 self._handle_nonfinite(optimizer, state)
             return out
 
@@ -136,6 +138,7 @@ class TopKStrategyMixin:
         names = _nonfinite_param_names(self.lightning_module, optimizer) or list(state.nonfinite_params)
         local = list(state.nonfinite_params)
         state.nonfinite_params.clear()
+        state.nonfinite_seen = False
         mode = self.topk_config.nonfinite
         if mode == "raise":
             where = f"; non-finite before the exchange on rank {self.global_rank} in {local}" if local else ""
@@ -208,14 +211,6 @@ class TopKStrategyMixin:
 
 def _has_grad_scaler(plugin) -> bool:
     return getattr(plugin, "scaler", None) is not None
-
-
-def _any_nonfinite_grad(optimizer) -> bool:
-    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-    if not grads:
-        return False
-    norms = torch._foreach_norm(grads, float("inf"))
-    return not bool(torch.isfinite(torch.stack(norms)).all())
 
 
 def _nonfinite_param_names(module, optimizer) -> list:
