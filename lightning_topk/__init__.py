@@ -1,33 +1,73 @@
 """lightning_topk: top-k sparse gradient exchange with error feedback for PyTorch Lightning DDP.
 
-``import lightning_topk`` registers the strategies ``topk_ddp`` and ``topk_ddp_spawn``.
+Layers (imports point down only):
+
+* ``lightning_topk.comm``: torch only. Selection, wire format, density schedule, state, the exchanges.
+* ``lightning_topk.lightning``: thin Lightning glue (strategy, precision, checkpoint shards, faults).
+* ``lightning_topk.data``, ``lightning_topk.optim``, ``lightning_topk.models``.
+* ``lightning_topk.app``: the ``lightning-topk-train`` command, its factories, summary and plots.
+
+``import lightning_topk`` registers the strategies ``topk_ddp`` and ``topk_ddp_spawn`` in every Lightning
+package that is installed. The public names below are imported on first use (PEP 562), so
+``from lightning_topk.comm import topk_select`` works with no Lightning package importable.
 """
-from lightning_topk.data import WebDataModule, write_shards
-from lightning_topk.exchange import topk_allgather_hook
-from lightning_topk.exchange_hier import hierarchical_topk_hook
-from lightning_topk.precision import TopKPrecision
-from lightning_topk.registry import register_strategies
-from lightning_topk.schedule import DensitySchedule
-from lightning_topk.selection import topk_select
-from lightning_topk.state import StepStats, TopKConfig, TopKState
-from lightning_topk.strategy import TopKDDPStrategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-register_strategies()
+_EXPORTS = {
+    "DensitySchedule": "lightning_topk.comm",
+    "StepStats": "lightning_topk.comm",
+    "TopKConfig": "lightning_topk.comm",
+    "TopKState": "lightning_topk.comm",
+    "hierarchical_topk_hook": "lightning_topk.comm",
+    "topk_allgather_hook": "lightning_topk.comm",
+    "topk_select": "lightning_topk.comm",
+    "TopKDDPStrategy": "lightning_topk.lightning.strategy",
+    "UnifiedTopKDDPStrategy": "lightning_topk.lightning.unified",
+    "TopKPrecision": "lightning_topk.lightning.precision",
+    "register_strategies": "lightning_topk.lightning.registry",
+    "WebDataModule": "lightning_topk.data",
+    "write_shards": "lightning_topk.data",
+}
 
-__all__ = [
-    "DensitySchedule",
-    "StepStats",
-    "TopKConfig",
-    "TopKDDPStrategy",
-    "TopKPrecision",
-    "WebDataModule",
-    "hierarchical_topk_hook",
-    "write_shards",
-    "TopKState",
-    "__version__",
-    "register_strategies",
-    "topk_allgather_hook",
-    "topk_select",
-]
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+if TYPE_CHECKING:
+    from lightning_topk.comm import (
+        DensitySchedule, StepStats, TopKConfig, TopKState, hierarchical_topk_hook, topk_allgather_hook, topk_select,
+    )
+    from lightning_topk.data import WebDataModule, write_shards
+    from lightning_topk.lightning.precision import TopKPrecision
+    from lightning_topk.lightning.registry import register_strategies
+    from lightning_topk.lightning.strategy import TopKDDPStrategy
+    from lightning_topk.lightning.unified import UnifiedTopKDDPStrategy
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_topk' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+def _register_if_lightning() -> None:
+    try:
+        import pytorch_lightning  # noqa: F401
+    except ImportError:  # torch-only use: nothing to register
+        return
+    from lightning_topk.lightning.registry import register_strategies
+
+    register_strategies()
+
+
+_register_if_lightning()

@@ -1,5 +1,5 @@
 """``python -m lightning_topk [overrides]``: same as ``lightning-topk-train``."""
-from lightning_topk.cli import main
+from lightning_topk.app.cli import main
 
 if __name__ == "__main__":
     main()

@@ -1,30 +1,25 @@
+"""Fixtures and markers shared by every test folder. Markers: ``slow`` (long multi-process runs, still in
+CI; ``-m "not slow"`` skips them) and ``gpu`` (needs CUDA and CuPy; skipped without them)."""
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
+from tests.helpers.procs import ROOT
 
 
-def run_script(args, timeout=420, env=None, cwd=None):
-    """Run a Python script in a fresh process (Lightning's popen launcher re-runs sys.argv)."""
-    e = dict(os.environ)
-    e.setdefault("OMP_NUM_THREADS", "1")
-    # In-process Trainers of other tests may have exported these; a stale MASTER_PORT makes the child
-    # rendezvous with whatever else listens there, and hang.
-    for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "GROUP_RANK",
-              "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS"):
-        e.pop(k, None)
-    if env:
-        e.update(env)
-    p = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                       env=e, cwd=cwd or ROOT)
-    if p.returncode != 0:
-        raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
-    return p
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        try:
+            import cupy  # noqa: F401
+            return
+        except ImportError:
+            pass
+    skip = pytest.mark.skip(reason="needs a CUDA device and CuPy (not available on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

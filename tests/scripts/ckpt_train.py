@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_probe import digits  # noqa: E402
 
 from lightning_topk import TopKDDPStrategy  # noqa: E402
-from lightning_topk.models import Classifier, SmallCNN  # noqa: E402
+from lightning_topk.models import ImageClassifier, SmallCNN  # noqa: E402
 
 
 class ResumableLoader(DataLoader):
@@ -89,7 +89,7 @@ def topk(**kw):
 
 def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None, seed=0):
     pl.seed_everything(seed, workers=True)
-    model = Classifier(SmallCNN(width=16), lr=0.05)
+    model = ImageClassifier(SmallCNN(width=16), lr=0.05)
     restored = Restored()
     trainer = pl.Trainer(
         accelerator="cpu", devices=a.devices, strategy=strategy, max_epochs=max_epochs,

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_probe import digits  # noqa: E402
 
 from lightning_topk import TopKDDPStrategy  # noqa: E402
-from lightning_topk.models import Classifier, SmallCNN  # noqa: E402
+from lightning_topk.models import ImageClassifier, SmallCNN  # noqa: E402
 
 POISONED = "net.head.3.weight"
 
@@ -80,7 +80,7 @@ def nonfinite(out):
     results = {}
     for mode, value, step in (("skip", float("nan"), 3), ("raise", float("inf"), 2)):
         pl.seed_everything(0)
-        model = Classifier(SmallCNN(width=16), lr=0.05)
+        model = ImageClassifier(SmallCNN(width=16), lr=0.05)
         poison = Poison(step, value)
         trainer = trainer_for(TopKDDPStrategy(density=0.01, nonfinite=mode), [poison], 8)
         try:
@@ -97,7 +97,7 @@ def nonfinite(out):
 def long(out, timeout):
     train, _ = digits()
     pl.seed_everything(0)
-    model = Classifier(SmallCNN(width=16), lr=0.05)
+    model = ImageClassifier(SmallCNN(width=16), lr=0.05)
     strategy = TopKDDPStrategy(density=0.01, timeout=timedelta(seconds=timeout))
     trainer = trainer_for(strategy, [Progress(out)], 100000)
     trainer.fit(model, DataLoader(train, batch_size=32, shuffle=True))

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_topk  # noqa: F401  (registers topk_ddp)
 from lightning_topk import TopKDDPStrategy
-from lightning_topk.models import Classifier, SmallCNN
+from lightning_topk.models import ImageClassifier, SmallCNN
 
 
 def digits():
@@ -28,7 +28,7 @@ def digits():
     return TensorDataset(x[:1400], y[:1400]), TensorDataset(x[1400:], y[1400:])
 
 
-class Manual(Classifier):
+class Manual(ImageClassifier):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.automatic_optimization = False
@@ -43,7 +43,7 @@ class Manual(Classifier):
         self.log("train/loss", loss)
 
 
-class WithUnused(Classifier):
+class WithUnused(ImageClassifier):
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
         self.unused = torch.nn.Linear(10, 10)
@@ -69,7 +69,7 @@ def main():
     torch.set_num_threads(1)
     pl.seed_everything(0, workers=True)
     train, val = digits()
-    cls = Manual if a.manual else WithUnused if a.unused else Classifier
+    cls = Manual if a.manual else WithUnused if a.unused else ImageClassifier
     model = cls(SmallCNN(width=16), lr=a.lr)
     ddp_kw = dict(static_graph=a.static_graph, find_unused_parameters=a.unused)
     if a.strategy == "ddp":

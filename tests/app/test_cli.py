@@ -1,0 +1,84 @@
+"""``lightning-topk-train`` / ``python -m lightning_topk`` end to end in subprocesses (Lightning's popen launcher
+re-runs the command, so these runs cannot happen inside pytest's own process)."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.procs import ROOT
+FAST = ["trainer.num_sanity_val_steps=0", "data.num_workers=0", "trainer.enable_model_summary=false"]
+
+
+def cli(args, tmp_path, timeout=300, module=True):
+    env = dict(os.environ, LIGHTNING_TOPK_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    for k in [k for k in env if k.startswith(("SLURM_", "MASTER_")) or k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")]:
+        env.pop(k)
+    cmd = [sys.executable, "-m", "lightning_topk"] if module else [str(Path(sys.executable).parent / "lightning-topk-train")]
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+
+
+def ok(p):
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    return p
+
+
+def test_default_run_short_end_to_end(tmp_path):
+    """The default run (2 popen processes, topk_ddp, TopKPrecision bf16, fused SGD, RAM cache), 3 epochs."""
+    run = tmp_path / "run"
+    p = ok(cli(["trainer.max_epochs=3", f"hydra.run.dir={run}", *FAST], tmp_path))
+    s = json.loads((run / "summary.json").read_text())
+    assert s["strategy"] == "topk_ddp" and s["world_size"] == 2
+    assert s["metrics"]["test/acc"] > 0.5  # chance is 0.1
+    assert s["bytes"]["ratio"] > 5 and s["bytes"]["sent"] < s["bytes"]["dense"]
+    assert s["samples"] > 0 and s["samples_per_second"] > 0 and s["global_step"] == 3 * 23
+    assert Path(s["checkpoint"]).is_file() and Path(s["checkpoint"]).parent == run / "checkpoints"
+    assert (Path(s["log_dirs"][0]) / "metrics.csv").is_file()
+    assert "lightning-topk run summary" in p.stdout and "test/acc" in p.stdout and "x less" in p.stdout
+    assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())  # shards written to the cache
+    # The popen child re-ran the command with the same overrides and output directory: same config digest,
+    # its Hydra log in the parent's run dir.
+    parent = re.search(r"rank 0/2 config sha1 (\w+)", (run / "cli.log").read_text())
+    child = re.search(r"rank 1/2 config sha1 (\w+)", (run / "train_ddp_process_1.log").read_text())
+    assert parent and child and parent.group(1) == child.group(1)
+    assert (run / ".hydra" / "overrides.yaml").is_file()
+
+
+def test_cfg_job_and_overrides_console_script(tmp_path):
+    p = ok(cli(["--cfg", "job", "strategy.density=0.005", "optimizer=lamb"], tmp_path, module=False))
+    assert "density: 0.005" in p.stdout and "name: lamb" in p.stdout and "_target_: lightning_topk.TopKDDPStrategy" in p.stdout
+    assert not (tmp_path / "outputs").exists()  # --cfg prints only
+
+
+def test_bad_key_and_value_fail_with_clear_messages(tmp_path):
+    p = cli(["strategy.densty=0.1"], tmp_path)
+    assert p.returncode != 0 and "Key 'densty' is not in struct" in p.stderr
+    p = cli(["strategy=nope"], tmp_path)
+    assert p.returncode != 0 and "Could not find 'strategy/nope'" in p.stderr and "topk_ddp_spawn" in p.stderr
+    p = cli(["strategy.density=2", *FAST], tmp_path)
+    assert p.returncode != 0 and "density must be a number in (0, 1], got 2" in p.stderr
+
+
+def test_multirun_with_popen_is_refused(tmp_path):
+    p = cli(["-m", "strategy.density=0.01,0.02", f"hydra.sweep.dir={tmp_path / 'mr'}", *FAST], tmp_path)
+    assert p.returncode != 0
+    assert "Hydra multirun (-m) cannot be combined with a strategy that starts its processes" in p.stderr
+    assert "topk_ddp_spawn" in p.stderr
+
+
+def test_multirun_with_spawn_works(tmp_path):
+    sweep = tmp_path / "mr"
+    ok(cli(["-m", "strategy=topk_ddp_spawn", "strategy.density=0.01,0.1", "trainer.max_steps=3",
+            "trainer.limit_val_batches=0", "run.test=false", "callbacks.progress_bar=null",
+            f"hydra.sweep.dir={sweep}", *FAST], tmp_path, timeout=400))
+    runs = [json.loads((sweep / str(i) / "summary.json").read_text()) for i in (0, 1)]
+    for s in runs:
+        assert s["strategy"] == "topk_ddp_spawn" and s["world_size"] == 2 and s["global_step"] == 3
+        assert s["samples"] == 3 * 2 * 32 and Path(s["checkpoint"]).is_file()
+    # bytes reached the main process from the spawned rank 0, and the sweep value reached the strategy
+    assert runs[0]["bytes"]["sent"] < runs[1]["bytes"]["sent"] < runs[1]["bytes"]["dense"]

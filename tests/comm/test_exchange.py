@@ -1,0 +1,186 @@
+"""The top-k comm hook on real gloo processes, without a Trainer."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.helpers.dist import run_distributed
+from lightning_topk import TopKConfig
+from lightning_topk import TopKState
+from lightning_topk import topk_allgather_hook
+from lightning_topk.comm.wire import pack, unpack
+from lightning_topk.comm.allgather import rebuild
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _batches(rank, steps, same_data=False):
+    g = torch.Generator().manual_seed(0 if same_data else 100 + rank)
+    return [(torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(steps)]
+
+
+def _train(rank, world, cfg, steps=6, same_data=False, hook=True, record=False, bucket_cap_mb=0.05):
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=bucket_cap_mb)
+    state = None
+    if hook:
+        state = TopKState(TopKConfig(**cfg))
+        state.bind(m.named_parameters())
+        state.record_sent = record
+        ddp.register_comm_hook(state, topk_allgather_hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    history = []
+    for x, y in _batches(rank, steps, same_data):
+        old = {k: v.clone() for k, v in state.residuals().items()} if record else None
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        if record:
+            history.append((old, {k: v.clone() for k, v in state.residuals().items()},
+                            {k: v.clone() for k, v in state.sent.items()},
+                            {k: v.clone() for k, v in state.grads_in.items()},
+                            {n: p.grad.clone() for n, p in m.named_parameters()}))
+        opt.step()
+    params = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    return params, history, (state.totals if state else None)
+
+
+def _all_scenarios(rank, world):
+    return {
+        "dense": _dense_vs_topk(rank, world),
+        "fp32": _conservation(rank, world, "fp32", False),
+        "bf16": _conservation(rank, world, "bf16", False),
+        "identical": _identical(rank, world),
+        "mc": _mc(rank, world),
+        "nonfinite": _nonfinite(rank, world),
+        "param": _train(rank, world, dict(density=0.02, min_sparse_numel=100, selection_scope="parameter"),
+                        steps=4, record=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def runs():
+    res = run_distributed(_all_scenarios, 2)
+    return {key: [r[key] for r in res] for key in res[0]}
+
+
+def _dense_vs_topk(rank, world):
+    ref, _, _ = _train(rank, world, None, hook=False)
+    got, _, totals = _train(rank, world, dict(density=1.0))
+    return ref, got, totals
+
+
+def test_density_one_equals_plain_ddp(runs):
+    for ref, got, totals in runs["dense"]:
+        assert totals.dense_buckets == totals.buckets > 0
+        for k in ref:
+            assert torch.allclose(ref[k], got[k], atol=1e-6, rtol=0), k
+
+
+def _conservation(rank, world, value_dtype, mc):
+    cfg = dict(density=0.02, min_sparse_numel=0, dense_steps=1, value_dtype=value_dtype, momentum_correction=mc)
+    return _train(rank, world, cfg, steps=5, record=True)
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "bf16"])
+def test_conservation_sent_plus_residual_equals_old_residual_plus_grad(runs, value_dtype):
+    results = runs[value_dtype]
+    for params, history, totals in results:
+        assert totals.numel_sent < totals.numel  # sparse steps happened
+        for step, (old, new, sent, grad, _) in enumerate(history):
+            for name, g in grad.items():
+                o = old.get(name, torch.zeros_like(g))
+                lhs = sent[name] + new[name]
+                assert torch.allclose(lhs, o + g, atol=1e-6, rtol=1e-5), (step, name)
+    # different data on the two ranks -> different residuals (they are per-rank state)
+    r0, r1 = results[0][1][-1][1], results[1][1][-1][1]
+    assert any(not torch.equal(r0[k], r1[k]) for k in r0)
+
+
+
+def _identical(rank, world):
+    cfg = dict(density=0.05, min_sparse_numel=0, dense_steps=0)
+    return _train(rank, world, cfg, steps=2, same_data=True, record=True)
+
+
+def test_duplicates_across_ranks_add_not_overwrite(runs):
+    # Same data on both ranks: both pick the same entries; the average must equal what one rank sent
+    # (a scatter_-based rebuild would give half of it).
+    for _, history, _ in runs["identical"]:
+        for old, new, sent, grad, after in history:
+            for name, s in sent.items():
+                assert torch.allclose(after[name].reshape(-1), s, atol=1e-6), name
+                assert s.count_nonzero() > 0
+
+
+def _mc(rank, world):
+    return _train(rank, world, dict(density=0.02, min_sparse_numel=0, momentum_correction=True), steps=5, record=True)
+
+
+def test_momentum_correction_keeps_finite_state_and_sends_k(runs):
+    for params, history, totals in runs["mc"]:
+        assert all(torch.isfinite(v).all() for v in params.values())
+        old, new, sent, grad, _ = history[-1]
+        n = sum(v.numel() for v in sent.values())
+        nz = sum(int(v.count_nonzero()) for v in sent.values())
+        assert nz <= math.ceil(0.02 * n) + 10
+
+
+def test_rebuild_index_add_and_codec_roundtrip():
+    vals = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    idx = torch.tensor([5, 7, 5, 0])
+    out = rebuild(10, vals, idx, torch.device("cpu"))
+    assert out[5] == 4.0 and out[7] == 2.0 and out[0] == 4.0 and out.sum() == 10.0
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        v = torch.randn(6).to(dt)
+        i = torch.tensor([0, 9, 3, 2**31 - 1, 4, 1], dtype=torch.int32)
+        buf = torch.cat([pack(v, i), pack(v * 2, i)])
+        v2, i2 = unpack(buf, 6, dt, 2)
+        assert torch.equal(v2[:6], v.float()) and torch.equal(v2[6:], (v * 2).float())
+        assert torch.equal(i2[:6], i.long())
+
+
+def _nonfinite(rank, world):
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    st = TopKState(TopKConfig(density=0.05, min_sparse_numel=0, dense_steps=0))
+    st.bind(m.named_parameters())
+    ddp.register_comm_hook(st, topk_allgather_hook)
+    x, y = _batches(rank, 1)[0]
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    before = {k: v.clone() for k, v in st.residuals().items()}
+    for p in m.parameters():
+        p.grad = None
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    if rank == 1:
+        loss = loss * float("inf")
+    loss.backward()
+    after = {k: v.clone() for k, v in st.residuals().items()}
+    grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    return before, after, grads_finite, list(st.nonfinite_params)
+
+
+def test_nonfinite_on_one_rank_reaches_all_ranks_and_residual_untouched(runs):
+    res = runs["nonfinite"]
+    for rank, (before, after, grads_finite, names) in enumerate(res):
+        assert not grads_finite  # every rank sees the overflow: identical skip decisions
+        assert all(torch.isfinite(v).all() for v in after.values())
+    before, after, _, names = res[1]
+    assert names  # rank 1 names its non-finite parameters
+    for k in before:
+        assert torch.equal(before[k], after[k])  # residual left as it was on the overflowing rank
+
+
+def test_parameter_scope_sends_k_per_parameter_and_conserves(runs):
+    for params, history, totals in runs["param"]:
+        for old, new, sent, grad, _ in history[1:]:  # step 0 is dense
+            for name, g in grad.items():
+                n = g.numel()
+                k = n if n < 100 else math.ceil(0.02 * n)
+                assert int(sent[name].count_nonzero()) <= k, name
+                o = old.get(name, torch.zeros_like(g))
+                assert torch.allclose(sent[name] + new[name], o + g, atol=1e-6, rtol=1e-5), name

@@ -1,0 +1,1 @@
+"""Shared test helpers: real gloo processes (`dist`), script runs (`procs`), digits models (`digits`)."""

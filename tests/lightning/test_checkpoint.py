@@ -1,0 +1,162 @@
+"""Checkpoint/resume of the top-k compression state: 2-process Trainer runs (real gloo processes, real
+SIGUSR1 for SLURM requeue) and the shard format/redistribution rules on their own."""
+import os
+import signal
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.procs import SCRIPTS, run_script
+
+sys.path.insert(0, str(SCRIPTS))
+from fault_launch import Ranks, progress, wait_for  # noqa: E402
+
+SCRIPT = "tests/scripts/ckpt_train.py"
+
+
+def load(d, phase, rank):
+    return torch.load(Path(d) / f"{phase}_rank{rank}.pt")
+
+
+def assert_same_state(a, b):
+    assert a["global_step"] == b["global_step"] and a["step"] == b["step"]
+    for k in a["params"]:
+        assert torch.equal(a["params"][k], b["params"][k]), k
+    for kind in ("residuals", "velocities"):
+        assert a[kind] and a[kind].keys() == b[kind].keys()
+        for k in a[kind]:
+            assert torch.equal(a[kind][k], b[kind][k]), (kind, k)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One 2-process launch: straight, stop, ddp_from_topk, topk_from_ddp, resume (see the script)."""
+    d = tmp_path_factory.mktemp("ckpt")
+    run_script([SCRIPT, "--out", d])
+    return d
+
+
+def test_resume_from_last_is_bit_exact(runs):
+    for r in range(2):
+        straight, resumed = load(runs, "straight", r), load(runs, "resume", r)
+        assert resumed["ckpt_path"].endswith("last.ckpt")
+        assert resumed["restored"]["step"] == 22 and resumed["restored"]["residual"]
+        assert_same_state(straight, resumed)
+        assert resumed["warnings"] == []
+    # the ranks keep their own residuals (not one rank's copy for all)
+    a, b = load(runs, "resume", 0)["residuals"], load(runs, "resume", 1)["residuals"]
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_is_bit_exact_across_several_buckets_with_parameter_scope(tmp_path):
+    # DDP's first iteration after a resume uses its pre-rebuild bucket layout; per-parameter selection
+    # does not depend on the layout, so the resumed run matches the straight one bit for bit.
+    run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,stop,resume", "--bucket-cap-mb", "0.05",
+                "--scope", "parameter"])
+    for r in range(2):
+        straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "resume", r)
+        assert straight["buckets"] >= 2 * straight["step"] - 1  # several buckets per exchange
+        assert_same_state(straight, resumed)
+
+
+def test_shards_written_per_rank_and_pruned_with_their_checkpoint(runs):
+    ck = runs / "ckpt"
+    # resume used save_top_k=1: ModelCheckpoint removed epoch 0's file, and its shards went with it
+    assert not (ck / "epoch=0-step=22.ckpt").exists() and not (ck / "epoch=0-step=22.ckpt.topk").exists()
+    for name in ("epoch=1-step=44.ckpt", "last.ckpt"):
+        assert sorted(os.listdir(ck / f"{name}.topk")) == ["rank0.pt", "rank1.pt"]
+    meta = torch.load(ck / "last.ckpt", weights_only=True)["lightning_topk"]
+    assert meta["world_size"] == 2 and meta["num_nodes"] == 1 and meta["local_world_size"] == 2
+    assert meta["step"] == 44 and meta["version"] == 1 and meta["numels"]["net.head.3.weight"] == 1280
+    shard = torch.load(ck / "last.ckpt.topk" / "rank1.pt", weights_only=True)
+    assert shard["rank"] == 1 and shard["save_key"] == meta["save_key"]
+    assert set(shard["residual"]) == set(meta["numels"])
+    assert not any(f.startswith(".tmp") for f in os.listdir(ck / "last.ckpt.topk"))
+
+
+def test_plain_ddp_resumes_from_topk_checkpoint(runs):
+    for r in range(2):
+        x = load(runs, "ddp_from_topk", r)
+        assert x["global_step"] == 44 and x["step"] is None and x["warnings"] == []
+    assert "lightning_topk" not in torch.load(runs / "ddp" / "last.ckpt", weights_only=True)
+
+
+def test_topk_resumes_from_ddp_checkpoint_with_one_warning(runs):
+    r0, r1 = load(runs, "topk_from_ddp", 0), load(runs, "topk_from_ddp", 1)
+    assert len(r0["warnings"]) == 1 and r1["warnings"] == []  # one warning, from rank 0
+    assert "no top-k state" in r0["warnings"][0] and "start at zero" in r0["warnings"][0]
+    assert r0["restored"]["step"] == 44 and r0["restored"]["residual"] == {}
+    assert r0["global_step"] == 66 and r0["step"] == 66  # the schedule continued at global_step
+    for k in r0["params"]:
+        if "running_" not in k:  # BatchNorm running stats are per rank under DDP
+            assert torch.equal(r0["params"][k], r1["params"][k]), k
+
+
+def test_single_process_inference_load(runs):
+    from lightning_topk.models import ImageClassifier, SmallCNN
+
+    model = ImageClassifier.load_from_checkpoint(runs / "ckpt" / "last.ckpt", net=SmallCNN(width=16),
+                                            map_location="cpu", weights_only=True)
+    ref = load(runs, "resume", 0)["params"]
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, ref[k]), k
+
+
+def test_world_size_change_averages_residuals(runs):
+    """2 -> 1 process: the rank starts from the mean of both shards, with one warning."""
+    run_script([SCRIPT, "--out", runs, "--phases", "shrink", "--devices", "1"])
+    x = load(runs, "shrink", 0)
+    assert len(x["warnings"]) == 1 and "world size changed from 2 to 1" in x["warnings"][0]
+    shards = [torch.load(runs / "ckpt" / "last.ckpt.topk" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    for kind in ("residual", "velocity"):
+        assert x["restored"][kind].keys() == shards[0][kind].keys()
+        for k, got in x["restored"][kind].items():
+            mean = ((shards[0][kind][k].double() + shards[1][kind][k].double()) / 2).float()
+            assert torch.equal(got, mean), (kind, k)
+    assert x["restored"]["step"] == 44 and x["global_step"] == 88 and x["step"] == 88
+
+
+def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
+    """Real SIGUSR1 to both running ranks (as SLURM sends it), Lightning writes hpc_ckpt_1.ckpt and calls
+    scontrol (a fake one on PATH); both ranks are then killed and the requeued job resumes exactly."""
+    fakebin = tmp_path / "bin"
+    fakebin.mkdir()
+    scontrol_log = tmp_path / "scontrol.log"
+    scontrol = fakebin / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{scontrol_log}"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    env = {"PATH": f"{fakebin}{os.pathsep}{os.environ['PATH']}"}
+    out = tmp_path / "run"
+    out.mkdir()
+    args = [SCRIPT, "--out", out, "--phases", "slurm", "--slow", "0.1"]
+
+    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4242, extra_env=env)
+    try:
+        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 5, 120, "5 training steps", job)
+        assert progress(out, 0) < 15  # mid-epoch (22 steps per epoch)
+        for r in range(2):
+            job.signal(r, signal.SIGUSR1)
+        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
+    finally:
+        job.kill_all()  # what SLURM does to the old allocation
+    assert scontrol_log.read_text().split() == ["requeue", "4242"]
+    hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
+    assert hpc.exists() and sorted(os.listdir(f"{hpc}.topk")) == ["rank0.pt", "rank1.pt"]
+    saved_at = torch.load(hpc, weights_only=True)["global_step"]
+    assert 5 <= saved_at < 22
+
+    args[-1] = 0  # no need to go slowly after the resume
+    job2 = Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4242, extra_env=env)
+    try:
+        assert job2.wait_all(240) == [0, 0], job2.log(0)[-3000:]
+    finally:
+        job2.kill_all()
+    for r in range(2):
+        resumed = load(out, "slurm", r)
+        assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt")
+        assert resumed["restored"]["step"] == saved_at
+        assert resumed["warnings"] == []
+        assert_same_state(load(runs, "straight", r), resumed)

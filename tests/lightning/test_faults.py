@@ -1,0 +1,131 @@
+"""Faults and bad input: a rank killed (SIGKILL) or stopped (SIGSTOP) mid-training, NaN/inf gradients,
+option combinations rejected before the process group starts. Real processes on gloo, real signals."""
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+
+from tests.helpers.procs import SCRIPTS, run_script
+from lightning_topk import TopKDDPStrategy
+from lightning_topk.lightning import faults
+from lightning_topk.comm.allgather import bucket_k
+from lightning_topk.comm.state import TopKConfig, TopKState
+
+sys.path.insert(0, str(SCRIPTS))
+from fault_launch import Ranks, progress, wait_for  # noqa: E402
+
+SCRIPT = "tests/scripts/fault_train.py"
+
+
+def _lose_a_rank(tmp_path, victim, sig, timeout):
+    out = tmp_path / "out"
+    out.mkdir()
+    job = Ranks(SCRIPT, ["--mode", "long", "--out", out, "--timeout", timeout], 2, tmp_path / "logs")
+    survivor = 1 - victim
+    try:
+        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 3, 180, "3 training steps", job)
+        t0 = time.monotonic()
+        job.signal(victim, sig)
+        # gloo timeout + 2 s heartbeat comparison + 3 s store timeout, plus slack for a loaded machine
+        rc = job.wait(survivor, timeout + 40)
+        elapsed = time.monotonic() - t0
+        return rc, elapsed, job.log(survivor)
+    finally:
+        job.kill_all()
+
+
+def test_killed_rank_is_named_by_the_survivor(tmp_path):
+    rc, elapsed, log = _lose_a_rank(tmp_path, victim=1, sig=signal.SIGKILL, timeout=30)
+    assert rc != 0
+    assert "lightning_topk: lost rank 1 (" in log and "heartbeat stopped" in log, log[-3000:]
+    assert elapsed < 30  # the closed connection is seen at once, long before the 30 s timeout
+
+
+def test_stopped_store_host_fails_the_others_within_the_timeout(tmp_path):
+    """Rank 0 frozen (SIGSTOP): no connection closes, so only the configured timeout can end the wait."""
+    rc, elapsed, log = _lose_a_rank(tmp_path, victim=0, sig=signal.SIGSTOP, timeout=6)
+    assert rc != 0
+    assert "lightning_topk: lost rank 0: the rendezvous store it hosts" in log, log[-3000:]
+    assert 6 <= elapsed < 6 + 40
+
+
+def test_nonfinite_gradients_skip_or_raise_on_every_rank(tmp_path):
+    run_script([SCRIPT, "--mode", "nonfinite", "--out", tmp_path])
+    ranks = [torch.load(tmp_path / f"nonfinite_rank{r}.pt") for r in range(2)]
+    for x in ranks:
+        skip = x["skip"]
+        assert skip["error"] is None and skip["global_step"] == 8 and skip["finite"]
+        assert skip["report"] == {"params_unchanged": True, "residuals_rolled_back": True, "next_step_trains": True}
+        err = x["raise"]["error"]
+        assert err["type"] == "FloatingPointError" and "net.head.3.weight" in err["message"]
+        assert x["raise"]["global_step"] == 2
+    assert "on rank 1" in ranks[1]["raise"]["error"]["message"]  # the rank where it started says so
+    for k, v in ranks[0]["skip"]["params"].items():
+        assert torch.equal(v, ranks[1]["skip"]["params"][k]), k
+
+
+# ---- validation before the first step -----------------------------------------------------------
+def _strategy(precision="32-true", devices=1, num_nodes=1, **kw):
+    t = pl.Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, precision=precision,
+                   strategy=TopKDDPStrategy(**kw), logger=False)
+    return t.strategy
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(timeout=5), "timeout must be a datetime.timedelta"),
+        (dict(timeout=timedelta(seconds=0)), "timeout"),
+        (dict(bucket_cap_mb=0), "bucket_cap_mb"),
+        (dict(bucket_cap_mb="25"), "bucket_cap_mb"),
+        (dict(hierarchical=True, num_nodes=2), "more than one process per node"),
+        (dict(value_dtype="fp16", precision="bf16-true"), "value_dtype='fp16' with a bf16 model"),
+    ],
+)
+def test_bad_combinations_rejected_before_setup(kw, match):
+    s = _strategy(**kw)
+    with pytest.raises(ValueError, match=match):
+        faults.check_before_setup(s)
+
+
+def test_good_combinations_pass():
+    faults.check_before_setup(_strategy(value_dtype="fp16", precision="bf16-mixed", timeout=timedelta(seconds=9)))
+    faults.check_before_setup(_strategy(value_dtype="bf16", precision="bf16-true", bucket_cap_mb=1))
+
+
+def test_fit_fails_before_the_process_group_starts(monkeypatch):
+    for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.setenv(k, "0")
+        monkeypatch.delenv(k)  # restored (removed) after the test: Lightning's launcher sets them
+    from lightning_topk.models import ImageClassifier, SmallCNN
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-true", logger=False,
+                         strategy=TopKDDPStrategy(value_dtype="fp16"), enable_progress_bar=False)
+    data = torch.utils.data.TensorDataset(torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,)))
+    with pytest.raises(ValueError, match="value_dtype='fp16'"):
+        trainer.fit(ImageClassifier(SmallCNN(width=4)), torch.utils.data.DataLoader(data, batch_size=4))
+    assert not dist.is_initialized()
+
+
+def test_k_is_never_zero():
+    """k = max(1, ceil(density * n)): the smallest density still sends one entry per sparse bucket."""
+    state = TopKState(TopKConfig(density=1e-9, dense_steps=0, min_sparse_numel=0))
+    assert bucket_k(state, 20000) == 1
+    with pytest.raises(ValueError, match="density"):
+        TopKConfig(density=0.0)
+
+
+def test_comm_errors_are_recognised():
+    assert faults.is_comm_error(RuntimeError("[pair.cc:537] Read error [127.0.0.1]:1: Connection closed by peer"))
+    assert faults.is_comm_error(RuntimeError("Application timeout caused pair closure"))
+    wrapped = ValueError("outer")
+    wrapped.__cause__ = dist.DistBackendError("inner")
+    assert faults.is_comm_error(wrapped)
+    assert not faults.is_comm_error(FloatingPointError("topk_ddp: non-finite gradient"))
