@@ -15,10 +15,10 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from dist_utils import run_distributed  # noqa: E402
+from dist_utils import run_distributed
 
-from lightning_topk import TopKConfig, TopKState, topk_allgather_hook  # noqa: E402
-from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups  # noqa: E402
+from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
+from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
 
 
 def work(rank, world, nodes, local, density, params, hierarchical):

@@ -6,7 +6,6 @@ Gradient-like data (Gaussian with a heavy-tailed scale). Prints a Markdown table
 """
 import argparse
 import platform
-import statistics
 import time
 
 import torch
@@ -38,9 +37,9 @@ def main():
         x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
         for rho in a.densities:
             k = max(1, int(rho * n))
-            t_ref, (ref_v, _) = timed(lambda: torch.topk(x.abs(), k, sorted=False), a.repeats)
-            t_ex, (ex_v, ex_i) = timed(lambda: topk_select(x, k, "exact"), a.repeats)
-            t_ms, (ms_v, ms_i) = timed(lambda: topk_select(x, k, "mstopk"), a.repeats)
+            t_ref, (ref_v, _) = timed(lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False), a.repeats)
+            t_ex, (ex_v, ex_i) = timed(lambda x=x, k=k: topk_select(x, k, "exact"), a.repeats)
+            t_ms, (ms_v, ms_i) = timed(lambda x=x, k=k: topk_select(x, k, "mstopk"), a.repeats)
             assert ex_i.numel() == k and ms_i.numel() == k
             mass = float((ms_v.double() ** 2).sum() / (ref_v.double() ** 2).sum())
             print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_ref:.1f} | {1e3 * t_ex:.1f} | {t_ref / t_ex:.1f}x "

@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import cluster  # noqa: E402
+import cluster
 
 ENTRIES: Dict[str, List[str]] = {
     "ddp": ["--strategy", "ddp"],

@@ -122,7 +122,6 @@ def build_model(hidden: int):
 
 def make_strategy(args: argparse.Namespace):
     """The Lightning strategy object for --strategy (None for `local`)."""
-    import pytorch_lightning as pl
     from pytorch_lightning.strategies import DDPStrategy
 
     if args.strategy == "local":
@@ -133,7 +132,7 @@ def make_strategy(args: argparse.Namespace):
         try:
             from lightning_topk import TopKDDPStrategy
         except ImportError as e:  # the strategy is written separately; say so rather than fake it
-            raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})")
+            raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})") from e
         hier = {"true": True, "false": False, "auto": "auto"}[args.hierarchical]
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector,
                                log_telemetry=False, process_group_backend="gloo")
@@ -203,8 +202,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for k in _ENV_VARS:
             os.environ.pop(k, None)
 
-    import torch
     import pytorch_lightning as pl
+    import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 

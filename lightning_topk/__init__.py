@@ -34,11 +34,32 @@ _EXPORTS = {
     "write_shards": "lightning_topk.data",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "DensitySchedule",
+    "StepStats",
+    "TopKConfig",
+    "TopKDDPStrategy",
+    "TopKPrecision",
+    "TopKState",
+    "UnifiedTopKDDPStrategy",
+    "WebDataModule",
+    "hierarchical_topk_hook",
+    "register_strategies",
+    "topk_allgather_hook",
+    "topk_select",
+    "write_shards",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from lightning_topk.comm import (
-        DensitySchedule, StepStats, TopKConfig, TopKState, hierarchical_topk_hook, topk_allgather_hook, topk_select,
+        DensitySchedule,
+        StepStats,
+        TopKConfig,
+        TopKState,
+        hierarchical_topk_hook,
+        topk_allgather_hook,
+        topk_select,
     )
     from lightning_topk.data import WebDataModule, write_shards
     from lightning_topk.lightning.precision import TopKPrecision

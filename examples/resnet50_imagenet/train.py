@@ -10,8 +10,8 @@ import lightning_topk  # noqa: F401  (registers topk_ddp)
 from lightning_topk import TopKDDPStrategy
 from lightning_topk.app.factories import optimizer, warmup_cosine
 from lightning_topk.data import WebDataModule
-from lightning_topk.models import ImageClassifier, resnet50
 from lightning_topk.lightning.precision import TopKPrecision
+from lightning_topk.models import ImageClassifier, resnet50
 
 
 def main():

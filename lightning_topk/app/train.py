@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional
 import pytorch_lightning as pl
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 import lightning_topk  # noqa: F401  (registers topk_ddp / topk_ddp_spawn)
 from lightning_topk.app import summary as summary_mod

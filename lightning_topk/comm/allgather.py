@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.wire import pack, packed_nbytes, unpack
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import StepStats, TopKState, _BucketBuffers
-
+from lightning_topk.comm.wire import pack, packed_nbytes, unpack
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

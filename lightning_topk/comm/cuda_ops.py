@@ -85,7 +85,7 @@ def cupy_available() -> bool:
     if os.environ.get("LIGHTNING_TOPK_DISABLE_CUPY", "") not in ("", "0"):
         return False
     try:
-        import cupy  # noqa: F401
+        import cupy
 
         return cupy.cuda.runtime.getDeviceCount() > 0
     except Exception:  # ImportError, or a CuPy without a driver / device

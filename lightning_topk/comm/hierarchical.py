@@ -21,12 +21,18 @@ from typing import Any, List, Tuple
 import torch
 import torch.distributed as dist
 
-from lightning_topk.comm.wire import pack, packed_nbytes, unpack
 from lightning_topk.comm.allgather import (
-    _all_gather, accumulate, bucket_k, record_nonfinite, record_sent, rebuild, topk_allgather_hook,
+    _all_gather,
+    accumulate,
+    bucket_k,
+    rebuild,
+    record_nonfinite,
+    record_sent,
+    topk_allgather_hook,
 )
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.wire import pack, unpack
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -14,9 +14,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lightning_topk.comm.wire import value_dtype_of
 from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import METHODS
+from lightning_topk.comm.wire import value_dtype_of
 
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("propagate", "skip", "raise")

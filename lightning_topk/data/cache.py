@@ -70,7 +70,7 @@ class DiskCache:
             os.unlink(tmp)
             raise
         if os.path.getsize(tmp) > self.max_bytes:
-            warnings.warn(f"shard {url} is larger than disk_cache_bytes={self.max_bytes}; streaming it uncached", RuntimeWarning)
+            warnings.warn(f"shard {url} is larger than disk_cache_bytes={self.max_bytes}; streaming it uncached", RuntimeWarning, stacklevel=2)
             return tmp, False
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
@@ -232,7 +232,7 @@ class GpuCache:
         self.enabled = num_local * self.per_sample <= budget_bytes
         if not self.enabled:
             warnings.warn(f"gpu_cache_bytes={budget_bytes} is smaller than this rank's {num_local} samples "
-                          f"({num_local * self.per_sample} bytes); the GPU cache level is off", RuntimeWarning)
+                          f"({num_local * self.per_sample} bytes); the GPU cache level is off", RuntimeWarning, stacklevel=2)
         self.images = self.labels = self.filled = None
         self.hits = self.misses = 0
 

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from .cache import STATS, DecodedArena, DiskCache, EncodedArena, GpuCache, new_stats
 from .decode import SampleDecoder
-from .index import expand_shards, local_path, shard_infos
+from .index import expand_shards, shard_infos
 from .stream import ShardStream, iter_tar
 from .transforms import BatchAugment, resolve_callable
 

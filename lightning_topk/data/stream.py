@@ -18,7 +18,7 @@ from webdataset.filters import _shuffle
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
-from .cache import S, DecodedArena, DiskCache, EncodedArena
+from .cache import DecodedArena, DiskCache, S
 from .decode import BadSampleError, SampleDecoder, collate
 from .index import local_path
 from .split import Segment, epoch_order, mix_seed, num_batches, rank_segments, segments_len, worker_segments
@@ -140,7 +140,7 @@ class ShardStream(IterableDataset):
         except BadSampleError as exn:
             if self.on_bad_sample == "raise":
                 raise
-            warnings.warn(f"skipping {b - seen} samples: {exn}", RuntimeWarning)
+            warnings.warn(f"skipping {b - seen} samples: {exn}", RuntimeWarning, stacklevel=2)
         if seen < b:
             msg = f"shard ended after {seen} samples, expected {b}"
             if self.on_bad_sample == "raise":
@@ -184,7 +184,7 @@ class ShardStream(IterableDataset):
             except BadSampleError as exn:
                 if self.on_bad_sample == "raise":
                     raise
-                warnings.warn(f"skipping bad sample: {exn}", RuntimeWarning)
+                warnings.warn(f"skipping bad sample: {exn}", RuntimeWarning, stacklevel=2)
                 self.stats[row, S["bad_skipped"]] += 1
                 if last is None:
                     pending += 1

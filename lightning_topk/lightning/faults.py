@@ -83,7 +83,7 @@ def _timed(fn, timeout: float = STORE_TIMEOUT_S):
     def run() -> None:
         try:
             box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+        except BaseException as e:
             box["error"] = e
 
     t = threading.Thread(target=run, name="lightning_topk-store", daemon=True)

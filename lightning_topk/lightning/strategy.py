@@ -10,7 +10,6 @@ from typing import Any, Callable, Dict, Optional
 
 import pytorch_lightning as pl
 import torch
-from torch import Tensor
 
 from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
 

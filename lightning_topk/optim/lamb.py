@@ -9,7 +9,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_topk.optim._common import (
-    LOW_PRECISION, bucket_params, check_bool, check_number, fp32_views, run_closure,
+    LOW_PRECISION,
+    bucket_params,
+    check_bool,
+    check_number,
+    fp32_views,
+    run_closure,
 )
 
 

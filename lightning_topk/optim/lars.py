@@ -99,7 +99,7 @@ class LARS(Optimizer):
                         nesterov=group["nesterov"], first_step=first)
 
     def _update(self, group: Dict[str, Any], params: List[Tensor], dtype: torch.dtype) -> None:
-        lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
+        _lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
         grads = [p.grad for p in params]
         if group["lars_adapt"]:
             norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -33,7 +33,7 @@ def param_groups(model: nn.Module, weight_decay: float = 0.0, **group_options: A
     decay: List[torch.Tensor] = []
     excluded: List[torch.Tensor] = []
     seen = set()
-    for mod_name, module in model.named_modules():
+    for _mod_name, module in model.named_modules():
         for name, p in module.named_parameters(recurse=False):
             if not p.requires_grad or id(p) in seen:
                 continue

@@ -9,9 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.helpers.procs import ROOT
 FAST = ["trainer.num_sanity_val_steps=0", "data.num_workers=0", "trainer.enable_model_summary=false"]
 
 
@@ -51,7 +48,7 @@ def test_default_run_short_end_to_end(tmp_path):
 
 def test_cfg_job_and_overrides_console_script(tmp_path):
     p = ok(cli(["--cfg", "job", "strategy.density=0.005", "optimizer=lamb"], tmp_path, module=False))
-    assert "density: 0.005" in p.stdout and "name: lamb" in p.stdout and "_target_: lightning_topk.TopKDDPStrategy" in p.stdout
+    assert "density: 0.005" in p.stdout and "name: lamb" in p.stdout and "_target_: lightning_topk.lightning.strategy.TopKDDPStrategy" in p.stdout
     assert not (tmp_path / "outputs").exists()  # --cfg prints only
 
 

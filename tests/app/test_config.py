@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 from importlib import resources
 from pathlib import Path
-from tests.helpers.procs import ROOT
 
 import numpy as np
 import pytest
@@ -20,12 +19,13 @@ from omegaconf import OmegaConf
 import lightning_topk
 from lightning_topk.app import resolvers as builders
 from lightning_topk.app import train
-from lightning_topk.lightning.baselines import CompressedDDPStrategy, PowerSGDDDPStrategy
 from lightning_topk.data import ensure_digits_shards, write_shards
 from lightning_topk.data.writer import encode_image
-from lightning_topk.models import ImageClassifier, LanguageModel, ResNet, TransformerLM
-from lightning_topk.optim import LAMB, LARS
+from lightning_topk.lightning.baselines import CompressedDDPStrategy, PowerSGDDDPStrategy
 from lightning_topk.lightning.precision import TopKPrecision
+from lightning_topk.models import LanguageModel, ResNet, TransformerLM
+from lightning_topk.optim import LAMB, LARS
+from tests.helpers.procs import ROOT
 
 CONF = Path(resources.files("lightning_topk.conf"))
 GROUPS = ["trainer", "strategy", "precision", "optimizer", "scheduler", "model", "data", "callbacks", "logger",
@@ -200,7 +200,6 @@ def test_resolvers_cache_dir_and_devices(monkeypatch, tmp_path):
 
 
 def test_topk_strategy_config_lists_every_option():
-    from pathlib import Path
 
     import yaml
 

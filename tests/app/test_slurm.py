@@ -6,7 +6,6 @@ import os
 import re
 import stat
 import subprocess
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -18,8 +17,8 @@ from omegaconf import OmegaConf
 from lightning_topk import TopKDDPStrategy
 from lightning_topk.app import train
 from lightning_topk.app.resolvers import register_resolvers
-
 from tests.helpers.procs import ROOT
+
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
 
 

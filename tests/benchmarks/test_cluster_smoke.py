@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.helpers.procs import ROOT as PROOT  # noqa: E402
+from tests.helpers.procs import ROOT as PROOT
 
 ROOT = str(PROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))

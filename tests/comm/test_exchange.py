@@ -6,12 +6,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers.dist import run_distributed
-from lightning_topk import TopKConfig
-from lightning_topk import TopKState
-from lightning_topk import topk_allgather_hook
-from lightning_topk.comm.wire import pack, unpack
+from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.allgather import rebuild
+from lightning_topk.comm.wire import pack, unpack
+from tests.helpers.dist import run_distributed
 
 
 def _model():
@@ -89,7 +87,7 @@ def _conservation(rank, world, value_dtype, mc):
 @pytest.mark.parametrize("value_dtype", ["fp32", "bf16"])
 def test_conservation_sent_plus_residual_equals_old_residual_plus_grad(runs, value_dtype):
     results = runs[value_dtype]
-    for params, history, totals in results:
+    for _params, history, totals in results:
         assert totals.numel_sent < totals.numel  # sparse steps happened
         for step, (old, new, sent, grad, _) in enumerate(history):
             for name, g in grad.items():
@@ -111,7 +109,7 @@ def test_duplicates_across_ranks_add_not_overwrite(runs):
     # Same data on both ranks: both pick the same entries; the average must equal what one rank sent
     # (a scatter_-based rebuild would give half of it).
     for _, history, _ in runs["identical"]:
-        for old, new, sent, grad, after in history:
+        for _old, _new, sent, _grad, after in history:
             for name, s in sent.items():
                 assert torch.allclose(after[name].reshape(-1), s, atol=1e-6), name
                 assert s.count_nonzero() > 0
@@ -122,7 +120,7 @@ def _mc(rank, world):
 
 
 def test_momentum_correction_keeps_finite_state_and_sends_k(runs):
-    for params, history, totals in runs["mc"]:
+    for params, history, _totals in runs["mc"]:
         assert all(torch.isfinite(v).all() for v in params.values())
         old, new, sent, grad, _ = history[-1]
         n = sum(v.numel() for v in sent.values())
@@ -166,7 +164,7 @@ def _nonfinite(rank, world):
 
 def test_nonfinite_on_one_rank_reaches_all_ranks_and_residual_untouched(runs):
     res = runs["nonfinite"]
-    for rank, (before, after, grads_finite, names) in enumerate(res):
+    for _before, after, grads_finite, _names in res:
         assert not grads_finite  # every rank sees the overflow: identical skip decisions
         assert all(torch.isfinite(v).all() for v in after.values())
     before, after, _, names = res[1]
@@ -176,7 +174,7 @@ def test_nonfinite_on_one_rank_reaches_all_ranks_and_residual_untouched(runs):
 
 
 def test_parameter_scope_sends_k_per_parameter_and_conserves(runs):
-    for params, history, totals in runs["param"]:
+    for _params, history, _totals in runs["param"]:
         for old, new, sent, grad, _ in history[1:]:  # step 0 is dense
             for name, g in grad.items():
                 n = g.numel()

@@ -6,11 +6,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from tests.helpers.dist import run_distributed
-from lightning_topk import TopKConfig
-from lightning_topk import TopKState
-from lightning_topk import topk_select
+from lightning_topk import TopKConfig, TopKState, topk_select
 from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from tests.helpers.dist import run_distributed
 
 L, N = 2, 2
 
@@ -28,11 +26,11 @@ def _expected(all_acc, density):
     for node in range(N):
         node_sum = sum(all_acc[node * L + i] for i in range(L))
         node_sum = torch.cat([node_sum, node_sum.new_zeros(s * L - n)])
-        for l in range(L):
-            shard = node_sum[l * s:(l + 1) * s]
+        for li in range(L):
+            shard = node_sum[li * s:(li + 1) * s]
             k = max(1, math.ceil(density * s))
             v, i = topk_select(shard, k, "exact")
-            out[l * s:(l + 1) * s].index_add_(0, i, v)
+            out[li * s:(li + 1) * s].index_add_(0, i, v)
     return out[:n] / (L * N)
 
 
@@ -53,7 +51,7 @@ def _run(rank, world, density):
     params = dict(m.named_parameters())
     g = torch.Generator().manual_seed(rank)
     errors = []
-    for step in range(3):
+    for _step in range(3):
         x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
         old = {k: v.clone() for k, v in st.residuals().items()}
         m.zero_grad()
@@ -63,10 +61,10 @@ def _run(rank, world, density):
         m.zero_grad()
         nn.functional.cross_entropy(m(x), y).backward()
         err = 0.0
-        for _, layout in sorted(layouts.items()):
-            got = torch.cat([avg[nm].reshape(-1) for nm in layout])
-            local = torch.cat([params[nm].grad.reshape(-1) for nm in layout])
-            res = torch.cat([old.get(nm, torch.zeros(params[nm].numel())) for nm in layout])
+        for _, names in sorted(layouts.items()):
+            got = torch.cat([avg[nm].reshape(-1) for nm in names])
+            local = torch.cat([params[nm].grad.reshape(-1) for nm in names])
+            res = torch.cat([old.get(nm, torch.zeros(params[nm].numel())) for nm in names])
             acc = res + local
             gathered = [torch.empty_like(acc) for _ in range(world)]
             dist.all_gather(gathered, acc)
@@ -81,7 +79,7 @@ def _run(rank, world, density):
 
 def test_hierarchical_equals_definition_and_sends_fewer_inter_node_bytes():
     results = run_distributed(_run, L * N, (0.05,))
-    for errors, owned, totals, nbuckets in results:
+    for errors, _owned, totals, nbuckets in results:
         assert nbuckets >= 2
         assert max(errors) < 1e-5, errors
         assert totals.bytes_inter > 0 and totals.bytes_intra > 0
@@ -111,7 +109,7 @@ def _two_nodes(out, hierarchical, epochs=3):
              "--num-nodes", "2", "--hierarchical", hierarchical, "--epochs", str(epochs), "--out", str(out)],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(l[-3000:] for l in logs)
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     return json.loads((out / "result.json").read_text()), [__import__("torch").load(out / f"rank{r}.pt")
                                                           for r in range(2)]
 
@@ -168,7 +166,6 @@ def test_slurm_environment_gives_ranks_and_groups(monkeypatch, procid):
 
 def test_slurm_allocation_disagreeing_with_devices_fails_before_training(monkeypatch):
     import pytorch_lightning as pl
-
     from pytorch_lightning.demos.boring_classes import BoringModel
 
     _slurm_env(monkeypatch, 0, ntasks=4, per_node=2)

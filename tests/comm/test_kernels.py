@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from lightning_topk.comm import cuda_ops as co
-
-from tests.helpers.procs import ROOT  # noqa: E402
+from tests.helpers.procs import ROOT
 
 KDIR = ROOT / "kernels"
 ARCHS = ("sm_70", "sm_80", "sm_90")
@@ -537,7 +536,7 @@ def _emu_lars(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov):
                 acc = acc + row * row
             partials[c, k] = acc.astype(np.float64).sum()
     out_p, out_b = [], []
-    for t, (p_ptr, g_ptr, b_ptr, n, codes, c0, c1, _) in enumerate(meta):
+    for t, (p_ptr, g_ptr, b_ptr, _n, codes, c0, c1, _) in enumerate(meta):
         flags = codes >> 24
         p, g, b = _to_np32(by_ptr[p_ptr]), _to_np32(by_ptr[g_ptr]), _to_np32(by_ptr[b_ptr])
         lr, wd = f32(lrs[t]), f32(wds[t])

@@ -7,7 +7,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -123,8 +122,9 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.mark.parametrize("strategy", ["ddp", "topk_ddp"])
 def test_lightning_fit_under_ddp_strategies(shard_sets, tmp_path, strategy):
-    import lightning_topk  # noqa: F401
     from pytorch_lightning.strategies import StrategyRegistry
+
+    import lightning_topk  # noqa: F401
 
     if strategy not in StrategyRegistry:
         pytest.skip(f"{strategy} is not registered")

@@ -3,7 +3,6 @@ import json
 import math
 import os
 
-import pytest
 import pytorch_lightning as pl
 import torch
 from sklearn.datasets import load_digits
@@ -17,8 +16,8 @@ from lightning_topk.optim import LARS, build_optimizer, param_groups
 def digits():
     x, y = load_digits(return_X_y=True)
     xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.2, random_state=0, stratify=y)
-    f = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
-    g = lambda a: torch.tensor(a, dtype=torch.long)  # noqa: E731
+    f = lambda a: torch.tensor(a, dtype=torch.float32)
+    g = lambda a: torch.tensor(a, dtype=torch.long)
     return TensorDataset(f(xtr), g(ytr)), TensorDataset(f(xte), g(yte))
 
 

@@ -12,7 +12,7 @@ import torch
 from tests.helpers.procs import SCRIPTS, run_script
 
 sys.path.insert(0, str(SCRIPTS))
-from fault_launch import Ranks, progress, wait_for  # noqa: E402
+from fault_launch import Ranks, progress, wait_for
 
 SCRIPT = "tests/scripts/ckpt_train.py"
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_topk.lightning import checkpoint as ck
 from lightning_topk.comm.state import TopKConfig, TopKState
+from lightning_topk.lightning import checkpoint as ck
 
 
 class Stand:

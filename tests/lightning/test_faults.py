@@ -1,25 +1,23 @@
 """Faults and bad input: a rank killed (SIGKILL) or stopped (SIGSTOP) mid-training, NaN/inf gradients,
 option combinations rejected before the process group starts. Real processes on gloo, real signals."""
-import os
 import signal
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from tests.helpers.procs import SCRIPTS, run_script
 from lightning_topk import TopKDDPStrategy
-from lightning_topk.lightning import faults
 from lightning_topk.comm.allgather import bucket_k
 from lightning_topk.comm.state import TopKConfig, TopKState
+from lightning_topk.lightning import faults
+from tests.helpers.procs import SCRIPTS, run_script
 
 sys.path.insert(0, str(SCRIPTS))
-from fault_launch import Ranks, progress, wait_for  # noqa: E402
+from fault_launch import Ranks, progress, wait_for
 
 SCRIPT = "tests/scripts/fault_train.py"
 

@@ -2,12 +2,11 @@
 import json
 
 import pytest
-import torch
+from pytorch_lightning.strategies import DDPStrategy
 
 import lightning_topk  # noqa: F401  (registers the strategies)
 from lightning_topk.lightning.precision import TopKPrecision
 from lightning_topk.lightning.strategy import TopKDDPStrategy
-from pytorch_lightning.strategies import DDPStrategy
 from tests.helpers.digits import DigitsNet, accuracy, trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

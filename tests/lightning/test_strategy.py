@@ -6,8 +6,8 @@ import pytorch_lightning as pl
 import torch
 
 import lightning_topk
-from tests.helpers.procs import run_script
 from lightning_topk import TopKDDPStrategy
+from tests.helpers.procs import run_script
 
 PROBE = "tests/scripts/train_probe.py"
 

@@ -8,7 +8,6 @@ from torch import nn
 from lightning_topk.optim import LAMB, LARS, build_optimizer, param_groups
 from lightning_topk.optim.reference import LoopLamb, LoopLars
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -41,7 +40,7 @@ def _pair(opt_cls, ref_cls, dtype=torch.float32, wd=1e-2, steps=60, **kw):
 @pytest.mark.parametrize("momentum,nesterov", [(0.9, False), (0.9, True), (0.0, False)])
 def test_lars_matches_timm_style_loop(momentum, nesterov):
     pa, pb, p0 = _pair(LARS, LoopLars, lr=0.5, momentum=momentum, nesterov=nesterov, trust_coeff=0.02)
-    for a, b, z in zip(pa, pb, p0):
+    for a, b, _z in zip(pa, pb, p0):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
     assert any((a - z).abs().max() > 1e-3 for a, z in zip(pa, p0)), "parameters did not move"
 

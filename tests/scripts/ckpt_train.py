@@ -29,10 +29,10 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_probe import digits  # noqa: E402
+from train_probe import digits
 
-from lightning_topk import TopKDDPStrategy  # noqa: E402
-from lightning_topk.models import ImageClassifier, SmallCNN  # noqa: E402
+from lightning_topk import TopKDDPStrategy
+from lightning_topk.models import ImageClassifier, SmallCNN
 
 
 class ResumableLoader(DataLoader):

@@ -18,10 +18,10 @@ import torch
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_probe import digits  # noqa: E402
+from train_probe import digits
 
-from lightning_topk import TopKDDPStrategy  # noqa: E402
-from lightning_topk.models import ImageClassifier, SmallCNN  # noqa: E402
+from lightning_topk import TopKDDPStrategy
+from lightning_topk.models import ImageClassifier, SmallCNN
 
 POISONED = "net.head.3.weight"
 

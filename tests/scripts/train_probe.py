@@ -7,7 +7,6 @@ import argparse
 import json
 import os
 
-import numpy as np
 import pytorch_lightning as pl
 import torch
 from sklearn.datasets import load_digits
