@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from lightning_topk.files import atomic_write
 
 PANELS = (
     ("train/loss", "training loss"),
@@ -83,10 +84,9 @@ def plot_runs(runs: Sequence[str], labels: Optional[Sequence[str]], out: str) ->
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    tmp = f"{out}.tmp-{os.getpid()}.png"
-    fig.savefig(tmp, dpi=100)
+    with atomic_write(out, "wb") as f:
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
-    os.replace(tmp, out)
     return out
 
 

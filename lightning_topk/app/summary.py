@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 from typing import Any, Dict, Mapping, Optional
 
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.trainer.states import TrainerFn
+
+from lightning_topk.files import atomic_write
 
 
 class ThroughputMonitor(pl.Callback):
@@ -102,11 +103,8 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
 
 def save(summary: Mapping[str, Any], path: str) -> None:
     """Write the summary as JSON atomically."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".summary-", dir=os.path.dirname(path) or ".")
-    with os.fdopen(fd, "w") as f:
+    with atomic_write(path, "w") as f:
         json.dump(summary, f, indent=2)
-    os.replace(tmp, path)
 
 
 def _fmt_bytes(n: float) -> str:

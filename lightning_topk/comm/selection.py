@@ -126,11 +126,6 @@ def _sample(a: Tensor) -> Tensor:
     return a[torch.randint(0, a.numel(), (m,), device=a.device, generator=g)]
 
 
-def _count_ge(a: Tensor, mask: Tensor, t: float) -> int:
-    torch.ge(a, t, out=mask)
-    return int(torch.count_nonzero(mask))
-
-
 def _exact(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
     n = a.numel()
     s = _sample(a)
@@ -273,3 +268,28 @@ def _mstopk_kernels(x: Tensor, a: Tensor, k: int) -> Optional[Tuple[Tensor, Tens
         return None
     values, idx = cuda_ops.compact_selected(x, hi, lo, k)
     return values, idx.long()
+
+
+def sync_free_enabled(device: torch.device) -> bool:
+    """The sync-free path is the default on CUDA; ``LIGHTNING_TOPK_SYNC_FREE=1`` forces it anywhere
+    (``=0`` turns it off everywhere)."""
+    import os
+
+    env = os.environ.get("LIGHTNING_TOPK_SYNC_FREE", "").strip()
+    if env in ("1", "true", "yes"):
+        return True
+    if env in ("0", "false", "no"):
+        return False
+    return torch.device(device).type == "cuda"
+
+
+def topk_select_sync_free(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tensor]:
+    """Exactly k (value, int64 index) pairs of the largest |x|, with no host synchronisation.
+
+    Same contract as :func:`topk_select` (values are ``x[idx]``, indices unordered), but every shape is
+    fixed by ``(x.numel(), k)`` and nothing is read back to the host. For now every method uses
+    ``torch.topk`` on the device (sync-free, exact).
+    """
+    check_topk_args(x, k, method)
+    _, idx = torch.topk(x.abs(), k, sorted=False)
+    return x.index_select(0, idx), idx

@@ -226,10 +226,6 @@ class TopKState:
             off += n
         return None
 
-    def residual_of(self, name: str) -> Optional[Tensor]:
-        """This rank's current residual for a parameter (flat fp32 view), or None if never exchanged."""
-        return self._param_view(name, "residual")
-
     def residuals(self) -> Dict[str, Tensor]:
         """Per-parameter flat views of this rank's residuals."""
         return self._per_param("residual")
@@ -311,9 +307,3 @@ class TopKState:
         self._owner.clear()
         self._snapshots.clear()
         self._pending_load = pending
-
-    def reset(self) -> None:
-        self._buckets.clear()
-        self._owner.clear()
-        self._snapshots.clear()
-        self._pending_load = None

@@ -21,6 +21,8 @@ from typing import Dict, Optional, Tuple
 import torch
 from webdataset.gopen import gopen
 
+from lightning_topk.files import publish
+
 # stats counters (one row per worker + one for the main process)
 STATS = ("ram_hits", "ram_misses", "disk_hits", "disk_misses", "bad_skipped")
 S = {name: i for i, name in enumerate(STATS)}
@@ -33,7 +35,7 @@ def new_stats(num_workers: int) -> torch.Tensor:
 class DiskCache:
     """Stores fetched shards in ``directory`` under a hash of their full URL (no name collisions).
 
-    Writes are atomic (temporary file + ``os.replace``); the directory is kept under ``max_bytes`` by
+    Writes are atomic (:mod:`lightning_topk.files`); the directory is kept under ``max_bytes`` by
     evicting the least recently used shards. A shard larger than the budget is streamed uncached.
     """
 
@@ -72,8 +74,7 @@ class DiskCache:
         if os.path.getsize(tmp) > self.max_bytes:
             warnings.warn(f"shard {url} is larger than disk_cache_bytes={self.max_bytes}; streaming it uncached", RuntimeWarning, stacklevel=2)
             return tmp, False
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        publish(tmp, path, fsync=False)  # a cache: a lost copy is fetched again
         self.evict(keep=path)
         return path, True
 

@@ -13,13 +13,14 @@ import math
 import os
 import re
 import sys
-import tempfile
 from typing import Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 from PIL import Image
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from webdataset import TarWriter
+
+from lightning_topk.files import atomic_write, publish, temp_path
 
 from .decode import IMAGE_EXTS
 from .index import INDEX_FORMAT, INDEX_NAME
@@ -28,11 +29,8 @@ _TAR_OVERHEAD = 2048  # pax + ustar headers and padding per member (tar also pad
 
 
 def _atomic_write_bytes(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=os.path.dirname(path) or ".")
-    with os.fdopen(fd, "wb") as f:
+    with atomic_write(path, "wb") as f:
         f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def encode_image(array: np.ndarray, fmt: str = "png") -> bytes:
@@ -113,9 +111,8 @@ def write_shards(samples: Iterable[dict], out_dir: str, *, prefix: str = "shard"
         if state["writer"] is None:
             return
         state["writer"].close()
-        os.chmod(state["tmp"], 0o644)  # mkstemp creates 0600
         path = os.path.join(out_dir, f"{prefix}-{len(written):06d}.tar")
-        os.replace(state["tmp"], path)
+        publish(state["tmp"], path)
         entries[os.path.basename(path)] = {"samples": state["count"], "bytes": state["bytes"], "size": os.path.getsize(path)}
         written.append(path)
         state.update(writer=None, tmp=None, count=0, bytes=0, est=0)
@@ -136,8 +133,7 @@ def write_shards(samples: Iterable[dict], out_dir: str, *, prefix: str = "shard"
                     or (max_bytes is not None and state["est"] + est > max_bytes)):
                 close()
             if state["writer"] is None:
-                fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".tar", dir=out_dir)
-                os.close(fd)
+                tmp = temp_path(os.path.join(out_dir, prefix), suffix=".tar")
                 state.update(writer=TarWriter(tmp), tmp=tmp)
             state["writer"].write(sample)
             state["count"] += 1

@@ -52,7 +52,7 @@ class CompressedDDPStrategy(pl.strategies.DDPStrategy):
 
     def __init__(self, dtype: str = "fp16", **kwargs: Any) -> None:
         if dtype not in COMPRESS_DTYPES:
-            raise ValueError(f"ddp_compress: dtype must be one of {COMPRESS_DTYPES}, got {dtype!r}")
+            raise ValueError(f"ddp_fp16: dtype must be one of {COMPRESS_DTYPES}, got {dtype!r}")
         self.compress_dtype = dtype
         super().__init__(**kwargs)
 

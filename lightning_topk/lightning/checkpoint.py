@@ -8,7 +8,7 @@ Layout, next to the Lightning checkpoint ``<ckpt>`` (which rank 0 writes)::
     <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name (plain CPU
                               tensors and JSON types: loaded with ``torch.load(weights_only=True)``)
 
-Every rank writes its own shard atomically (temporary file + ``os.replace``) before rank 0 writes the
+Every rank writes its own shard atomically (:mod:`lightning_topk.files`) before rank 0 writes the
 main file; no collective is used, so saving works from any point where Lightning saves. The shard
 carries the save key of the main file, so a stale shard (a rank that died before overwriting
 ``last.ckpt.topk/rank1.pt``) is detected on load instead of being used silently.
@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
+
+from lightning_topk.files import atomic_torch_save
 
 FORMAT = "lightning_topk.rank_state"
 VERSION = 1
@@ -55,23 +56,6 @@ def shard_path(ckpt_path, rank: int) -> str:
 
 def _is_url(path) -> bool:
     return "://" in os.fspath(path)
-
-
-def atomic_torch_save(obj: Any, path: str) -> None:
-    """``torch.save`` to a temporary file in the target directory, fsync, then ``os.replace``."""
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=d)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _rank_zero_warn(msg: str) -> None:

@@ -15,8 +15,6 @@ from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
 
 log = logging.getLogger(__name__)
 
-_TOPK_ARGS = tuple(TopKConfig.__dataclass_fields__)
-
 
 class TopKStrategyMixin:
     """Adds the top-k exchange to a DDPStrategy subclass. See :class:`TopKConfig` for the options."""

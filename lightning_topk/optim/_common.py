@@ -57,10 +57,3 @@ def fp32_views(params: List[Tensor], dtype: torch.dtype) -> Tuple[List[Tensor], 
     if dtype in LOW_PRECISION:
         return [p.float() for p in params], [g.float() for g in grads]
     return list(params), grads
-
-
-def safe_ratio(num: Tensor, den: Tensor, scale: float = 1.0, extra: Tensor = None, eps: float = 0.0) -> Tensor:
-    """``scale*num/(den + extra + eps)``, 1 where ``num`` or ``den`` is zero (0-d per-tensor values stacked)."""
-    d = den if extra is None else den + extra
-    r = scale * num / (d + eps)
-    return torch.where((num > 0) & (den > 0), r, torch.ones_like(r))
