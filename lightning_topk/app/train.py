@@ -17,8 +17,10 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-import lightning_topk  # noqa: F401  (registers topk_ddp / topk_ddp_spawn)
 from lightning_topk.app import summary as summary_mod
+from lightning_topk.lightning.registry import register_strategies
+
+register_strategies()  # `strategy=topk_ddp` by name in the configs
 
 log = logging.getLogger(__name__)
 

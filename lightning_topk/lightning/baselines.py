@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+from typing_extensions import override
 
 COMPRESS_DTYPES = ("fp16", "bf16")
 
@@ -39,6 +40,7 @@ class PowerSGDDDPStrategy(pl.strategies.DDPStrategy):
         self.powersgd_state: Optional[powerSGD_hook.PowerSGDState] = None
         super().__init__(**kwargs)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         self.powersgd_state = powerSGD_hook.PowerSGDState(process_group=None, **self.powersgd_options)
         self.model.register_comm_hook(self.powersgd_state, powerSGD_hook.powerSGD_hook)
@@ -56,6 +58,7 @@ class CompressedDDPStrategy(pl.strategies.DDPStrategy):
         self.compress_dtype = dtype
         super().__init__(**kwargs)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         hook = default_hooks.fp16_compress_hook if self.compress_dtype == "fp16" else default_hooks.bf16_compress_hook
         self.model.register_comm_hook(None, hook)

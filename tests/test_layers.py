@@ -1,0 +1,99 @@
+"""The dependency rule of the package: imports point down the layers, and ``comm`` needs torch only."""
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.procs import ROOT
+
+PKG = ROOT / "lightning_topk"
+# Lower number = lower layer; a module may import only from its own layer or below.
+LAYERS = {"files": 0, "comm": 1, "lightning": 2, "data": 3, "optim": 3, "models": 3, "app": 4}
+TORCH_ONLY = ("torch", "numpy", "cupy", "lightning_topk.comm", "lightning_topk.files")
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    if parts[0] != "lightning_topk" or len(parts) == 1:
+        return 99  # the package root re-exports everything lazily
+    return LAYERS.get(parts[1], 99)
+
+
+def _imports(path: Path):
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.lineno, node.module
+        elif isinstance(node, ast.ImportFrom) and node.level > 0:
+            yield node.lineno, "<relative>"
+
+
+def _modules():
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts).removesuffix(".__init__")
+        yield name, path
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for name, path in _modules():
+        src = _layer(name)
+        for line, target in _imports(path):
+            if target.startswith("lightning_topk") and _layer(target) > src:
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({name}, layer {src}) imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+def test_comm_imports_torch_and_the_standard_library_only():
+    stdlib = set(sys.stdlib_module_names)
+    bad = []
+    for name, path in _modules():
+        if not name.startswith("lightning_topk.comm"):
+            continue
+        for line, target in _imports(path):
+            top = target.split(".")[0]
+            if top in stdlib or top == "__future__" or target.startswith(TORCH_ONLY):
+                continue
+            bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("blocked", [("pytorch_lightning", "lightning", "lightning_fabric", "hydra")])
+def test_comm_works_with_no_lightning_importable(blocked):
+    code = (
+        "import sys\n"
+        f"for m in {blocked!r}: sys.modules[m] = None\n"
+        "import torch\n"
+        "from lightning_topk.comm import TopKConfig, TopKState, topk_allgather_hook, topk_select\n"
+        "v, i = topk_select(torch.tensor([0.1, -3.0, 2.0, 0.5]), 2, 'exact')\n"
+        "assert sorted(i.tolist()) == [1, 2], i\n"
+        "TopKState(TopKConfig(density=0.1))\n"
+        "import lightning_topk\n"
+        "assert lightning_topk.topk_select is topk_select\n"
+        "loaded = [m for m in sys.modules if m.split('.')[0] in "
+        f"{blocked!r} and sys.modules[m] is not None]\n"
+        "assert not loaded, loaded\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_public_names_resolve_lazily():
+    code = (
+        "import sys, lightning_topk\n"
+        "assert 'lightning_topk.data' not in sys.modules\n"
+        "assert lightning_topk.WebDataModule.__name__ == 'WebDataModule'\n"
+        "assert 'lightning_topk.data' in sys.modules\n"
+        "missing = [n for n in lightning_topk.__all__ if not hasattr(lightning_topk, n)]\n"
+        "assert not missing, missing\n"
+        "print('ok')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
