@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torchmetrics
+from typing_extensions import override
 
 
 class ImageClassifier(pl.LightningModule):
@@ -37,6 +38,7 @@ class ImageClassifier(pl.LightningModule):
         self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
         self.test_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
 
+    @override
     def forward(self, x):
         return self.net(x)
 
@@ -45,22 +47,26 @@ class ImageClassifier(pl.LightningModule):
             return batch["image"], batch["label"]
         return batch[0], batch[1]
 
+    @override
     def training_step(self, batch, batch_idx):
         x, y = self._batch(batch)
         loss = F.cross_entropy(self(x), y, label_smoothing=self.label_smoothing)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch, batch_idx):
         x, y = self._batch(batch)
         self.val_acc(self(x).argmax(1), y)
         self.log("val/acc", self.val_acc, prog_bar=True, sync_dist=True)
 
+    @override
     def test_step(self, batch, batch_idx):
         x, y = self._batch(batch)
         self.test_acc(self(x).argmax(1), y)
         self.log("test/acc", self.test_acc, sync_dist=True)
 
+    @override
     def configure_optimizers(self):
         if self.optimizer_factory is None:
             opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)

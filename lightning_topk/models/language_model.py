@@ -8,6 +8,7 @@ import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 
 def _tokens(batch: Any, device: torch.device) -> torch.Tensor:
@@ -34,6 +35,7 @@ class LanguageModel(pl.LightningModule):
         self.optimizer_factory = optimizer
         self.scheduler_factory = scheduler
 
+    @override
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.net(tokens)
 
@@ -42,19 +44,23 @@ class LanguageModel(pl.LightningModule):
         logits = self(tokens[:, :-1])
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
+    @override
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    @override
     def validation_step(self, batch, batch_idx):
         loss = self._loss(batch)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
+    @override
     def test_step(self, batch, batch_idx):
         loss = self._loss(batch)
         self.log("test/loss", loss, sync_dist=True)
 
+    @override
     def configure_optimizers(self):
         opt = (torch.optim.AdamW(self.parameters(), lr=3e-4) if self.optimizer_factory is None
                else self.optimizer_factory(self))
