@@ -172,9 +172,6 @@ class EncodedArena:
     def held_bytes(self) -> int:
         return int(self.ptr.sum())
 
-    def complete(self) -> bool:
-        return bool((self.dir[:, 1] >= 0).all())
-
 
 class DecodedArena:
     """RAM level, decoded: fixed-size uint8 images + int64 labels at slot = local index.

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
-from .cache import S, DecodedArena, DiskCache, EncodedArena
+from .cache import S, DecodedArena, DiskCache
 from .decode import BadSampleError, SampleDecoder, collate
 from .index import local_path
 from .split import (Segment, buffer_shuffle_order, epoch_order, mix_seed, num_batches, rank_segments, resume_split,
