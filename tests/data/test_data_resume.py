@@ -107,10 +107,10 @@ def test_resume_resampled(shards, workers):
     check_resume(shards, [3, 12], num_workers=workers, samples_per_epoch=2 * N // 3)
 
 
-def test_resume_on_spawned_persistent_workers(shards):
-    # the order does not depend on the start method: only the resumed job uses spawn (each spawned worker
-    # imports lightning_topk, seconds on this machine); its persistent workers run both epochs
-    check_resume(shards, [6], resume_kw=dict(worker_start="spawn", persistent_workers=True))
+def test_resume_on_a_spawned_persistent_worker(shards):
+    # the order does not depend on the start method: only the resumed job uses spawn (a spawned worker
+    # imports lightning_topk, seconds on this machine); its persistent worker runs both epochs
+    check_resume(shards, [6], num_workers=1, resume_kw=dict(worker_start="spawn", persistent_workers=True))
 
 
 @pytest.mark.filterwarnings("ignore:This DataLoader will create 3 worker processes")
