@@ -173,9 +173,6 @@ class EncodedArena:
     def held_bytes(self) -> int:
         return int(self.ptr.sum())
 
-    def complete(self) -> bool:
-        return bool((self.dir[:, 1] >= 0).all())
-
 
 class DecodedArena:
     """RAM level, decoded: fixed-size uint8 images + int64 labels at slot = local index.
@@ -216,15 +213,17 @@ class DecodedArena:
         per = self.images[0].numel() + 8 if self.capacity else 0
         return int(self.filled.sum()) * per
 
-    def complete(self) -> bool:
-        return self.capacity == self.num_local and bool(self.filled.all())
+    def missing(self) -> torch.Tensor:
+        """Local indices below ``capacity`` not held yet."""
+        return (self.filled == 0).nonzero().flatten()
 
 
 class GpuCache:
     """Device level: the rank's decoded uint8 images and labels resident on the training device.
 
     Filled from batches after they reach the device during the first epoch; serves later epochs by
-    index so no decoding and no host-to-device image copy happens.
+    index so no decoding and no host-to-device image copy happens. Samples decoded on the host to
+    complete it (:meth:`stage`) are copied to the device on its next use, where the device is known.
     """
 
     def __init__(self, num_local: int, budget_bytes: int, shape: Tuple[int, ...]):
@@ -235,32 +234,47 @@ class GpuCache:
             warnings.warn(f"gpu_cache_bytes={budget_bytes} is smaller than this rank's {num_local} samples "
                           f"({num_local * self.per_sample} bytes); the GPU cache level is off", RuntimeWarning, stacklevel=2)
         self.images = self.labels = self.filled = None
-        self.hits = self.misses = 0
+        self.staged = []  # (local, images, labels) on the host, waiting for the device
+        self.hits = 0
 
-    def _alloc(self, device: torch.device) -> None:
-        self.images = torch.empty((self.num_local, *self.shape), dtype=torch.uint8, device=device)
-        self.labels = torch.empty(self.num_local, dtype=torch.int64, device=device)
-        self.filled = torch.zeros(self.num_local, dtype=torch.bool, device=device)
-        self._count = 0
+    def _ready(self, device: torch.device) -> None:
+        if self.images is None:
+            self.images = torch.empty((self.num_local, *self.shape), dtype=torch.uint8, device=device)
+            self.labels = torch.empty(self.num_local, dtype=torch.int64, device=device)
+            self.filled = torch.zeros(self.num_local, dtype=torch.bool, device=device)
+        staged, self.staged = self.staged, []
+        for local, images, labels in staged:
+            self._write(local, images, labels)
+
+    def _write(self, local: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> None:
+        device = self.images.device
+        local = local.to(device)
+        self.images[local] = images.to(device)
+        self.labels[local] = labels.to(device)
+        self.filled[local] = True
 
     def put(self, local: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> None:
         if not self.enabled:
             return
-        if self.images is None:
-            self._alloc(images.device)
-        local = local.to(images.device)
-        self.images[local] = images
-        self.labels[local] = labels.to(images.device)
-        self.filled[local] = True
-        self._count = None
+        self._ready(images.device)
+        self._write(local, images, labels)
 
-    def complete(self) -> bool:
-        return self.enabled and self.filled is not None and bool(self.filled.all())
+    def stage(self, local: torch.Tensor, images: torch.Tensor, labels: torch.Tensor) -> None:
+        """Host tensors to be written at the next :meth:`put`/:meth:`get` (on that call's device)."""
+        self.staged.append((local, images, labels))
+
+    def missing(self) -> torch.Tensor:
+        """Local indices neither held nor staged (one device-to-host copy)."""
+        held = torch.zeros(self.num_local, dtype=torch.bool) if self.filled is None else self.filled.cpu()
+        for local, _, _ in self.staged:
+            held[local] = True
+        return (~held).nonzero().flatten()
 
     def get(self, local: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self._ready(local.device)
         local = local.to(self.images.device)
         self.hits += int(local.numel())
         return self.images[local], self.labels[local]
 
     def held_bytes(self) -> int:
-        return 0 if self.filled is None else int(self.filled.sum()) * self.per_sample
+        return 0 if not self.enabled else (self.num_local - len(self.missing())) * self.per_sample

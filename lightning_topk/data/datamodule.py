@@ -1,50 +1,164 @@
 """WebDataModule: WebDataset tar shards for Lightning, correct under DDP, with disk/RAM/device caches."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
 from .cache import STATS, DecodedArena, DiskCache, EncodedArena, GpuCache, new_stats
 from .decode import SampleDecoder
 from .index import expand_shards, shard_infos
-from .stream import ShardStream, iter_tar
+from .stream import LocalSamples, ShardStream, iter_tar
 from .transforms import BatchAugment, resolve_callable
 
 RAM_LEVELS = ("off", "encoded", "decoded")
 BAD_SAMPLE = ("raise", "skip")
 WORKER_START = (None, "fork", "spawn", "forkserver")
+MID_EPOCH_RESUME = ("exact", "restart_epoch")
+STATE_FORMAT = "lightning_topk.WebLoader/1"
 GiB = 1 << 30
 
 
 class WebLoader(DataLoader):
-    """DataLoader that sets the dataset's epoch before each pass and serves cached epochs.
+    """DataLoader over a ShardStream: places each pass (epoch, first batch), serves epochs after the first
+    from the device or decoded RAM level, and resumes mid-epoch exactly through the ``state_dict`` /
+    ``load_state_dict`` pair that Lightning saves with the fit loop. See "Resume" in docs/data.md.
 
-    The epoch comes from ``epoch_fn()`` (the trainer's current epoch) or, outside Lightning, from an
-    internal counter that starts at 0 and can be pinned with :meth:`set_epoch`.
+    ``position_fn()`` returns the trainer's ``(epoch, batch index)`` for the pass about to start; without
+    it the epoch comes from an internal counter (0, 1, ...; :meth:`set_epoch` pins it) and the batch index
+    from a loaded state. The position is read when the first batch is requested, not in ``iter()``.
     """
 
-    def __init__(self, dataset, *args, gpu_cache: Optional[GpuCache] = None, epoch_fn: Optional[Callable] = None, **kw):
+    def __init__(self, dataset, *args, gpu_cache: Optional[GpuCache] = None, position_fn: Optional[Callable] = None,
+                 mid_epoch_resume: str = "exact", **kw):
         super().__init__(dataset, *args, **kw)
-        self.gpu_cache, self.epoch_fn, self._next_epoch = gpu_cache, epoch_fn, 0
+        self.gpu_cache, self.position_fn, self.mid_epoch_resume = gpu_cache, position_fn, mid_epoch_resume
+        self._next_epoch = 0
+        self._epoch: Optional[int] = None
+        self._consumed = 0
+        self._level: Optional[str] = None
+        self._loaded: Optional[dict] = None
 
     def set_epoch(self, epoch: int) -> None:
         self._next_epoch = int(epoch)
 
-    def __iter__(self):
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> Dict[str, Any]:
+        """Epoch, batches of it handed to the training loop (not those workers prefetched), and the options
+        that fix the order of its batches."""
+        return {"format": STATE_FORMAT, "epoch": self._epoch, "consumed": self._consumed,
+                "options": self._options(self._level)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a WebLoader state (format {STATE_FORMAT!r}): {str(state)[:200]}")
+        self._loaded = state
+
+    def _options(self, level: Optional[str]) -> Dict[str, Any]:
+        """What the order of an epoch's batches depends on, besides seed and epoch, by option name."""
         ds = self.dataset
-        epoch = self.epoch_fn() if self.epoch_fn is not None else None
-        epoch = self._next_epoch if epoch is None else epoch
+        out = {"world_size": ds.world_size, "batch_size": ds.batch_size, "drop_last": ds.drop_last, "seed": ds.seed,
+               "shuffle": ds.shuffle, "samples_per_epoch": ds.num_local * ds.world_size if ds.resampled else None,
+               "train_shards": f"{len(ds.urls)} shards, {ds.num_local} samples per rank"}
+        if level is not None:
+            out["ram_cache/gpu_cache (level serving the epoch)"] = level
+        if level == "stream":
+            out.update(num_workers=self.num_workers, shuffle_buffer=ds.shuffle_buffer)
+        return out
+
+    def _check(self, saved: Dict[str, Any], epoch: int, start: int, level: Optional[str]) -> int:
+        """The batch to resume at: ``start``, or 0 (with a warning) if an option changed and
+        ``mid_epoch_resume='restart_epoch'``; raises if one changed and it is 'exact'."""
+        now = self._options(level)
+        for name, value in now.items():
+            old = saved["options"].get(name, value)
+            if old != value:
+                option = name.split(" ")[0]
+                msg = (f"resuming epoch {epoch} at batch {start}: {option} was {old!r} when the checkpoint was written "
+                       f"and is {value!r} now, so the rest of the epoch cannot be reproduced")
+                if self.mid_epoch_resume == "exact":
+                    raise ValueError(msg + f". Set {option} back, resume from an end-of-epoch checkpoint, or pass "
+                                           "mid_epoch_resume='restart_epoch' to replay the epoch from its start")
+                rank_zero_warn(msg + "; mid_epoch_resume='restart_epoch': replaying the epoch from its start")
+                return 0
+        return start
+
+    def _position(self) -> Tuple[int, int, Optional[dict]]:
+        loaded, self._loaded = self._loaded, None
+        pos = self.position_fn() if self.position_fn is not None else None
+        if pos is None and loaded is not None and loaded["epoch"] is not None:
+            e, c = loaded["epoch"], loaded["consumed"]
+            pos = (e, c) if c < len(self) else (e + 1, 0)
+        epoch, start = pos if pos is not None else (self._next_epoch, 0)
         self._next_epoch = epoch + 1
-        ds.set_epoch(epoch)
-        if self.gpu_cache is not None and self.gpu_cache.complete():
-            return ds.iter_gpu(epoch)
+        if start and loaded is None:
+            rank_zero_warn(f"resuming epoch {epoch} at batch {start}, but the checkpoint holds no WebLoader state "
+                           "(written by an older version?): replaying the epoch from its start")
+            start = 0
+        elif start and (loaded["epoch"], loaded["consumed"]) != (epoch, start):
+            rank_zero_warn(f"the loader state was saved at epoch {loaded['epoch']} batch {loaded['consumed']}, the "
+                           f"trainer resumes epoch {epoch} at batch {start} (checkpoint written during a step, e.g. "
+                           "on a signal); following the trainer")
+        return epoch, start, loaded
+
+    # ------------------------------------------------------------------ passes
+    def _serving_level(self, epoch: int) -> str:
+        """Which level serves ``epoch``: the first epoch streams (and fills the levels); later ones come from the
+        device level, else the decoded RAM level, once the level holds the whole partition. Samples a level
+        lacks (a resumed job, or batches the first epoch never reached) are decoded first, so the choice
+        depends on the epoch and the options only."""
+        ds, gc = self.dataset, self.gpu_cache
+        use_gpu = gc is not None and gc.enabled
+        if epoch == 0 or not (use_gpu or ds.ram_servable()):
+            return "stream"
         if ds.ram_servable():
-            return ds.iter_ram(epoch)
-        return super().__iter__()
+            for _ in self._decode_locals(ds.arena.missing()):  # the workers write into the shared level
+                pass
+        ram = ds.ram_servable() and not len(ds.arena.missing())
+        if use_gpu:
+            miss = gc.missing()
+            if ram and len(miss):
+                gc.stage(miss, ds.arena.images[miss], ds.arena.labels[miss])
+            elif not ram:
+                for batch in self._decode_locals(miss):
+                    gc.stage(batch["local"], *batch["data"])
+            if not len(gc.missing()):
+                return "gpu"
+        return "ram" if ram else "stream"
+
+    def _decode_locals(self, local: torch.Tensor):
+        """Decoded batches of these local indices, by this loader's workers."""
+        if not len(local):
+            return iter(())
+        kw = dict(num_workers=self.num_workers)
+        if self.num_workers:
+            kw.update(multiprocessing_context=self.multiprocessing_context)
+        return iter(DataLoader(LocalSamples(self.dataset, local), batch_size=None, **kw))
+
+    def __iter__(self):
+        epoch, start, loaded = self._position()
+        if start:
+            start = self._check(loaded, epoch, start, None)
+        level = self._serving_level(epoch)
+        if start:
+            start = self._check(loaded, epoch, start, level)
+        self._epoch, self._consumed, self._level = epoch, start, level
+        ds = self.dataset
+        ds.set_position(epoch, start)
+        if level == "gpu":
+            batches = ds.iter_gpu(epoch, start)
+        elif level == "ram":
+            batches = ds.iter_ram(epoch, start)
+        else:
+            batches = super().__iter__()
+        for batch in batches:
+            batch["pos"] = (epoch, self._consumed)
+            self._consumed += 1
+            yield batch
 
 
 class CacheStatsLogger(pl.Callback):
@@ -79,7 +193,7 @@ class WebDataModule(pl.LightningDataModule):
                  disk_cache_bytes: int = 20 * GiB, disk_cache_local: bool = False, ram_cache: str = "off",
                  ram_cache_bytes: int = 4 * GiB, gpu_cache: bool = False, gpu_cache_bytes: int = 4 * GiB,
                  on_bad_sample: str = "raise", persistent_workers: bool = False, pin_memory: bool = False,
-                 worker_start: Optional[str] = None, log_cache_stats: bool = True,
+                 worker_start: Optional[str] = None, log_cache_stats: bool = True, mid_epoch_resume: str = "exact",
                  rank: Optional[int] = None, world_size: Optional[int] = None):
         super().__init__()
         if ram_cache not in RAM_LEVELS:
@@ -88,6 +202,8 @@ class WebDataModule(pl.LightningDataModule):
             raise ValueError(f"on_bad_sample must be one of {BAD_SAMPLE}, got {on_bad_sample!r}")
         if worker_start not in WORKER_START:
             raise ValueError(f"worker_start must be one of {WORKER_START}, got {worker_start!r}")
+        if mid_epoch_resume not in MID_EPOCH_RESUME:
+            raise ValueError(f"mid_epoch_resume must be one of {MID_EPOCH_RESUME}, got {mid_epoch_resume!r}")
         for name, v in (("batch_size", batch_size), ("num_workers", num_workers + 1), ("shuffle_buffer", shuffle_buffer + 1)):
             if int(v) < 1:
                 raise ValueError(f"{name} must be {'>= 1' if name == 'batch_size' else '>= 0'}, got {v}")
@@ -110,7 +226,7 @@ class WebDataModule(pl.LightningDataModule):
         self.ram_cache, self.ram_cache_bytes = ram_cache, int(ram_cache_bytes)
         self.gpu_cache_on, self.gpu_cache_bytes = bool(gpu_cache), int(gpu_cache_bytes)
         self.on_bad_sample, self.persistent_workers, self.pin_memory = on_bad_sample, persistent_workers, pin_memory
-        self.worker_start, self.log_cache_stats = worker_start, log_cache_stats
+        self.worker_start, self.log_cache_stats, self.mid_epoch_resume = worker_start, log_cache_stats, mid_epoch_resume
         self._rank, self._world = rank, world_size
         self.train_set: Optional[ShardStream] = None
         self.val_set: Optional[ShardStream] = None
@@ -193,24 +309,31 @@ class WebDataModule(pl.LightningDataModule):
         return ()
 
     # ------------------------------------------------------------------ loaders
-    def _loader(self, ds: ShardStream, gpu: Optional[GpuCache]) -> WebLoader:
-        kw: Dict[str, Any] = dict(batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
+    def _loader(self, ds: ShardStream, **kw) -> WebLoader:
+        kw.update(batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
         if self.num_workers > 0:
             kw.update(persistent_workers=self.persistent_workers, multiprocessing_context=self.worker_start)
-        epoch_fn = (lambda: self.trainer.current_epoch if self.trainer is not None else None)
-        return WebLoader(ds, gpu_cache=gpu, epoch_fn=epoch_fn, **kw)
+        return WebLoader(ds, **kw)
+
+    def _train_position(self) -> Optional[Tuple[int, int]]:
+        """The epoch and batch index the trainer's fit loop runs next (after a restore: where it resumes)."""
+        t = self.trainer
+        if t is None or not t.training:
+            return None
+        return t.current_epoch, t.fit_loop.epoch_loop.batch_progress.current.ready
 
     def train_dataloader(self) -> WebLoader:
         if self.train_set is None:
             self.setup("fit")
-        return self._loader(self.train_set, self.gpu_cache)
+        return self._loader(self.train_set, gpu_cache=self.gpu_cache, position_fn=self._train_position,
+                            mid_epoch_resume=self.mid_epoch_resume)
 
     def val_dataloader(self):
         if self.val_shards is None:
             return []
         if self.val_set is None:
             self.setup("validate")
-        return self._loader(self.val_set, None)
+        return self._loader(self.val_set)
 
     # ------------------------------------------------------------------ device side
     def finalize_batch(self, batch: Any, train: bool = True) -> Any:
@@ -222,12 +345,12 @@ class WebDataModule(pl.LightningDataModule):
         else:
             data = batch["data"]
             gc = self.gpu_cache
-            if train and gc is not None and gc.enabled and not gc.complete():
+            if train and gc is not None and gc.enabled:
                 gc.put(batch["local"], data[0], data[1])
                 self.gpu_misses += int(batch["local"].numel())
         if self.augment is not None and isinstance(data[0], torch.Tensor) and data[0].dtype == torch.uint8 \
                 and data[0].ndim == 4:
-            data = (self.augment(data[0], train=train), *data[1:])
+            data = (self.augment(data[0], train=train, step=batch.get("pos")), *data[1:])
         return tuple(data)
 
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

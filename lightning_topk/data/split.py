@@ -8,6 +8,9 @@ split among DataLoader workers change every epoch.
 
 A segment is ``(shard_index, start, stop, base)``: samples ``start..stop-1`` of the shard, whose
 position in the rank's canonical order (its "local index") starts at ``base``.
+
+Everything here is a pure function of (seed, epoch, rank, world size, batch size, workers), which is what
+lets a resumed job compute where every worker stood from the number of batches consumed.
 """
 from __future__ import annotations
 
@@ -100,3 +103,52 @@ def worker_segments(segs: Sequence[Segment], batch_size: int, drop_last: bool, w
     b0, b1 = worker_batch_range(nb, worker, num_workers)
     used = min(total, nb * batch_size)
     return slice_segments(segs, min(b0 * batch_size, used), min(b1 * batch_size, used))
+
+
+def worker_batch_counts(n_batches: int, num_workers: int) -> List[int]:
+    return [b1 - b0 for b0, b1 in (worker_batch_range(n_batches, w, num_workers) for w in range(num_workers))]
+
+
+def resume_split(n_batches: int, num_workers: int, consumed: int) -> Tuple[List[int], int]:
+    """Batches each worker had yielded when the first ``consumed`` batches of an epoch were taken, and the
+    worker the next batch comes from.
+
+    A DataLoader takes one batch from each worker in turn (0, 1, ..., skipping workers that are done), so
+    a resumed pass whose worker ``p`` plays worker ``(p + next) % num_workers`` continues the sequence.
+    """
+    counts = worker_batch_counts(n_batches, num_workers)
+    taken, w = [0] * num_workers, 0
+    for _ in range(consumed):
+        while taken[w] >= counts[w]:
+            w = (w + 1) % num_workers
+        taken[w] += 1
+        w = (w + 1) % num_workers
+    return taken, w
+
+
+def buffer_shuffle_order(n: int, bufsize: int, rng: random.Random) -> List[int]:
+    """The order in which a shuffle buffer of ``bufsize`` (webdataset's ``shuffle``, ``initial=bufsize``)
+    emits items ``0..n-1``. It depends only on ``n`` and the random stream, so it is computed on indices
+    and a resumed pass can skip the items already emitted without reading them."""
+    buf: List[int] = []
+    out: List[int] = []
+    nxt = 0
+
+    def pick() -> int:
+        k = rng.randint(0, len(buf) - 1)
+        item = buf[k]
+        buf[k] = buf[-1]
+        buf.pop()
+        return item
+
+    while nxt < n:
+        buf.append(nxt)
+        nxt += 1
+        if len(buf) < bufsize and nxt < n:
+            buf.append(nxt)
+            nxt += 1
+        if len(buf) >= bufsize:
+            out.append(pick())
+    while buf:
+        out.append(pick())
+    return out

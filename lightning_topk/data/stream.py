@@ -1,35 +1,53 @@
 """The per-rank iterable dataset: reads its share of the shards, caches, decodes and batches.
 
 It yields ready batches (the DataLoader runs with ``batch_size=None``) so every rank produces exactly
-``len(dataset)`` batches per epoch however the shards and workers fall. Rank, world size and epoch are
-plain attributes / shared tensors set in the main process, so workers started with fork, spawn or
-forkserver all see them; nothing is read from the ``RANK`` environment variable.
+``len(dataset)`` batches per epoch however the shards and workers fall. Rank, world size, epoch and the
+batch a pass starts at are plain attributes / shared tensors set in the main process, so workers started
+with fork, spawn or forkserver (persistent or not) all see them; nothing is read from the ``RANK``
+environment variable.
+
+A worker's order is computed on sample positions before anything is read (the segments of the epoch,
+then the shuffle buffer's emission order), so a pass that starts at batch ``k`` of the epoch skips the
+samples the first ``k`` batches held without reading or decoding them.
 """
 from __future__ import annotations
 
 import random
 import tarfile
 import warnings
-from typing import Iterator, List, Optional, Sequence
+from typing import Callable, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
-from webdataset.filters import _shuffle
 from webdataset.gopen import gopen
 from webdataset.tariterators import base_plus_ext
 
 from .cache import DecodedArena, DiskCache, S
 from .decode import BadSampleError, SampleDecoder, collate
 from .index import local_path
-from .split import Segment, epoch_order, mix_seed, num_batches, rank_segments, segments_len, worker_segments
+from .split import (
+    Segment,
+    buffer_shuffle_order,
+    epoch_order,
+    mix_seed,
+    num_batches,
+    rank_segments,
+    resume_split,
+    segments_len,
+    worker_batch_range,
+    worker_segments,
+)
 
 
-def iter_tar(fileobj, shard: str, seekable: bool, start: int = 0, stop: Optional[int] = None):
+def iter_tar(fileobj, shard: str, seekable: bool, start: int = 0, stop: Optional[int] = None,
+             want: Optional[Callable[[int], bool]] = None):
     """Yield ``(index, key, {ext: bytes})`` for samples ``start..stop-1``; earlier members are not read.
 
-    A truncated or corrupt archive raises BadSampleError naming the shard and the last key seen.
+    Samples for which ``want(index)`` is false come as ``(index, key, None)``: their data is not read
+    (a seekable file skips it). A truncated or corrupt archive raises BadSampleError naming the shard
+    and the last key seen.
     """
-    key, members, index = None, {}, -1
+    key, members, index, read = None, {}, -1, False
     try:
         tf = tarfile.open(fileobj=fileobj, mode="r:" if seekable else "r|")
         for m in tf:
@@ -39,19 +57,32 @@ def iter_tar(fileobj, shard: str, seekable: bool, start: int = 0, stop: Optional
             if k is None or (k.startswith("__") and k.endswith("__")):
                 continue
             if k != key:
-                if members:
-                    yield index, key, members
+                if key is not None and index >= start:
+                    yield index, key, members if read else None
                 key, members, index = k, {}, index + 1
                 if stop is not None and index >= stop:
                     return
-            if index >= start:
+                read = index >= start and (want is None or want(index))
+            if read:
                 members[ext.lower()] = tf.extractfile(m).read()
             if not seekable:
                 tf.members = []
-        if members:
-            yield index, key, members
+        if key is not None and index >= start:
+            yield index, key, members if read else None
     except (tarfile.TarError, OSError, EOFError) as exn:
         raise BadSampleError(f"corrupt or truncated tar member: {type(exn).__name__}: {exn}", shard, key or "?") from exn
+
+
+def reorder(pairs: Iterable[Tuple[int, tuple]], order: Iterable[int]) -> Iterator[tuple]:
+    """Items of ``pairs`` (``(position, item)`` in increasing position, at least every position of
+    ``order``) in the order ``order`` lists their positions; items read ahead wait in a dict, which
+    holds at most a shuffle buffer's worth when ``order`` comes from :func:`buffer_shuffle_order`."""
+    held, it = {}, iter(pairs)
+    for p in order:
+        while p not in held:
+            q, item = next(it)
+            held[q] = item
+        yield held.pop(p)
 
 
 class ShardStream(IterableDataset):
@@ -78,15 +109,16 @@ class ShardStream(IterableDataset):
             raise ValueError(f"rank {rank} of {world_size} gets no samples: the shards hold too few samples")
         self.stats = stats if stats is not None else torch.zeros(max(num_workers, 1) + 1, len(S), dtype=torch.int64)
         self.arena = None  # EncodedArena | DecodedArena, attached by the DataModule
-        self._epoch = torch.zeros(1, dtype=torch.int64).share_memory_()
+        self._pos = torch.zeros(2, dtype=torch.int64).share_memory_()  # epoch, batch the next pass starts at
 
-    # ---------------------------------------------------------------- epoch / size
-    def set_epoch(self, epoch: int) -> None:
-        self._epoch[0] = int(epoch)
+    # ---------------------------------------------------------------- position / size
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        """The next pass is epoch ``epoch`` from its batch ``start`` on (earlier batches are skipped)."""
+        self._pos[0], self._pos[1] = int(epoch), int(start)
 
     @property
-    def epoch(self) -> int:
-        return int(self._epoch[0])
+    def position(self) -> Tuple[int, int]:
+        return int(self._pos[0]), int(self._pos[1])
 
     def __len__(self) -> int:
         return num_batches(self.num_local, self.batch_size, self.drop_last)
@@ -107,36 +139,44 @@ class ShardStream(IterableDataset):
             return open(path, "rb"), True
         return gopen(url, "rb"), False
 
-    def _read_segment(self, seg: Segment, row: int, worker: int):
-        """Items ``(kind, local, gid, shard, key, payload)`` for one segment; kind is raw/dec/bad."""
+    def _read_segment(self, seg: Segment, row: int, worker: int, want: Optional[Callable[[int], bool]] = None):
+        """Items ``(kind, local, gid, shard, key, payload)`` (kind raw/dec/bad) for the samples of one segment
+        that ``want`` (a predicate on the index in the shard; default: all) selects; others are not read."""
         s, a, b, base = seg
         url, arena = self.urls[s], self.arena
         gid0 = self.shard_offsets[s]
-        first_miss = a
-        if arena is not None:
-            while first_miss < b and arena.has(base + first_miss - a):
-                first_miss += 1
-        for i in range(a, first_miss):  # cached prefix: no shard access at all
+        wanted = want or (lambda i: True)
+        cached = (lambda i: False) if arena is None else (lambda i: arena.has(base + i - a))
+
+        def hit(i, key):
             self.stats[row, S["ram_hits"]] += 1
-            yield ("dec" if arena.level == "decoded" else "raw", base + i - a, gid0 + i, url, "?", arena.get(base + i - a))
+            kind = "dec" if arena.level == "decoded" else "raw"
+            return (kind, base + i - a, gid0 + i, url, key, arena.get(base + i - a))
+
+        first_miss = a
+        while first_miss < b and (not wanted(first_miss) or cached(first_miss)):  # no shard access for these
+            if wanted(first_miss):
+                yield hit(first_miss, "?")
+            first_miss += 1
         if first_miss == b:
             return
         seen = first_miss
         try:
             stream, seekable = self._open(url, row)
             with stream:
-                for i, key, raw in iter_tar(stream, url, seekable, first_miss, b):
-                    local = base + i - a
-                    if arena is not None and arena.has(local):
-                        self.stats[row, S["ram_hits"]] += 1
-                        yield ("dec" if arena.level == "decoded" else "raw", local, gid0 + i, url, key, arena.get(local))
-                    else:
-                        if arena is not None:
-                            self.stats[row, S["ram_misses"]] += 1
-                            if arena.level == "encoded":
-                                arena.put(local, raw, worker)
-                        yield ("raw", local, gid0 + i, url, key, raw)
+                for i, key, raw in iter_tar(stream, url, seekable, first_miss, b, lambda i: wanted(i) and not cached(i)):
                     seen = i + 1
+                    if not wanted(i):
+                        continue
+                    if raw is None:
+                        yield hit(i, key)
+                        continue
+                    local = base + i - a
+                    if arena is not None:
+                        self.stats[row, S["ram_misses"]] += 1
+                        if arena.level == "encoded":
+                            arena.put(local, raw, worker)
+                    yield ("raw", local, gid0 + i, url, key, raw)
         except BadSampleError as exn:
             if self.on_bad_sample == "raise":
                 raise
@@ -146,9 +186,26 @@ class ShardStream(IterableDataset):
             if self.on_bad_sample == "raise":
                 raise BadSampleError(msg + " (shard changed since it was counted?)", url, "?")
             for i in range(seen, b):
-                yield ("bad", base + i - a, gid0 + i, url, "?", msg)
+                if wanted(i):
+                    yield ("bad", base + i - a, gid0 + i, url, "?", msg)
 
-    def _read_resampled(self, quota: int, rng: random.Random, row: int):
+    def _read_positions(self, segs: Sequence[Segment], row: int, worker: int, keep: Optional[bytearray]):
+        """``(position, item)`` for the samples of ``segs`` (positions count along them) that ``keep``
+        marks (default: all); segments without a marked sample are not opened."""
+        pos = 0
+        for seg in segs:
+            s, a, b, base = seg
+            p0 = pos - a  # position of the shard's sample i is p0 + i
+            pos += b - a
+            if keep is not None and not any(keep[p0 + a:pos]):
+                continue
+            want = None if keep is None else (lambda i, p0=p0: keep[p0 + i] == 1)
+            for item in self._read_segment(seg, row, worker, want):
+                yield p0 + a + item[1] - base, item
+
+    def _read_resampled(self, quota: int, rng: random.Random, row: int, keep: Optional[bytearray]):
+        """``(position, item)`` for ``quota`` samples of shards drawn with replacement by ``rng``; only the
+        positions ``keep`` marks (default: all) are read."""
         produced, dry = 0, 0
         while produced < quota:
             url = rng.choice(self.urls)
@@ -156,8 +213,10 @@ class ShardStream(IterableDataset):
             try:
                 stream, seekable = self._open(url, row)
                 with stream:
-                    for _, key, raw in iter_tar(stream, url, seekable):
-                        yield ("raw", -1, -1, url, key, raw)
+                    want = None if keep is None else (lambda i, p0=produced: p0 + i < quota and keep[p0 + i] == 1)
+                    for _, key, raw in iter_tar(stream, url, seekable, want=want):
+                        if raw is not None:
+                            yield produced, ("raw", -1, -1, url, key, raw)
                         got += 1
                         produced += 1
                         if produced >= quota:
@@ -171,30 +230,43 @@ class ShardStream(IterableDataset):
                 raise RuntimeError(f"no readable samples in shards {self.urls[:3]}...")
 
     # ---------------------------------------------------------------- iteration
-    def _decode_items(self, items, row: int, worker: int):
-        """Decode, cache decoded samples, apply the transform; bad samples become repeats when skipping."""
+    def _decode(self, kind: str, local: int, shard: str, key: str, payload, worker: int) -> tuple:
+        """One item's sample, kept in the decoded RAM level when there is one; raises BadSampleError."""
+        if kind == "bad":
+            raise BadSampleError(payload, shard, key)
+        if kind != "raw":
+            return payload
+        sample = self.decoder(payload, shard, key)
+        if isinstance(self.arena, DecodedArena) and local >= 0:
+            self.arena.put(local, sample, worker)
+        return sample
+
+    def _transformed(self, sample: tuple) -> tuple:
+        if self.transform is None:
+            return sample
+        sample = self.transform(sample)
+        return sample if isinstance(sample, tuple) else (sample,)
+
+    def _decode_items(self, items, row: int, worker: int, before: Optional[Callable[[], Optional[tuple]]] = None):
+        """Decode and transform; when skipping, a bad sample becomes a repeat of the worker's previous good
+        one (``before()`` gives the one preceding a pass that starts mid-epoch)."""
         last, pending = None, 0
         for kind, local, gid, shard, key, payload in items:
             try:
-                if kind == "bad":
-                    raise BadSampleError(payload, shard, key)
-                sample = self.decoder(payload, shard, key) if kind == "raw" else payload
-                if kind == "raw" and isinstance(self.arena, DecodedArena) and local >= 0:
-                    self.arena.put(local, sample, worker)
+                sample = self._decode(kind, local, shard, key, payload, worker)
             except BadSampleError as exn:
                 if self.on_bad_sample == "raise":
                     raise
                 warnings.warn(f"skipping bad sample: {exn}", RuntimeWarning, stacklevel=2)
                 self.stats[row, S["bad_skipped"]] += 1
+                if last is None and before is not None:
+                    last, before = before(), None
                 if last is None:
                     pending += 1
                 else:
                     yield last
                 continue
-            if self.transform is not None:
-                sample = self.transform(sample)
-                sample = sample if isinstance(sample, tuple) else (sample,)
-            last = (local, gid, sample)
+            last = (local, gid, self._transformed(sample))
             yield last
             for _ in range(pending):  # bad samples seen before the first good one
                 yield last
@@ -219,27 +291,79 @@ class ShardStream(IterableDataset):
 
     def __iter__(self) -> Iterator[dict]:
         info = get_worker_info()
-        worker, nworkers = (info.id, info.num_workers) if info is not None else (0, 1)
-        row = worker if info is not None else self.stats.shape[0] - 1
-        epoch = self.epoch
-        rng = random.Random(mix_seed(self.seed, 3, epoch, self.rank, worker))
+        slot, nworkers = (info.id, info.num_workers) if info is not None else (0, 1)
+        row = slot if info is not None else self.stats.shape[0] - 1
+        epoch, start = self.position
+        taken, first = resume_split(len(self), nworkers, start)
+        worker = (slot + first) % nworkers  # the DataLoader asks this process first: it plays worker `first`
         if self.resampled:
-            nb = len(self)
-            from .split import worker_batch_range
-            b0, b1 = worker_batch_range(nb, worker, nworkers)
-            quota = min(self.num_local, b1 * self.batch_size) - min(self.num_local, b0 * self.batch_size)
-            items = self._read_resampled(quota, rng, row)
+            b0, b1 = worker_batch_range(len(self), worker, nworkers)
+            n = min(self.num_local, b1 * self.batch_size) - min(self.num_local, b0 * self.batch_size)
+            shard_seed = mix_seed(self.seed, 6, epoch, self.rank, worker)
         else:
             order = epoch_order(self.segments, epoch, self.seed, self.rank, self.shuffle)
             mine = worker_segments(order, self.batch_size, self.drop_last, worker, nworkers)
-            items = (it for seg in mine for it in self._read_segment(seg, row, worker))
+            n = segments_len(mine)
+
+        def read(keep: Optional[bytearray]):
+            if self.resampled:
+                return self._read_resampled(n, random.Random(shard_seed), row, keep)
+            return self._read_positions(mine, row, worker, keep)
+
+        emit = range(n)
         if self.shuffle and self.shuffle_buffer > 1:
-            items = _shuffle(items, bufsize=self.shuffle_buffer, initial=self.shuffle_buffer, rng=rng)
-        return self._batches(self._decode_items(items, row, worker))
+            rng = random.Random(mix_seed(self.seed, 3, epoch, self.rank, worker))
+            emit = buffer_shuffle_order(n, self.shuffle_buffer, rng)
+        skip = taken[worker] * self.batch_size
+        if not skip:
+            return self._batches(self._decode_items(reorder(read(None), emit), row, worker))
+        keep = bytearray(n)
+        for p in emit[skip:]:
+            keep[p] = 1
+
+        def before() -> Optional[tuple]:
+            """The last good sample of the skipped part (what a bad first sample repeats)."""
+            for p in reversed(emit[:skip]):
+                one = bytearray(n)
+                one[p] = 1
+                for _, (kind, local, gid, shard, key, payload) in read(one):
+                    try:
+                        return local, gid, self._transformed(self._decode(kind, local, shard, key, payload, worker))
+                    except BadSampleError:
+                        break
+            return None
+
+        return self._batches(self._decode_items(reorder(read(keep), emit[skip:]), row, worker, before))
+
+    # ---------------------------------------------------------------- completing the cache levels
+    def iter_locals(self, local: torch.Tensor, row: int, worker: int) -> Iterator[dict]:
+        """Batches of the samples with the given local indices, decoded (and kept in the decoded RAM level);
+        bad samples are left out with a warning, or raise, as ``on_bad_sample`` says."""
+        want = set(local.tolist())
+        buf = []
+        for seg in self.segments:
+            s, a, b, base = seg
+            if not want.intersection(range(base, base + b - a)):
+                continue
+            for kind, loc, gid, shard, key, payload in self._read_segment(
+                    seg, row, worker, lambda i, base=base, a=a: base + i - a in want):
+                try:
+                    buf.append((loc, gid, self._decode(kind, loc, shard, key, payload, worker)))
+                except BadSampleError as exn:
+                    if self.on_bad_sample == "raise":
+                        raise
+                    warnings.warn(f"skipping bad sample: {exn}", RuntimeWarning, stacklevel=2)
+                    self.stats[row, S["bad_skipped"]] += 1
+                if len(buf) == self.batch_size:
+                    yield self._collate(buf)
+                    buf = []
+        if buf:
+            yield self._collate(buf)
 
     # ---------------------------------------------------------------- served from the main process
     def ram_servable(self) -> bool:
-        return isinstance(self.arena, DecodedArena) and self.transform is None and self.arena.complete()
+        """Whether the decoded RAM level can hold the whole partition (it serves epochs once it does)."""
+        return isinstance(self.arena, DecodedArena) and self.transform is None and self.arena.capacity == self.num_local
 
     def _epoch_perm(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -247,20 +371,33 @@ class ShardStream(IterableDataset):
         g = torch.Generator().manual_seed(mix_seed(self.seed, 4, epoch, self.rank) & 0x7FFFFFFFFFFFFFFF)
         return torch.randperm(self.num_local, generator=g)
 
-    def iter_indices(self, epoch: int) -> Iterator[torch.Tensor]:
+    def iter_indices(self, epoch: int, start: int = 0) -> Iterator[torch.Tensor]:
         perm = self._epoch_perm(epoch)
-        for i in range(len(self)):
+        for i in range(start, len(self)):
             yield perm[i * self.batch_size:(i + 1) * self.batch_size]
 
-    def iter_ram(self, epoch: int) -> Iterator[dict]:
-        """An epoch from the decoded RAM level: one gather per batch in the main process."""
+    def iter_ram(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        """An epoch from batch ``start`` on, from the decoded RAM level: one gather per batch in the main process."""
         ids, row = self.local_ids(), self.stats.shape[0] - 1
-        for idx in self.iter_indices(epoch):
+        for idx in self.iter_indices(epoch, start):
             self.stats[row, S["ram_hits"]] += len(idx)
             yield {"local": idx, "ids": ids[idx], "data": (self.arena.images[idx], self.arena.labels[idx])}
 
-    def iter_gpu(self, epoch: int) -> Iterator[dict]:
-        """An epoch from the device level: only index tensors leave the host."""
+    def iter_gpu(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        """An epoch from batch ``start`` on, from the device level: only index tensors leave the host."""
         ids = self.local_ids()
-        for idx in self.iter_indices(epoch):
+        for idx in self.iter_indices(epoch, start):
             yield {"local": idx, "ids": ids[idx], "served": "gpu"}
+
+
+class LocalSamples(IterableDataset):
+    """Given local indices of a ShardStream, split among DataLoader workers (see ShardStream.iter_locals)."""
+
+    def __init__(self, ds: ShardStream, local: torch.Tensor):
+        self.ds, self.local = ds, local
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        w, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        n = len(self.local)
+        return self.ds.iter_locals(self.local[n * w // nw:n * (w + 1) // nw], w if info is not None else -1, w)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import importlib
 import pickle
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+from .split import mix_seed
 
 
 def resolve_callable(spec: Any, option: str = "transform", need_pickle: bool = True):
@@ -57,7 +59,9 @@ class BatchAugment:
     """Batched augmentation on the batch's device: random crop with zero padding, horizontal flip,
     then ``uint8 -> float / 255`` and normalisation with ``mean``/``std`` (per channel).
 
-    Random numbers come from a generator seeded with ``seed`` (give each rank its own seed).
+    Random numbers come from a generator seeded with ``seed`` (give each rank its own seed). With
+    ``step=(epoch, batch index)`` it is re-seeded from ``(seed, epoch, batch index)`` first, so a batch's
+    augmentation does not depend on the batches before it (a resumed run draws the same numbers).
     """
 
     def __init__(self, crop_padding: int = 0, flip: bool = False, mean: Optional[Sequence[float]] = None,
@@ -76,12 +80,14 @@ class BatchAugment:
             self._gen = torch.Generator(device=device).manual_seed(self.seed)
         return self._gen
 
-    def __call__(self, images: torch.Tensor, train: bool = True) -> torch.Tensor:
+    def __call__(self, images: torch.Tensor, train: bool = True, step: Optional[Tuple[int, int]] = None) -> torch.Tensor:
         if images.dtype != torch.uint8:
             return images  # already converted by a per-sample transform
         x = images
         if train and (self.crop_padding or self.flip):
             g = self._generator(x.device)
+            if step is not None:
+                g.manual_seed(mix_seed(self.seed, 5, *step) & 0x7FFFFFFFFFFFFFFF)
             n, _, h, w = x.shape
             if self.crop_padding:
                 p = self.crop_padding
