@@ -390,6 +390,27 @@ def test_fused_lars_step_dispatcher_and_errors():
         co.fused_lars_step(ps, gs[:7], bufs, 0.1, 0.0, True, 0.9, 0.001, 1e-8)
 
 
+def test_lars_device_tables_are_validated_once_and_cached():
+    """The CUDA path's tables: built (and the tensors validated) for a new set of addresses, reused after."""
+    co._LARS_TABLES.clear()
+    shapes, ps, bufs, adapt, _, _ = _lars_problem(15)
+    gs = _grads(shapes, 0, torch.float32)
+    first = [False] * len(ps)
+    tables = co._lars_device_tables(ps, gs, bufs, adapt, first)
+    meta, chunks = co._lars_tables(ps, gs, bufs, adapt, first)
+    assert torch.equal(tables[0], torch.tensor(meta)) and torch.equal(tables[1], torch.tensor(chunks))
+    assert co._lars_device_tables(ps, gs, bufs, adapt, first) is tables
+    assert co._lars_device_tables(ps, gs, bufs, adapt, [True] * len(ps)) is not tables   # flags are in the key
+    with pytest.raises(ValueError, match="tensor 0: shapes param"):
+        co._lars_device_tables(ps, [torch.randn(3)] + gs[1:], bufs, adapt, first)
+    strided = ps[:3] + [torch.randn(64, 128).t()] + ps[4:]                               # not contiguous
+    assert co._lars_device_tables(strided, gs, bufs, adapt, first) is None
+    for i in range(2 * co._LARS_TABLES_KEPT):
+        co._lars_device_tables(ps, gs, bufs, adapt, [bool(i >> j & 1) for j in range(len(ps))])
+    assert len(co._LARS_TABLES) == co._LARS_TABLES_KEPT
+    co._LARS_TABLES.clear()
+
+
 # ------------------------------------------------------------------------------- (c) dispatch on CPU
 def test_import_does_not_import_cupy_and_cpu_falls_back():
     code = (
@@ -703,6 +724,27 @@ def test_gpu_multi_threshold_count_and_compaction(dtype):
     v, i = co.compact_selected(x.cuda(), hi, lo, k)
     rv, ri = co.compact_selected_torch(x, hi, lo, k)
     assert torch.equal(i.cpu(), ri) and torch.equal(v.cpu(), rv)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_sync_free_count_and_compaction(dtype):
+    """multi_threshold_count and compact_indices on CUDA: the references' results, and CUDA's sync
+    detector sees no device-to-host synchronisation."""
+    x = _data(1_000_003, 16, dtype, levels=64)
+    a, k = x.abs(), 10_000
+    hi, lo = _brackets(x, k)
+    t, thr = torch.linspace(0, 3, 300), torch.tensor([hi, lo])
+    ac, tc, thrc = a.cuda(), t.cuda(), thr.cuda()
+    co.multi_threshold_count(ac, tc), co.compact_indices(ac, thrc, k)     # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts, idx = co.multi_threshold_count(ac, tc), co.compact_indices(ac, thrc, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(counts.cpu(), co.multi_threshold_count_torch(a, t))
+    assert torch.equal(idx.cpu(), co.compact_indices_torch(a, thr, k))
 
 
 @gpu
