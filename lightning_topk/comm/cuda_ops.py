@@ -329,7 +329,8 @@ def _compact_cupy(x: Tensor, thr: Tensor, k: int, check: bool) -> Tuple[Tensor, 
         _launch(x.device, "compact", f"compact_count_{sfx}", nb, (x, np.int64(n), thr, counts))
     offsets, totals = _compact_offsets(counts)
     if check:
-        _check_totals(*totals.tolist(), k)
+        count_hi, count_band = totals.tolist()
+        _check_totals(count_hi, count_band, k)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
     indices = torch.zeros(k, dtype=torch.int32, device=x.device)
     if k and nb:
@@ -465,7 +466,10 @@ def _per_tensor(name: str, v, n: int, kind=float) -> List:
     return [kind(v)] * n
 
 
-def _expand_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step):
+_LarsArgs = Tuple[List[Tensor], List[Tensor], List[Tensor], List[float], List[float], List[bool], List[bool]]
+
+
+def _expand_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step) -> _LarsArgs:
     """Lists of tensors and per-tensor options (lengths checked; the tensors themselves are not)."""
     params, grads, bufs = list(params), list(grads), list(bufs)
     n = len(params)
@@ -484,7 +488,7 @@ def _check_lars_tensors(params, grads, bufs) -> None:
                              f"{tuple(g.shape)}, buf {tuple(b.shape)} differ")
 
 
-def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step):
+def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step) -> _LarsArgs:
     args = _expand_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step)
     _check_lars_tensors(*args[:3])
     return args
