@@ -4,9 +4,10 @@ path (``topk_select_sync_free``), each for exact and MSTopK, plus the L2 mass MS
     python benchmarks/bench_select.py [--sizes 1000000 25000000] [--densities 0.01 0.001] [--repeats 3]
                                       [--device cpu|cuda]
 
-Gradient-like data (Gaussian with a log-normal scale), fp32. Every time is the best of --repeats runs
-after one warm-up (the machine may be shared: the minimum is the least disturbed run). On CUDA the
-times come from CUDA events around each call, so they include the kernels, not only the launches.
+Gradient-like data (Gaussian with a log-normal scale), fp32. Every time is the best of --repeats rounds
+after one warm-up; in each round the five selections take turns (the machine may be shared: the
+minimum is the least disturbed run). On CUDA the times come from CUDA events around each call, so
+they include the kernels, not only the launches.
 250M entries (``--sizes 250000000``) needs about 10 GB of host memory on CPU.
 """
 import argparse
@@ -21,22 +22,26 @@ from lightning_topk import topk_select
 from lightning_topk.comm.selection import topk_select_sync_free
 
 
-def timed(fn, repeats, device):
-    out = fn()  # warm-up (fills the selection workspace, compiles kernels)
-    ts = []
+def timed(fns, repeats, device):
+    """Best time of each function over ``repeats`` rounds; the functions take turns in every round, so
+    that a burst of load from elsewhere on a shared machine hits them alike. Returns (times, outputs)."""
+    outs = [fn() for fn in fns]  # warm-up (fills the selection workspace, compiles kernels)
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            ts.append(start.elapsed_time(end) / 1e3)
-        else:
-            t = time.perf_counter()
-            out = fn()
-            ts.append(time.perf_counter() - t)
-    return min(ts), out
+        for j, fn in enumerate(fns):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                outs[j] = fn()
+                end.record()
+                end.synchronize()
+                t = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                outs[j] = fn()
+                t = time.perf_counter() - t0
+            best[j] = min(best[j], t)
+    return best, outs
 
 
 def mass(v, ref_v):
@@ -70,10 +75,12 @@ def main():
         x = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).to(device)
         for rho in a.densities:
             k = max(1, int(rho * n))
-            t_ref, (ref_v, _) = timed(lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False), a.repeats, device)
+            fns = [lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False)]
+            fns += [lambda x=x, k=k, fn=fn: fn(x, k) for _, fn in CASES]
+            times, outs = timed(fns, a.repeats, device)
+            t_ref, ref_v = times[0], outs[0][0]
             cells, masses = [], []
-            for label, fn in CASES:
-                t, (v, i) = timed(lambda x=x, k=k, fn=fn: fn(x, k), a.repeats, device)
+            for (label, _), t, (v, i) in zip(CASES, times[1:], outs[1:]):
                 assert i.numel() == k, label
                 cells.append(f"{1e3 * t:.1f} | {t_ref / t:.1f}x")
                 if "mstopk" in label:
