@@ -1,49 +1,94 @@
-"""Top-k selection speed: torch.topk vs exact vs mstopk, and the L2 mass mstopk captures.
+"""Top-k selection speed, side by side: torch.topk, the CPU fast path (``topk_select``) and the sync-free
+path (``topk_select_sync_free``), each for exact and MSTopK, plus the L2 mass MSTopK captures.
 
     python benchmarks/bench_select.py [--sizes 1000000 25000000] [--densities 0.01 0.001] [--repeats 3]
+                                      [--device cpu|cuda]
 
-Gradient-like data (Gaussian with a heavy-tailed scale). Prints a Markdown table; best of --repeats runs (the machine is shared: the minimum is the least disturbed).
+Gradient-like data (Gaussian with a log-normal scale), fp32. Every time is the best of --repeats rounds
+after one warm-up; in each round the five selections take turns (the machine may be shared: the
+minimum is the least disturbed run). On CUDA the times come from CUDA events around each call, so
+they include the kernels, not only the launches.
+250M entries (``--sizes 250000000``) needs about 10 GB of host memory on CPU.
 """
 import argparse
+import datetime
+import os
 import platform
 import time
 
 import torch
 
 from lightning_topk import topk_select
+from lightning_topk.comm.selection import topk_select_sync_free
 
 
-def timed(fn, repeats):
-    fn()  # warm-up (also fills the selection workspace)
-    ts = []
+def timed(fns, repeats, device):
+    """Best time of each function over ``repeats`` rounds; the functions take turns in every round, so
+    that a burst of load from elsewhere on a shared machine hits them alike. Returns (times, outputs)."""
+    outs = [fn() for fn in fns]  # warm-up (fills the selection workspace, compiles kernels)
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts), out
+        for j, fn in enumerate(fns):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                outs[j] = fn()
+                end.record()
+                end.synchronize()
+                t = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                outs[j] = fn()
+                t = time.perf_counter() - t0
+            best[j] = min(best[j], t)
+    return best, outs
+
+
+def mass(v, ref_v):
+    return float((v.double() ** 2).sum() / (ref_v.double() ** 2).sum())
+
+
+CASES = (  # column label, call
+    ("topk_select exact", lambda x, k: topk_select(x, k, "exact")),
+    ("topk_select mstopk", lambda x, k: topk_select(x, k, "mstopk")),
+    ("sync-free exact", lambda x, k: topk_select_sync_free(x, k, "exact")),
+    ("sync-free mstopk", lambda x, k: topk_select_sync_free(x, k, "mstopk")),
+)
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
     ap.add_argument("--densities", type=float, nargs="+", default=[0.01, 0.001])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = ap.parse_args()
-    print(f"# top-k selection, {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}\n")
-    print("| n | density | k | torch.topk ms | exact ms | speedup | mstopk ms | speedup | mstopk L2 mass |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    device = torch.device(a.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} threads"
+    print(f"# top-k selection: {platform.machine()}, {os.cpu_count()} cores, {where}, torch {torch.__version__}, "
+          f"{datetime.date.today()}, load average {os.getloadavg()[0]:.1f}\n")
+    head = " | ".join(f"{label} ms | x" for label, _ in CASES)
+    print(f"| n | density | k | torch.topk ms | {head} | topk_select mstopk L2 | sync-free mstopk L2 |")
+    print("|---:|---:|---:|---:|" + "---:|---:|" * len(CASES) + "---:|---:|")
     for n in a.sizes:
         g = torch.Generator().manual_seed(0)
-        x = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))
+        x = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).to(device)
         for rho in a.densities:
             k = max(1, int(rho * n))
-            t_ref, (ref_v, _) = timed(lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False), a.repeats)
-            t_ex, (ex_v, ex_i) = timed(lambda x=x, k=k: topk_select(x, k, "exact"), a.repeats)
-            t_ms, (ms_v, ms_i) = timed(lambda x=x, k=k: topk_select(x, k, "mstopk"), a.repeats)
-            assert ex_i.numel() == k and ms_i.numel() == k
-            mass = float((ms_v.double() ** 2).sum() / (ref_v.double() ** 2).sum())
-            print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_ref:.1f} | {1e3 * t_ex:.1f} | {t_ref / t_ex:.1f}x "
-                  f"| {1e3 * t_ms:.1f} | {t_ref / t_ms:.1f}x | {100 * mass:.3f}% |")
+            fns = [lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False)]
+            fns += [lambda x=x, k=k, fn=fn: fn(x, k) for _, fn in CASES]
+            times, outs = timed(fns, a.repeats, device)
+            t_ref, ref_v = times[0], outs[0][0]
+            cells, masses = [], []
+            for (label, _), t, (v, i) in zip(CASES, times[1:], outs[1:]):
+                assert i.numel() == k, label
+                cells.append(f"{1e3 * t:.1f} | {t_ref / t:.1f}x")
+                if "mstopk" in label:
+                    masses.append(f"{100 * mass(v, ref_v):.3f}%")
+            print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_ref:.1f} | {' | '.join(cells)} | {' | '.join(masses)} |",
+                  flush=True)
+        del x
+    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

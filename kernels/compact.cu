@@ -2,9 +2,13 @@
 // in index order, with lo <= |x| < hi, into values (dtype of x) and int32 indices. Output order:
 // the `hi` entries in index order, followed by the band entries in index order.
 //
+// The thresholds come from device memory (thr[0] = hi, thr[1] = lo) and so does count_hi, so the
+// caller never has to read anything back: the whole selection can stay on the GPU.
+//
 // Two launches over tiles of TILE = 256 * 16 consecutive entries, one tile per block:
 //   compact_count_*: per-tile counts (hi, band) -> counts[2*b], counts[2*b+1];
-//   (the caller turns them into exclusive offsets across tiles with a cumsum and checks the totals)
+//   (the caller turns them into exclusive offsets across tiles with a cumsum on the device; the
+//   inclusive sum of the last tile, totals[0] = count_hi, totals[1] = count_band, stays there too)
 //   compact_write_*: each tile walks its 16 rows of 256 entries in index order; a block-wide
 //   exclusive scan of a packed flag (hi in the low 16 bits, band in the high 16 bits) gives each
 //   selected entry its rank, so positions are tile offset + running row carry + rank in the row.
@@ -22,9 +26,10 @@ __device__ __forceinline__ unsigned int lt_flag(float v, float hi, float lo) {
 }
 
 template <int CODE>
-__device__ __forceinline__ void compact_count_body(const void* x, long long n, float hi, float lo,
+__device__ __forceinline__ void compact_count_body(const void* x, long long n, const float* thr,
                                                    long long* counts) {
     __shared__ unsigned int s_scan[33];
+    const float hi = thr[0], lo = thr[1];
     const long long base = (long long)blockIdx.x * LT_TILE;
     unsigned int f = 0u;  // at most 16 per field per thread
 #pragma unroll
@@ -41,12 +46,13 @@ __device__ __forceinline__ void compact_count_body(const void* x, long long n, f
 }
 
 template <int CODE, typename T>
-__device__ __forceinline__ void compact_write_body(const T* x, long long n, float hi, float lo,
-                                                   const long long* offsets, long long total_hi,
+__device__ __forceinline__ void compact_write_body(const T* x, long long n, const float* thr,
+                                                   const long long* offsets, const long long* totals,
                                                    long long k, T* out_values, int* out_indices) {
     __shared__ unsigned int s_scan[33];
+    const float hi = thr[0], lo = thr[1];
     long long hi_pos = offsets[2 * (long long)blockIdx.x];
-    long long band_pos = total_hi + offsets[2 * (long long)blockIdx.x + 1];
+    long long band_pos = totals[0] + offsets[2 * (long long)blockIdx.x + 1];
     if (hi_pos >= k && band_pos >= k) return;  // uniform over the block: nothing of this tile is kept
     const long long base = (long long)blockIdx.x * LT_TILE;
     for (int r = 0; r < LT_CITEMS; ++r) {
@@ -72,15 +78,15 @@ __device__ __forceinline__ void compact_write_body(const T* x, long long n, floa
 }
 
 #define LT_COMPACT_KERNELS(SUFFIX, CODE, T)                                                        \
-    extern "C" __global__ void compact_count_##SUFFIX(const T* x, long long n, float hi, float lo,  \
+    extern "C" __global__ void compact_count_##SUFFIX(const T* x, long long n, const float* thr,    \
                                                       long long* counts) {                        \
-        compact_count_body<CODE>(x, n, hi, lo, counts);                                           \
+        compact_count_body<CODE>(x, n, thr, counts);                                              \
     }                                                                                              \
-    extern "C" __global__ void compact_write_##SUFFIX(const T* x, long long n, float hi, float lo,  \
+    extern "C" __global__ void compact_write_##SUFFIX(const T* x, long long n, const float* thr,    \
                                                       const long long* offsets,                   \
-                                                      long long total_hi, long long k,            \
+                                                      const long long* totals, long long k,       \
                                                       T* out_values, int* out_indices) {          \
-        compact_write_body<CODE, T>(x, n, hi, lo, offsets, total_hi, k, out_values, out_indices); \
+        compact_write_body<CODE, T>(x, n, thr, offsets, totals, k, out_values, out_indices);      \
     }
 
 LT_COMPACT_KERNELS(f32, LT_F32, float)

@@ -1,8 +1,9 @@
 // One-pass multi-threshold count: hist[j] += #{i : j+1 thresholds are <= x[i]} for ascending
-// thresholds t[0..m-1] (NaNs already removed by the caller). The caller turns the histogram into
-// counts with a suffix sum: count(x >= t[j]) = sum(hist[j:]). Each element is read once, placed by a
-// binary search, and counted in a per-block shared-memory histogram that is flushed with one global
-// atomic per bin at the end.
+// thresholds t[0..m-1] (the caller has replaced NaN thresholds by +inf and zeroes their counts
+// afterwards). The caller turns the histogram into counts with a suffix sum:
+// count(x >= t[j]) = sum(hist[j:]). Each element is read once, placed by a binary search, and
+// counted in a per-block shared-memory histogram that is flushed with one global atomic per bin at
+// the end.
 //
 // Launch: grid-stride, blockDim.x = 256, dynamic shared memory = m * (4 + 4) bytes.
 #include "common.cuh"

@@ -16,8 +16,10 @@ import functools
 import importlib.resources
 import os
 import re
+import warnings
+from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -27,10 +29,12 @@ __all__ = [
     "cupy_available",
     "multi_threshold_count",
     "compact_selected",
+    "compact_indices",
     "scatter_add_dense",
     "fused_lars_step",
     "multi_threshold_count_torch",
     "compact_selected_torch",
+    "compact_indices_torch",
     "scatter_add_dense_torch",
     "fused_lars_step_torch",
     "kernel_source",
@@ -44,7 +48,7 @@ KERNEL_FILES: Dict[str, Tuple[str, ...]] = {
     "compact": ("compact_count_f32", "compact_write_f32", "compact_count_f16", "compact_write_f16",
                 "compact_count_bf16", "compact_write_bf16"),
     "scatter_add": ("scatter_add_f32", "scatter_add_f64", "scatter_add_f16", "scatter_add_bf16"),
-    "fused_lars": ("lars_norms", "lars_update"),
+    "fused_lars": ("lars_norms", "lars_trust", "lars_update"),
 }
 # No FMA contraction: every multiply and add rounds on its own, as in the torch references.
 NVRTC_OPTIONS: Tuple[str, ...] = ("--std=c++14", "--fmad=false")
@@ -79,28 +83,59 @@ def kernel_source(name: str) -> str:
     return _INCLUDE.sub(lambda m: _kernel_dir_text(m.group(1)), _kernel_dir_text(f"{name}.cu"))
 
 
+# CuPy ships one wheel per CUDA major version; the package extras pull the matching one.
+INSTALL_HINT = ("pip install 'lightning-topk[cuda12]' for a CUDA 12 build of torch, or 'lightning-topk[cuda13]' "
+                "for CUDA 13 (torch.version.cuda tells which)")
+
+
+def _disabled() -> bool:
+    return os.environ.get("LIGHTNING_TOPK_DISABLE_CUPY", "") not in ("", "0")
+
+
 @functools.lru_cache(maxsize=None)
 def cupy_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device (and LIGHTNING_TOPK_DISABLE_CUPY is unset)."""
-    if os.environ.get("LIGHTNING_TOPK_DISABLE_CUPY", "") not in ("", "0"):
-        return False
+    return not _disabled() and _cupy_problem() is None
+
+
+def _cupy_problem() -> Optional[str]:
+    """Why CuPy cannot run the kernels here, or None."""
     try:
         import cupy
+    except ImportError as e:
+        return f"CuPy is not installed ({e}); {INSTALL_HINT}"
+    try:
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return None
+        return "CuPy sees no CUDA device"
+    except Exception as e:  # a CuPy built for another CUDA major version, or no driver
+        return f"CuPy cannot use the GPU ({type(e).__name__}: {e}); check that its wheel matches your CUDA: {INSTALL_HINT}"
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, or a CuPy without a driver / device
-        return False
+
+@functools.lru_cache(maxsize=None)
+def _warn_torch_fallback_on_cuda() -> None:
+    warnings.warn(f"lightning_topk.comm.cuda_ops: CUDA tensors run the torch references, not the kernels: "
+                  f"{_cupy_problem()}", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
 def _module(name: str):
+    problem = _cupy_problem()
+    if problem is not None:
+        raise ImportError(f"lightning_topk.comm.cuda_ops: cannot compile kernels/{name}.cu: {problem}")
     import cupy
 
     return cupy.RawModule(code=kernel_source(name), options=NVRTC_OPTIONS)
 
 
 def _use_cupy(*tensors: Tensor) -> bool:
-    return all(t.is_cuda for t in tensors) and cupy_available()
+    if not all(t.is_cuda for t in tensors):
+        return False
+    if cupy_available():
+        return True
+    if not _disabled():
+        _warn_torch_fallback_on_cuda()
+    return False
 
 
 def _launch(device: torch.device, module: str, kernel: str, grid: int, args: Sequence,
@@ -174,16 +209,17 @@ def _check_mtc(absx: Tensor, thresholds: Tensor) -> None:
 
 
 def _sorted_thresholds(absx: Tensor, thresholds: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """Ascending thresholds in the compute dtype with NaN replaced by +inf (their counts are zeroed
+    afterwards by :func:`_unsort`), the sort order, and the NaN mask. No host read."""
     t = thresholds.to(device=absx.device, dtype=_compute_dtype(absx))
-    valid = torch.nonzero(~torch.isnan(t)).squeeze(1)
-    ts, order = torch.sort(t.index_select(0, valid))
-    return ts, valid.index_select(0, order), t
+    nan = torch.isnan(t)
+    ts, pos = torch.sort(torch.where(nan, torch.full_like(t, float("inf")), t))
+    return ts, pos, nan
 
 
-def _unsort(counts_sorted: Tensor, pos: Tensor, m: int) -> Tensor:
-    out = torch.zeros(m, dtype=torch.int64, device=counts_sorted.device)
-    out.index_copy_(0, pos, counts_sorted)
-    return out
+def _unsort(counts_sorted: Tensor, pos: Tensor, nan: Tensor) -> Tensor:
+    out = torch.empty_like(counts_sorted).index_copy_(0, pos, counts_sorted)
+    return out.masked_fill_(nan, 0)
 
 
 def _suffix_sum(hist: Tensor) -> Tensor:
@@ -192,9 +228,9 @@ def _suffix_sum(hist: Tensor) -> Tensor:
 
 
 def multi_threshold_count_torch(absx: Tensor, thresholds: Tensor) -> Tensor:
-    """Torch reference of :func:`multi_threshold_count` (chunked bucketize + bincount)."""
+    """Torch reference of :func:`multi_threshold_count` (chunked bucketize + histogram; no host read)."""
     _check_mtc(absx, thresholds)
-    ts, pos, _ = _sorted_thresholds(absx, thresholds)
+    ts, pos, nan = _sorted_thresholds(absx, thresholds)
     mv = ts.numel()
     hist = torch.zeros(mv + 1, dtype=torch.int64, device=absx.device)
     if mv:
@@ -202,13 +238,13 @@ def multi_threshold_count_torch(absx: Tensor, thresholds: Tensor) -> Tensor:
             c = chunk.to(ts.dtype)
             j = torch.bucketize(c, ts, right=True)        # number of sorted thresholds <= c
             j.masked_fill_(torch.isnan(c), 0)
-            hist += torch.bincount(j, minlength=mv + 1)
-    return _unsort(_suffix_sum(hist[1:]), pos, thresholds.numel())
+            hist.index_add_(0, j, torch.ones((), dtype=torch.int64, device=j.device).expand(j.numel()))
+    return _unsort(_suffix_sum(hist[1:]), pos, nan)
 
 
 def _multi_threshold_count_cupy(absx: Tensor, thresholds: Tensor) -> Tensor:
     x = absx.reshape(-1).contiguous()
-    ts, pos, _ = _sorted_thresholds(x, thresholds)
+    ts, pos, nan = _sorted_thresholds(x, thresholds)
     counts = torch.zeros(ts.numel(), dtype=torch.int64, device=x.device)
     n = x.numel()
     if n and ts.numel():
@@ -223,7 +259,7 @@ def _multi_threshold_count_cupy(absx: Tensor, thresholds: Tensor) -> Tensor:
             _launch(x.device, "threshold_count", kernel, grid,
                     (x, np.int64(n), tc, np.int32(m), hist), shared_mem=8 * m)
             counts[s:s + m] = _suffix_sum(hist)
-    return _unsort(counts, pos, thresholds.numel())
+    return _unsort(counts, pos, nan)
 
 
 # -------------------------------------------------------------------------------------- compaction
@@ -275,30 +311,88 @@ def compact_selected_torch(x: Tensor, threshold_hi, threshold_lo, k: int) -> Tup
     return x.index_select(0, idx), idx.to(torch.int32)
 
 
-def _compact_offsets(counts: Tensor, k: int) -> Tuple[Tensor, int]:
-    """Per-tile (hi, band) counts [tiles, 2] -> exclusive offsets across tiles, and count_hi (checked)."""
+def _compact_offsets(counts: Tensor) -> Tuple[Tensor, Tensor]:
+    """Per-tile (hi, band) counts [tiles, 2] -> exclusive offsets across tiles, and the totals
+    [count_hi, count_band], both on the device."""
     inclusive = counts.cumsum(0)
-    count_hi, count_band = inclusive[-1].tolist()
-    _check_totals(count_hi, count_band, k)
-    return (inclusive - counts).contiguous(), count_hi
+    return (inclusive - counts).contiguous(), inclusive[-1].contiguous()
 
 
-def _compact_selected_cupy(x: Tensor, hi: float, lo: float, k: int) -> Tuple[Tensor, Tensor]:
-    x = x.contiguous()
+def _compact_cupy(x: Tensor, thr: Tensor, k: int, check: bool) -> Tuple[Tensor, Tensor]:
+    """compact.cu on 1-D contiguous ``x``; ``thr`` = [hi, lo] fp32 on the device. Reads the totals back
+    (to check them) only when ``check``."""
     n = x.numel()
     sfx = _SUFFIX[x.dtype]
     nb = (n + _COMPACT_TILE - 1) // _COMPACT_TILE
     counts = torch.zeros(max(nb, 1), 2, dtype=torch.int64, device=x.device)
-    hi32, lo32 = np.float32(hi), np.float32(lo)
     if nb:
-        _launch(x.device, "compact", f"compact_count_{sfx}", nb, (x, np.int64(n), hi32, lo32, counts))
-    offsets, count_hi = _compact_offsets(counts, k)
+        _launch(x.device, "compact", f"compact_count_{sfx}", nb, (x, np.int64(n), thr, counts))
+    offsets, totals = _compact_offsets(counts)
+    if check:
+        count_hi, count_band = totals.tolist()
+        _check_totals(count_hi, count_band, k)
     values = torch.empty(k, dtype=x.dtype, device=x.device)
-    indices = torch.empty(k, dtype=torch.int32, device=x.device)
-    if k:
+    indices = torch.zeros(k, dtype=torch.int32, device=x.device)
+    if k and nb:
         _launch(x.device, "compact", f"compact_write_{sfx}", nb,
-                (x, np.int64(n), hi32, lo32, offsets, np.int64(count_hi), np.int64(k), values, indices))
+                (x, np.int64(n), thr, offsets, totals, np.int64(k), values, indices))
     return values, indices
+
+
+def _compact_selected_cupy(x: Tensor, hi: float, lo: float, k: int) -> Tuple[Tensor, Tensor]:
+    thr = torch.tensor([hi, lo], dtype=torch.float32).to(x.device)
+    return _compact_cupy(x.contiguous(), thr, k, check=True)
+
+
+def compact_indices(absx: Tensor, thresholds: Tensor, k: int,
+                    scratch: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """:func:`compact_selected`'s rule on magnitudes, with no host read: int64 indices of exactly ``k``
+    entries of 1-D ``absx``.
+
+    ``thresholds`` = ``[hi, lo]`` (a 2-element float tensor, normally on ``absx``'s device). Selected,
+    in this order: the entries ``>= hi`` in index order, then the first ones in index order with
+    ``lo <= absx < hi``. Nothing is checked against the data: with more than ``k`` entries ``>= hi``
+    the first ``k`` of them are returned, and slots left over when fewer than ``k`` entries are
+    ``>= lo`` hold index 0. Comparisons in fp32 (fp64 for fp64 input); NaN entries are never
+    selected (callers that want them first map NaN to inf). ``scratch``: two bool buffers of
+    ``absx.numel()`` for the torch path (CPU pays page faults for fresh ones). On CUDA (fp32, fp16,
+    bf16; fewer than 2**31 entries): compact.cu, reading thresholds and totals from device memory.
+    """
+    _check_compact_indices(absx, thresholds, k)
+    if absx.dtype in _DTYPE_CODE and absx.numel() <= _INT32_MAX and _use_cupy(absx):
+        thr = thresholds.to(device=absx.device, dtype=torch.float32).contiguous()
+        return _compact_cupy(absx.contiguous(), thr, k, check=False)[1].long()
+    return compact_indices_torch(absx, thresholds, k, scratch)
+
+
+def _check_compact_indices(absx: Tensor, thresholds: Tensor, k: int) -> None:
+    _check_float("compact_indices", "absx", absx)
+    if absx.dim() != 1:
+        raise ValueError(f"compact_indices: absx must be 1-D, got shape {tuple(absx.shape)}")
+    if not isinstance(thresholds, Tensor) or thresholds.shape != (2,):
+        raise ValueError("compact_indices: thresholds must be a tensor [hi, lo] of 2 elements")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"compact_indices: k must be a non-negative int, got {k!r}")
+
+
+def compact_indices_torch(absx: Tensor, thresholds: Tensor, k: int,
+                          scratch: Optional[Tuple[Tensor, Tensor]] = None) -> Tensor:
+    """Torch reference of :func:`compact_indices` (fixed shapes throughout: ``nonzero_static``)."""
+    _check_compact_indices(absx, thresholds, k)
+    cdt = _compute_dtype(absx)
+    a = absx if absx.dtype == cdt else absx.to(cdt)
+    th = thresholds.to(device=a.device, dtype=cdt)
+    if scratch is None:
+        scratch = (torch.empty_like(a, dtype=torch.bool), torch.empty_like(a, dtype=torch.bool))
+    m_hi, m_band = scratch
+    torch.ge(a, th[0], out=m_hi)
+    top = torch.nonzero_static(m_hi, size=k, fill_value=-1).squeeze(1)
+    count_hi = (top >= 0).sum()
+    band_mask = torch.ge(a, th[1], out=m_band).logical_and_(m_hi.logical_not_())
+    band = torch.nonzero_static(band_mask, size=k, fill_value=0).squeeze(1)
+    slot = torch.arange(k, device=a.device)
+    from_band = band.index_select(0, (slot - count_hi).clamp_(min=0))
+    return torch.where(slot < count_hi, top, from_band)
 
 
 # ------------------------------------------------------------------------------------- scatter-add
@@ -372,19 +466,32 @@ def _per_tensor(name: str, v, n: int, kind=float) -> List:
     return [kind(v)] * n
 
 
-def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step):
+_LarsArgs = Tuple[List[Tensor], List[Tensor], List[Tensor], List[float], List[float], List[bool], List[bool]]
+
+
+def _expand_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step) -> _LarsArgs:
+    """Lists of tensors and per-tensor options (lengths checked; the tensors themselves are not)."""
     params, grads, bufs = list(params), list(grads), list(bufs)
     n = len(params)
     if len(grads) != n or len(bufs) != n:
         raise ValueError(f"fused_lars_step: {n} params, {len(grads)} grads, {len(bufs)} momentum_bufs")
+    return (params, grads, bufs, _per_tensor("lrs", lrs, n), _per_tensor("weight_decays", weight_decays, n),
+            _per_tensor("adapt", adapt, n, bool), _per_tensor("first_step", first_step, n, bool))
+
+
+def _check_lars_tensors(params, grads, bufs) -> None:
     for i, (p, g, b) in enumerate(zip(params, grads, bufs)):
         for what, t in (("params", p), ("grads", g), ("momentum_bufs", b)):
             _check_float("fused_lars_step", f"{what}[{i}]", t)
         if g.shape != p.shape or b.shape != p.shape:
             raise ValueError(f"fused_lars_step: tensor {i}: shapes param {tuple(p.shape)}, grad "
                              f"{tuple(g.shape)}, buf {tuple(b.shape)} differ")
-    return (params, grads, bufs, _per_tensor("lrs", lrs, n), _per_tensor("weight_decays", weight_decays, n),
-            _per_tensor("adapt", adapt, n, bool), _per_tensor("first_step", first_step, n, bool))
+
+
+def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step) -> _LarsArgs:
+    args = _expand_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step)
+    _check_lars_tensors(*args[:3])
+    return args
 
 
 def fused_lars_step(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_bufs: Sequence[Tensor],
@@ -401,22 +508,42 @@ def fused_lars_step(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     * ``buf = d`` on the first step, else ``buf = momentum * buf + d``;
     * ``update = d + momentum * buf`` if ``nesterov`` else ``buf``; ``p -= lr * update``.
 
-    On CUDA (all tensors on one device, contiguous): one norm launch and one update launch in total.
+    On CUDA (all tensors on one device, contiguous): three launches in total (chunk norms, per-tensor
+    trust ratios, update). The device tables are cached by the tensors' addresses; shapes, dtypes,
+    devices and contiguity are validated when a new set of addresses is seen, not on every step.
     """
-    args = _check_lars(params, grads, momentum_bufs, lrs, weight_decays, adapt, first_step)
+    args = _expand_lars(params, grads, momentum_bufs, lrs, weight_decays, adapt, first_step)
     ps, gs, bs = args[:3]
     hyper = (float(momentum), float(trust_coeff), float(eps), bool(nesterov))
-    if ps and _lars_cupy_ok(ps, gs, bs):
-        _fused_lars_step_cupy(*args, *hyper)
+    tables = _lars_device_tables(ps, gs, bs, args[5], args[6]) if ps and _use_cupy(ps[0]) else None
+    if tables is not None:
+        _fused_lars_step_cupy(tables, ps[0].device, args[3], args[4], *hyper)
     else:
+        _check_lars_tensors(ps, gs, bs)
         _fused_lars_step_torch(*args, *hyper)
 
 
-def _lars_cupy_ok(ps, gs, bs) -> bool:
+# (flags, addresses) -> (meta, chunks) on the device, or None where the kernel cannot take the set
+_LARS_TABLES: "OrderedDict[tuple, Optional[Tuple[Tensor, Tensor]]]" = OrderedDict()
+_LARS_TABLES_KEPT = 8
+
+
+def _lars_device_tables(ps, gs, bs, adapt, first) -> Optional[Tuple[Tensor, Tensor]]:
+    key = (tuple(adapt), tuple(first), tuple((p.data_ptr(), g.data_ptr(), b.data_ptr()) for p, g, b in zip(ps, gs, bs)))
+    if key in _LARS_TABLES:
+        _LARS_TABLES.move_to_end(key)
+        return _LARS_TABLES[key]
+    _check_lars_tensors(ps, gs, bs)
     ts = ps + gs + bs
     dev = ts[0].device
-    return (all(t.device == dev and t.dtype in _DTYPE_CODE and t.is_contiguous() for t in ts)
-            and _use_cupy(ts[0]))
+    tables = None
+    if all(t.device == dev and t.dtype in _DTYPE_CODE and t.is_contiguous() for t in ts):
+        meta, chunks = _lars_tables(ps, gs, bs, adapt, first)
+        tables = (torch.tensor(meta, dtype=torch.int64).to(dev), torch.tensor(chunks, dtype=torch.int64).to(dev))
+    _LARS_TABLES[key] = tables
+    while len(_LARS_TABLES) > _LARS_TABLES_KEPT:
+        _LARS_TABLES.popitem(last=False)
+    return tables
 
 
 def fused_lars_step_torch(params, grads, momentum_bufs, lrs, weight_decays, adapt, momentum: float,
@@ -465,16 +592,16 @@ def _lars_tables(ps, gs, bs, adapt, first) -> Tuple[List[List[int]], List[Tuple[
     return meta, chunks
 
 
-def _fused_lars_step_cupy(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:
-    dev = ps[0].device
-    meta, chunks = _lars_tables(ps, gs, bs, adapt, first)
-    if not chunks:
+def _fused_lars_step_cupy(tables: Tuple[Tensor, Tensor], dev: torch.device, lrs, wds, momentum, tc, eps,
+                          nesterov) -> None:
+    meta_d, chunks_d = tables
+    nc, nt = chunks_d.shape[0], meta_d.shape[0]
+    if nc == 0:
         return
-    meta_d = torch.tensor(meta, dtype=torch.int64).to(dev)
-    chunks_d = torch.tensor(chunks, dtype=torch.int64).to(dev)
     hyper_d = torch.tensor(list(zip(lrs, wds)), dtype=torch.float32).to(dev)
-    partials = torch.empty(len(chunks), 2, dtype=torch.float64, device=dev)
-    _launch(dev, "fused_lars", "lars_norms", len(chunks), (meta_d, chunks_d, partials))
-    _launch(dev, "fused_lars", "lars_update", len(chunks),
-            (meta_d, chunks_d, partials, hyper_d, np.float32(momentum), np.float32(tc), np.float32(eps),
-             np.int32(1 if nesterov else 0)))
+    partials = torch.empty(nc, 2, dtype=torch.float64, device=dev)
+    trust = torch.empty(nt, dtype=torch.float32, device=dev)
+    _launch(dev, "fused_lars", "lars_norms", nc, (meta_d, chunks_d, partials))
+    _launch(dev, "fused_lars", "lars_trust", nt, (meta_d, partials, hyper_d, np.float32(tc), np.float32(eps), trust))
+    _launch(dev, "fused_lars", "lars_update", nc,
+            (meta_d, chunks_d, trust, hyper_d, np.float32(momentum), np.int32(1 if nesterov else 0)))

@@ -32,8 +32,8 @@ class LARS(Optimizer):
         eps: added to the trust-ratio denominator (>= 0).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         lars_adapt: apply the trust ratio (group option; ``False`` for excluded parameters).
-        kernel: use :func:`lightning_topk.comm.cuda_ops.fused_lars_step` (one norm and one update launch per
-            group on CUDA with CuPy). ``None`` (default): when every parameter of the group is on CUDA and
+        kernel: use :func:`lightning_topk.comm.cuda_ops.fused_lars_step` (three launches per group on CUDA
+            with CuPy). ``None`` (default): when every parameter of the group is on CUDA and
             CuPy sees a device; ``True``: always (off CUDA it runs that function's torch reference);
             ``False``: never.
     """

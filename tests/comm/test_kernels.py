@@ -16,6 +16,7 @@ import shutil
 import site
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,7 @@ import torch
 
 from lightning_topk.comm import cuda_ops as co
 from tests.helpers.procs import ROOT
+from tests.helpers.syncs import count_syncs
 
 KDIR = ROOT / "kernels"
 ARCHS = ("sm_70", "sm_80", "sm_90")
@@ -148,6 +150,15 @@ def _brute_counts(absx, thresholds):
     return torch.tensor([int((a >= t).sum()) for t in thresholds.to(cdt)], dtype=torch.int64)
 
 
+def test_multi_threshold_count_makes_no_host_reads():
+    x = _data(50_000, 8).abs()
+    t = torch.tensor([0.5, float("nan"), 2.0, 0.0])
+    with count_syncs() as c:
+        got = co.multi_threshold_count(x, t)
+    assert c.total == 0, c.calls
+    assert torch.equal(got, _brute_counts(x, t))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_multi_threshold_count_reference(dtype):
     x = _data(20_000, 1, dtype, levels=8).abs()
@@ -235,6 +246,36 @@ def test_compact_selected_edges_and_errors():
         co.compact_selected(x.reshape(2, 3), 2.5, 1.0, 1)
     with pytest.raises(TypeError, match="threshold_hi must be a number"):
         co.compact_selected(x, "2", 1.0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("levels", [None, 16])
+def test_compact_indices_reference_is_compact_selected_without_reads(dtype, levels):
+    x = _data(30_001, 5, dtype, levels=levels)
+    k = 700
+    hi, lo = _brackets(x, k)
+    _, ref = co.compact_selected_torch(x, hi, lo, k)
+    a = x.abs()
+    with count_syncs() as c:
+        got = co.compact_indices(a, torch.tensor([hi, lo]), k)
+    assert c.total == 0, c.calls
+    assert got.dtype == torch.int64 and torch.equal(got, ref.long())   # same set, same order
+    scratch = (torch.empty(a.numel(), dtype=torch.bool), torch.empty(a.numel(), dtype=torch.bool))
+    assert torch.equal(co.compact_indices_torch(a, torch.tensor([hi, lo]), k, scratch), got)
+
+
+def test_compact_indices_out_of_contract_and_errors():
+    a = torch.tensor([0.1, 3.0, float("nan"), 2.0, 0.7, float("inf")])
+    assert co.compact_indices(a, torch.tensor([2.5, 0.5]), 4).tolist() == [1, 5, 3, 4]
+    assert co.compact_indices(a, torch.tensor([0.5, 0.1]), 2).tolist() == [1, 3]      # > k entries >= hi
+    assert co.compact_indices(a, torch.tensor([2.5, 1.0]), 5).tolist() == [1, 5, 3, 0, 0]  # too few >= lo
+    assert co.compact_indices(a, torch.tensor([2.5, 1.0]), 0).numel() == 0
+    with pytest.raises(ValueError, match="thresholds must be a tensor \\[hi, lo\\]"):
+        co.compact_indices(a, torch.tensor([1.0]), 2)
+    with pytest.raises(ValueError, match="k must be a non-negative int"):
+        co.compact_indices(a, torch.tensor([1.0, 0.5]), -1)
+    with pytest.raises(ValueError, match="absx must be 1-D"):
+        co.compact_indices(a.reshape(2, 3), torch.tensor([1.0, 0.5]), 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -349,6 +390,27 @@ def test_fused_lars_step_dispatcher_and_errors():
         co.fused_lars_step(ps, gs[:7], bufs, 0.1, 0.0, True, 0.9, 0.001, 1e-8)
 
 
+def test_lars_device_tables_are_validated_once_and_cached():
+    """The CUDA path's tables: built (and the tensors validated) for a new set of addresses, reused after."""
+    co._LARS_TABLES.clear()
+    shapes, ps, bufs, adapt, _, _ = _lars_problem(15)
+    gs = _grads(shapes, 0, torch.float32)
+    first = [False] * len(ps)
+    tables = co._lars_device_tables(ps, gs, bufs, adapt, first)
+    meta, chunks = co._lars_tables(ps, gs, bufs, adapt, first)
+    assert torch.equal(tables[0], torch.tensor(meta)) and torch.equal(tables[1], torch.tensor(chunks))
+    assert co._lars_device_tables(ps, gs, bufs, adapt, first) is tables
+    assert co._lars_device_tables(ps, gs, bufs, adapt, [True] * len(ps)) is not tables   # flags are in the key
+    with pytest.raises(ValueError, match="tensor 0: shapes param"):
+        co._lars_device_tables(ps, [torch.randn(3)] + gs[1:], bufs, adapt, first)
+    strided = ps[:3] + [torch.randn(64, 128).t()] + ps[4:]                               # not contiguous
+    assert co._lars_device_tables(strided, gs, bufs, adapt, first) is None
+    for i in range(2 * co._LARS_TABLES_KEPT):
+        co._lars_device_tables(ps, gs, bufs, adapt, [bool(i >> j & 1) for j in range(len(ps))])
+    assert len(co._LARS_TABLES) == co._LARS_TABLES_KEPT
+    co._LARS_TABLES.clear()
+
+
 # ------------------------------------------------------------------------------- (c) dispatch on CPU
 def test_import_does_not_import_cupy_and_cpu_falls_back():
     code = (
@@ -366,6 +428,31 @@ def test_import_does_not_import_cupy_and_cpu_falls_back():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_missing_cupy_names_the_extras(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)            # import cupy -> ImportError
+    monkeypatch.delenv("LIGHTNING_TOPK_DISABLE_CUPY", raising=False)
+    co.cupy_available.cache_clear()
+    co._module.cache_clear()
+    co._warn_torch_fallback_on_cuda.cache_clear()
+    try:
+        assert co.cupy_available() is False
+        with pytest.raises(ImportError, match=r"lightning-topk\[cuda12\].*lightning-topk\[cuda13\]"):
+            co._module("compact")
+        with pytest.warns(RuntimeWarning, match=r"torch references.*\[cuda13\]"):
+            assert co._use_cupy(types.SimpleNamespace(is_cuda=True)) is False   # a CUDA tensor, as seen here
+        assert co._use_cupy(torch.zeros(1)) is False
+    finally:
+        co.cupy_available.cache_clear()
+        co._module.cache_clear()
+        co._warn_torch_fallback_on_cuda.cache_clear()
+
+
+def test_pyproject_extras_pin_one_cupy_per_cuda_major():
+    text = (ROOT / "pyproject.toml").read_text()
+    assert re.search(r'^cuda12 = \["cupy-cuda12x>=13"\]$', text, re.M)
+    assert re.search(r'^cuda13 = \["cupy-cuda13x>=13\.6"\]$', text, re.M)   # the first cupy-cuda13x release
 
 
 def test_cupy_available_is_false_here_or_disabled(monkeypatch):
@@ -400,8 +487,9 @@ def _emu_block_exclusive_scan(v):
     return res.reshape(v.shape), s[..., 31]
 
 
-def _emu_compact(x: torch.Tensor, hi: float, lo: float, k: int):
-    """compact.cu: compact_count (tile counts) -> _compact_offsets -> compact_write (row scans)."""
+def _emu_compact(x: torch.Tensor, hi: float, lo: float, k: int, check: bool = True):
+    """compact.cu: compact_count (tile counts) -> _compact_offsets -> compact_write (row scans).
+    ``check``: compact_selected (totals read back and checked); else compact_indices (no read)."""
     tile, block, items = co._COMPACT_TILE, co._BLOCK, co._COMPACT_TILE // co._BLOCK
     a = np.abs(x.float().numpy())
     hi32, lo32 = np.float32(hi), np.float32(lo)
@@ -415,8 +503,10 @@ def _emu_compact(x: torch.Tensor, hi: float, lo: float, k: int):
     per_thread = tiles.sum(axis=1, dtype=np.uint32)
     _, total = _emu_block_exclusive_scan(per_thread)
     counts = np.stack([total & 0xFFFF, total >> 16], axis=1).astype(np.int64)
-    offsets, count_hi = co._compact_offsets(torch.from_numpy(counts if nb else np.zeros((1, 2), np.int64)), k)
-    offsets = offsets.numpy()
+    offsets, totals = co._compact_offsets(torch.from_numpy(counts if nb else np.zeros((1, 2), np.int64)))
+    if check:
+        co._check_totals(*totals.tolist(), k)
+    offsets, count_hi = offsets.numpy(), int(totals[0])
     out = np.full(k, -1, np.int64)
     rank, row_tot = _emu_block_exclusive_scan(tiles)
     for b in range(nb):
@@ -431,8 +521,9 @@ def _emu_compact(x: torch.Tensor, hi: float, lo: float, k: int):
             out[pos[sel]] = b * tile + r * block + np.nonzero(sel)[0]
             hi_pos += int(row_tot[b, r] & 0xFFFF)
             band_pos += int(row_tot[b, r] >> 16)
-    assert (out >= 0).all()                    # every slot written
-    return out
+    if check:
+        assert (out >= 0).all()                # every slot written
+    return np.where(out >= 0, out, 0)          # compact_indices: slots nobody writes keep the zeros
 
 
 def test_emulated_block_scan_is_an_exclusive_prefix_sum():
@@ -451,6 +542,19 @@ def test_emulated_compaction_matches_reference(n, k, levels):
         hi, lo = _brackets(x, k)
     _, ref = co.compact_selected_torch(x, hi, lo, k)
     assert np.array_equal(_emu_compact(x, hi, lo, k), ref.long().numpy())
+    # the sync-free entry point: the same kernels without the check, on magnitudes
+    thr = torch.tensor([hi, lo])
+    assert np.array_equal(_emu_compact(x, hi, lo, k, check=False),
+                          co.compact_indices_torch(x.abs().float(), thr, k).numpy())
+
+
+@pytest.mark.parametrize("hi,lo,k", [(0.5, 0.1, 7), (3.5, 3.0, 40), (10.0, 9.0, 5)])
+def test_emulated_unchecked_compaction_matches_reference_out_of_contract(hi, lo, k):
+    """Brackets that break count_hi <= k <= count_hi + count_band: kernel and reference still agree
+    (first k entries >= hi; slots nobody fills hold index 0)."""
+    x = _data(20_000, 41)
+    got = co.compact_indices_torch(x.abs(), torch.tensor([hi, lo]), k)
+    assert np.array_equal(_emu_compact(x, hi, lo, k, check=False), got.numpy())
 
 
 def _emu_mtc(a: np.ndarray, ts: np.ndarray, grid: int, block: int = 256) -> np.ndarray:
@@ -477,10 +581,10 @@ def test_emulated_multi_threshold_count_matches_reference():
     x = _data(50_000, 7, torch.float16, levels=8).abs()
     x[::301] = float("nan")
     t = torch.tensor([2.0, 0.25, 0.25, float("nan"), 0.0, 5.0, 1.0, 0.125, 1e-3])
-    ts, pos, _ = co._sorted_thresholds(x, t)
+    ts, pos, nan = co._sorted_thresholds(x, t)
     a = x.float().numpy()
     counts = _emu_mtc(a, ts.numpy(), grid=7)
-    assert np.array_equal(co._unsort(torch.from_numpy(counts), pos, t.numel()).numpy(),
+    assert np.array_equal(co._unsort(torch.from_numpy(counts), pos, nan).numpy(),
                           co.multi_threshold_count_torch(x, t).numpy())
     # slices of sorted thresholds (the >4096-threshold path) give exact counts on their own
     for s in range(0, ts.numel(), 3):
@@ -514,8 +618,28 @@ def _to_np32(t):
     return t.detach().float().reshape(-1).numpy().copy()
 
 
+def _emu_block_sum(v: np.ndarray) -> np.float64:
+    """common.cuh lt_block_sum over 256 threads: shuffle-down trees in each warp, then in warp 0."""
+    def warp_tree(w):
+        for d in (16, 8, 4, 2, 1):            # __shfl_down_sync: lanes past the end read their own value
+            w = w + np.concatenate([w[..., d:], w[..., 32 - d:]], axis=-1)
+        return w[..., 0]
+    lane0 = warp_tree(v.astype(np.float64).reshape(8, 32))
+    return warp_tree(np.concatenate([lane0, np.zeros(24)]))
+
+
+def _emu_lars_trust(partials: np.ndarray, c0: int, c1: int, reads: list) -> np.ndarray:
+    """fused_lars.cu lars_trust: thread i adds partials c0+i, c0+i+256, ... in fp64, then a block sum."""
+    acc = np.zeros((256, 2))
+    for q in range(c0, c1):
+        acc[(q - c0) % 256] += partials[q]
+        reads.append(q)
+    return np.array([_emu_block_sum(acc[:, 0]), _emu_block_sum(acc[:, 1])])
+
+
 def _emu_lars(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov):
-    """fused_lars.cu driven by the real _lars_tables: chunk partials, ordered trust sum, fp32 update."""
+    """fused_lars.cu driven by the real _lars_tables: chunk partials (lars_norms), one trust ratio per
+    tensor from its partials (lars_trust), fp32 update (lars_update)."""
     meta, chunks = co._lars_tables(ps, gs, bs, adapt, first)
     by_ptr = {}
     for t in ps + gs + bs:
@@ -534,15 +658,15 @@ def _emu_lars(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov):
             acc = np.zeros(256, f32)           # per-thread fp32 sums, strided like the kernel loop
             for row in seg.reshape(-1, 256):
                 acc = acc + row * row
-            partials[c, k] = acc.astype(np.float64).sum()
+            partials[c, k] = _emu_block_sum(acc)
+    reads: list = []
     out_p, out_b = [], []
     for t, (p_ptr, g_ptr, b_ptr, _n, codes, c0, c1, _) in enumerate(meta):
         flags = codes >> 24
         p, g, b = _to_np32(by_ptr[p_ptr]), _to_np32(by_ptr[g_ptr]), _to_np32(by_ptr[b_ptr])
         lr, wd = f32(lrs[t]), f32(wds[t])
         if flags & 1:
-            sp = sum(partials[q, 0] for q in range(c0, c1))
-            sg = sum(partials[q, 1] for q in range(c0, c1))
+            sp, sg = _emu_lars_trust(partials, c0, c1, reads)
             w, gn = f32(np.sqrt(sp)), f32(np.sqrt(sg))
             trust = f32(1) if (w == 0 or gn == 0) else f32(tc) * w / (gn + wd * w + f32(eps))
             d = trust * (g + wd * p)
@@ -552,7 +676,19 @@ def _emu_lars(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov):
         upd = d + f32(momentum) * nb if nesterov else nb
         out_p.append(p - lr * upd)
         out_b.append(nb)
+    # every chunk partial is read once in all (the earlier kernel re-read a tensor's partials per chunk)
+    assert sorted(reads) == [c for c, (t, _) in enumerate(chunks) if adapt[t]]
     return out_p, out_b
+
+
+def test_emulated_block_sum_and_trust_reduction():
+    v = np.random.default_rng(2).standard_normal(256) * 1e3
+    assert np.isclose(_emu_block_sum(v), v.sum(), rtol=1e-13)
+    partials = np.random.default_rng(3).random((5000, 2))      # a 80M-entry tensor has ~5000 chunks
+    reads: list = []
+    got = _emu_lars_trust(partials, 100, 4900, reads)
+    assert reads == list(range(100, 4900))
+    assert np.allclose(got, partials[100:4900].sum(axis=0), rtol=1e-12)
 
 
 @pytest.mark.parametrize("nesterov", [False, True])
@@ -588,6 +724,27 @@ def test_gpu_multi_threshold_count_and_compaction(dtype):
     v, i = co.compact_selected(x.cuda(), hi, lo, k)
     rv, ri = co.compact_selected_torch(x, hi, lo, k)
     assert torch.equal(i.cpu(), ri) and torch.equal(v.cpu(), rv)
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_sync_free_count_and_compaction(dtype):
+    """multi_threshold_count and compact_indices on CUDA: the references' results, and CUDA's sync
+    detector sees no device-to-host synchronisation."""
+    x = _data(1_000_003, 16, dtype, levels=64)
+    a, k = x.abs(), 10_000
+    hi, lo = _brackets(x, k)
+    t, thr = torch.linspace(0, 3, 300), torch.tensor([hi, lo])
+    ac, tc, thrc = a.cuda(), t.cuda(), thr.cuda()
+    co.multi_threshold_count(ac, tc), co.compact_indices(ac, thrc, k)     # compile outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        counts, idx = co.multi_threshold_count(ac, tc), co.compact_indices(ac, thrc, k)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(counts.cpu(), co.multi_threshold_count_torch(a, t))
+    assert torch.equal(idx.cpu(), co.compact_indices_torch(a, thr, k))
 
 
 @gpu

@@ -2,6 +2,8 @@ import pytest
 import torch
 
 from lightning_topk import topk_select
+from lightning_topk.comm.selection import topk_select_sync_free
+from tests.helpers.syncs import count_syncs
 
 
 def _ref_set(x, k):
@@ -97,3 +99,204 @@ def test_mstopk_kernel_path_via_references(monkeypatch):
         assert torch.equal(v, x[i])
         ref = torch.topk(x.abs(), k).values
         assert (v.double() ** 2).sum() / (ref.double() ** 2).sum() >= 0.99
+
+
+# ------------------------------------------------------------------------- the host-sync counter
+_SYNCS = {   # name -> (code that syncs on CUDA, what count_syncs records)
+    "item": (lambda t, m: t[0].item(), "Tensor.item"),
+    "bool": (lambda t, m: bool(t[0] > 0), "Tensor.__bool__"),
+    "int": (lambda t, m: int(t[0]), "Tensor.__int__"),
+    "float": (lambda t, m: float(t[0]), "Tensor.__float__"),
+    "index": (lambda t, m: [1, 2, 3][t.argmax() % 3], "Tensor.__index__"),
+    "tolist": (lambda t, m: t.tolist(), "Tensor.tolist"),
+    "cpu": (lambda t, m: t.cpu(), "Tensor.cpu"),
+    "numpy": (lambda t, m: t.numpy(), "Tensor.numpy"),
+    "nonzero": (lambda t, m: torch.nonzero(m), "aten.nonzero.default"),
+    "where1": (lambda t, m: torch.where(m), "aten.nonzero.default"),
+    "mask_get": (lambda t, m: t[m], "aten.index.Tensor"),
+    "mask_set": (lambda t, m: t.__setitem__(m, 0.0), "aten.index_put_.default"),
+    "masked_select": (lambda t, m: torch.masked_select(t, m), "aten.masked_select.default"),
+    "unique": (lambda t, m: torch.unique(t), "aten._unique2.default"),
+    "unique_consecutive": (lambda t, m: torch.unique_consecutive(t), "aten.unique_consecutive.default"),
+    "equal": (lambda t, m: torch.equal(t, t), "aten.equal.default"),
+    "bincount": (lambda t, m: torch.bincount(m.long()), "aten.bincount.default"),
+    "repeat_interleave": (lambda t, m: torch.repeat_interleave(m.long()), "aten.repeat_interleave.Tensor"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_SYNCS))
+def test_count_syncs_catches_each_kind(kind):
+    code, name = _SYNCS[kind]
+    t = torch.randn(16)
+    with count_syncs() as c:
+        code(t, t > 0)
+    assert c.total == 1 and c.calls == [name], c.calls
+
+
+def test_count_syncs_ignores_sync_free_ops_and_restores_tensor():
+    item = torch.Tensor.item
+    t = torch.randn(1000)
+    with count_syncs() as c:
+        torch.topk(t.abs(), 10, sorted=False)
+        torch.nonzero_static(t > 0, size=10)
+        torch.where(t > 0, t, 0.0).cumsum(0).index_select(0, torch.arange(5))
+        t[torch.arange(3)] = 1.0                       # integer indexing: no sync
+        torch.repeat_interleave(torch.ones(3, dtype=torch.long), output_size=3)
+    assert c.total == 0, c.calls
+    assert torch.Tensor.item is item and "item" not in torch.Tensor.__dict__   # unpatched on exit
+    with count_syncs() as c:
+        topk_select(torch.randn(200_000), 2_000, "exact")   # reads counts back: fine on CPU, syncs on CUDA
+    assert "aten.nonzero.default" in c.calls and "Tensor.__bool__" in c.calls, c.calls
+
+
+# ------------------------------------------------------------------------------- sync-free selection
+@pytest.fixture
+def sync_free_small(monkeypatch):
+    """Run the sync-free algorithms on test-sized tensors (by default they start at 2M entries)."""
+    import lightning_topk.comm.selection as sel
+
+    monkeypatch.setattr(sel, "_SYNC_FREE_MIN_NUMEL", 1)
+    return sel
+
+
+def _gradient_like(n, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).to(dtype)
+
+
+def _mass(v, x, k):
+    return float((v.double() ** 2).sum() / (torch.topk(x.double().abs(), k).values ** 2).sum())
+
+
+def _check_pairs(x, k, v, i):
+    assert i.dtype == torch.long and i.shape == (k,) and v.shape == (k,) and v.dtype == x.dtype
+    assert i.unique().numel() == k
+    assert torch.equal(v, x[i])
+
+
+@pytest.mark.parametrize("method", ["exact", "mstopk", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(200_000, 2_000), (200_001, 20), (60_000, 30_000), (1, 1), (5, 0)])
+def test_sync_free_makes_no_host_syncs(sync_free_small, method, dtype, n, k):
+    x = _gradient_like(n, n + k, dtype)
+    with count_syncs() as c:
+        v, i = sync_free_small.topk_select_sync_free(x, k, method)
+    assert c.total == 0, c.calls
+    _check_pairs(x, k, v, i)
+
+
+def test_sync_free_default_sizes_make_no_host_syncs():
+    """At the default switch-over (2M entries) and above, without the fixture."""
+    x = _gradient_like(2_200_000, 9)
+    for method in ("exact", "mstopk"):
+        with count_syncs() as c:
+            v, i = topk_select_sync_free(x, 2_200, method)
+        assert c.total == 0, c.calls
+        _check_pairs(x, 2_200, v, i)
+        assert _mass(v, x, 2_200) >= (1.0 if method == "exact" else 0.999) - 1e-12
+    assert set(topk_select_sync_free(x, 2_200, "exact")[1].tolist()) == _ref_set(x, 2_200)
+
+
+@pytest.mark.parametrize("n,k", [(200_000, 2_000), (200_000, 1), (300_001, 299_999), (100_000, 45_000)])
+def test_sync_free_exact_is_torch_topk(sync_free_small, n, k):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(k)) * torch.rand(n, generator=torch.Generator().manual_seed(n))
+    v, i = sync_free_small.topk_select_sync_free(x, k, "exact")
+    assert set(i.tolist()) == _ref_set(x, k)
+    _check_pairs(x, k, v, i)
+
+
+def test_sync_free_exact_with_ties_takes_the_first_by_position(sync_free_small):
+    x = torch.zeros(100_000)
+    x[[5, 70_000]] = -3.0                              # above the k-th magnitude
+    x[[9, 10, 40_000, 99_999]] = 1.5                   # ties at the k-th magnitude
+    v, i = sync_free_small.topk_select_sync_free(x, 4, "exact")
+    assert i.tolist() == [5, 70_000, 9, 10]            # above T in index order, then ties in index order
+    xb = _gradient_like(300_000, 4, torch.bfloat16)    # bf16: ties everywhere
+    v, i = sync_free_small.topk_select_sync_free(xb, 3_000, "exact")
+    ref = torch.topk(xb.float().abs(), 3_000).values
+    assert torch.equal(torch.sort(v.float().abs(), descending=True).values, ref)
+
+
+def test_sync_free_mstopk_follows_its_rule(sync_free_small):
+    """Every entry in grid cells above the k-th magnitude's cell (top 15 bits of the fp32 pattern), then
+    the first entries of that cell by position: checked by brute force. torch.topk would differ."""
+    x = _gradient_like(400_000, 5)
+    k = 4_000
+    cells = (x.abs().view(torch.int32) >> 16).tolist()
+    kth = sorted(cells, reverse=True)[k - 1]
+    above = [j for j, c in enumerate(cells) if c > kth]
+    band = [j for j, c in enumerate(cells) if c == kth]
+    v, i = sync_free_small.topk_select_sync_free(x, k, "mstopk")
+    assert i.tolist() == above + band[: k - len(above)]
+    assert set(i.tolist()) != _ref_set(x, k)           # an approximation, not the exact top-k
+
+
+@pytest.mark.parametrize("rho", [0.01, 0.001])
+def test_sync_free_mstopk_captures_the_mass_of_exact(sync_free_small, rho):
+    n = 1_000_000
+    x = torch.randn(n, generator=torch.Generator().manual_seed(int(1 / rho)))
+    k = int(rho * n)
+    v, i = sync_free_small.topk_select_sync_free(x, k, "mstopk")
+    _check_pairs(x, k, v, i)
+    assert _mass(v, x, k) >= 0.99
+    ve, _ = sync_free_small.topk_select_sync_free(x, k, "exact")
+    assert _mass(ve, x, k) == pytest.approx(1.0, abs=1e-12)
+
+
+@pytest.mark.parametrize("method", ["exact", "mstopk"])
+def test_sync_free_nonfinite_rank_first(sync_free_small, method):
+    x = _gradient_like(100_000, 6)
+    x[[11, 500, 77_000]] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    v, i = sync_free_small.topk_select_sync_free(x, 10, method)
+    assert {11, 500, 77_000} <= set(i.tolist())
+    x[::1000] = float("nan")                            # more non-finite entries than k
+    v, i = sync_free_small.topk_select_sync_free(x, 10, method)
+    assert not torch.isfinite(v).any() and i.unique().numel() == 10
+
+
+@pytest.mark.parametrize("method", ["exact", "mstopk"])
+def test_sync_free_mostly_zeros(sync_free_small, method):
+    x = torch.zeros(100_000)
+    x[[3, 60_000]] = torch.tensor([1e-30, -2.0])        # fewer non-zeros than k
+    v, i = sync_free_small.topk_select_sync_free(x, 5, method)
+    assert i.tolist() == [3, 60_000, 0, 1, 2]
+
+
+@pytest.mark.parametrize("method", ["exact", "mstopk"])
+def test_sync_free_kernel_path_through_references(sync_free_small, monkeypatch, method):
+    """The CUDA code path (two multi-threshold counts, compact.cu's rule), run through the kernels' torch
+    references: same result as the histogram path, and still no host read."""
+    x = _gradient_like(300_000, 7)
+    x[42] = float("nan")
+    want = sync_free_small.topk_select_sync_free(x, 3_000, method)
+    monkeypatch.setattr(sync_free_small, "KERNEL_PATH", "always")
+    with count_syncs() as c:
+        got = sync_free_small.topk_select_sync_free(x, 3_000, method)
+    assert c.total == 0, c.calls
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0].nan_to_num(), want[0].nan_to_num())
+
+
+def test_sync_free_bad_input_names_the_argument():
+    with pytest.raises(ValueError, match="unknown method"):
+        topk_select_sync_free(torch.randn(10), 3, "fastest")
+    with pytest.raises(ValueError, match="larger than the number of entries"):
+        topk_select_sync_free(torch.randn(10), 11)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["exact", "mstopk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_sync_free_never_synchronises(method, dtype):
+    """CUDA's own sync detector raises on any device-to-host synchronisation."""
+    x = _gradient_like(3_000_000, 8, dtype).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        v, i = topk_select_sync_free(x, 30_000, method)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref_v, ref_i = topk_select_sync_free(x.cpu(), 30_000, method)
+    if method == "exact":
+        assert torch.equal(torch.sort(v.abs().float().cpu()).values, torch.sort(ref_v.abs().float()).values)
+    else:   # same rule on both devices: same indices in the same order
+        assert torch.equal(i.cpu(), ref_i)

@@ -1,0 +1,119 @@
+"""Count host synchronisations, on CPU, in code meant to run on CUDA without any.
+
+``with count_syncs() as c: ...; assert c.total == 0, c.calls``
+
+A sync is anything that needs a device value on the host, or an output shape that depends on the
+data (which CUDA has to read back first). Two nets catch them:
+
+* a ``TorchDispatchMode`` sees the aten ops: ``_local_scalar_dense`` (``item``/``bool``/``int``/
+  ``float`` of a tensor), ``nonzero``, ``masked_select``, ``unique*``, ``index``/``index_put_`` with
+  bool or uint8 indices (``x[mask]``, ``x[mask] = v``), ``equal`` (returns a Python bool),
+  ``bincount`` and ``repeat_interleave`` without ``output_size`` (their CUDA kernels read the
+  maximum or the total back), and copies from a non-CPU device to the CPU;
+* ``Tensor.item/__bool__/__int__/__float__/__index__/tolist/cpu/numpy`` are patched, because
+  ``tolist``, ``cpu`` and ``numpy`` do not dispatch an aten op on CPU tensors.
+
+A call caught by a patched method is counted once (the ops it dispatches inside are not counted
+again). Not seen: syncs inside an op's own CPU kernel (the mode sees the op, not what its kernel
+calls) other than the ops listed, and Python-side reads such as ``len()`` of a shape, which is host
+data. ``torch.nonzero_static`` is sync-free on CUDA (torch >= 2.6) and is not counted.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, List
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+_ALWAYS = {
+    _aten._local_scalar_dense.default,
+    _aten.nonzero.default,
+    _aten.masked_select.default,
+    _aten.equal.default,
+    _aten.bincount.default,
+    _aten._unique.default,
+    _aten._unique2.default,
+    _aten.unique_dim.default,
+    _aten.unique_consecutive.default,
+    _aten.unique_dim_consecutive.default,
+}
+_INDEX_OPS = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default,
+              _aten._index_put_impl_.default}
+_METHODS = ("item", "__bool__", "__int__", "__float__", "__index__", "tolist", "cpu", "numpy")
+
+
+class SyncCount:
+    """``calls``: the name of every sync seen, in order (aten op or ``Tensor.<method>``)."""
+
+    def __init__(self) -> None:
+        self.calls: List[str] = []
+        self._depth = 0   # > 0 inside a patched method: its own aten ops are not counted again
+
+    @property
+    def total(self) -> int:
+        return len(self.calls)
+
+    def __repr__(self) -> str:
+        return f"SyncCount(total={self.total}, calls={self.calls})"
+
+
+def _bool_index(indices) -> bool:
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
+
+
+def _is_sync(func, args, kwargs) -> bool:
+    if func in _ALWAYS:
+        return True
+    if func in _INDEX_OPS:
+        return _bool_index(args[1])
+    if func is _aten.repeat_interleave.Tensor or func is _aten.repeat_interleave.self_Tensor:
+        return kwargs.get("output_size") is None
+    if func in (_aten._to_copy.default, _aten.copy_.default):
+        src = args[0] if func is _aten._to_copy.default else args[1]
+        dst = kwargs.get("device") if func is _aten._to_copy.default else args[0].device
+        return src.device.type != "cpu" and dst is not None and torch.device(dst).type == "cpu"
+    return False
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, count: SyncCount) -> None:
+        super().__init__()
+        self.count = count
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.count._depth == 0 and _is_sync(func, args, kwargs):
+            self.count.calls.append(str(func))
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def count_syncs() -> Iterator[SyncCount]:
+    """Count host syncs made inside the block (see the module docstring for what is seen)."""
+    count = SyncCount()
+    own = {name: torch.Tensor.__dict__.get(name) for name in _METHODS}  # None: inherited from TensorBase
+
+    def patch(name, original):
+        def wrapper(self, *args, **kwargs):
+            if count._depth == 0:
+                count.calls.append(f"Tensor.{name}")
+            count._depth += 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                count._depth -= 1
+        return wrapper
+
+    for name in _METHODS:
+        setattr(torch.Tensor, name, patch(name, getattr(torch.Tensor, name)))
+    try:
+        with _Mode(count):
+            yield count
+    finally:
+        for name, original in own.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
