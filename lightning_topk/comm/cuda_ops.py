@@ -84,7 +84,7 @@ def kernel_source(name: str) -> str:
 
 
 # CuPy ships one wheel per CUDA major version; the package extras pull the matching one.
-INSTALL_HINT = ("pip install 'lightning-topk[cuda12]' for a CUDA 12 build of torch, or 'lightning-topk[cuda13]' "
+_INSTALL_HINT = ("pip install 'lightning-topk[cuda12]' for a CUDA 12 build of torch, or 'lightning-topk[cuda13]' "
                 "for CUDA 13 (torch.version.cuda tells which)")
 
 
@@ -103,13 +103,13 @@ def _cupy_problem() -> Optional[str]:
     try:
         import cupy
     except ImportError as e:
-        return f"CuPy is not installed ({e}); {INSTALL_HINT}"
+        return f"CuPy is not installed ({e}); {_INSTALL_HINT}"
     try:
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return None
         return "CuPy sees no CUDA device"
     except Exception as e:  # a CuPy built for another CUDA major version, or no driver
-        return f"CuPy cannot use the GPU ({type(e).__name__}: {e}); check that its wheel matches your CUDA: {INSTALL_HINT}"
+        return f"CuPy cannot use the GPU ({type(e).__name__}: {e}); check that its wheel matches your CUDA: {_INSTALL_HINT}"
 
 
 @functools.lru_cache(maxsize=None)
