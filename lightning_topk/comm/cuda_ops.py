@@ -84,7 +84,7 @@ def kernel_source(name: str) -> str:
 
 
 # CuPy ships one wheel per CUDA major version; the package extras pull the matching one.
-INSTALL_HINT = ("pip install 'lightning-topk[cuda12]' for a CUDA 12 build of torch, or 'lightning-topk[cuda13]' "
+_INSTALL_HINT = ("pip install 'lightning-topk[cuda12]' for a CUDA 12 build of torch, or 'lightning-topk[cuda13]' "
                 "for CUDA 13 (torch.version.cuda tells which)")
 
 
@@ -103,13 +103,13 @@ def _cupy_problem() -> Optional[str]:
     try:
         import cupy
     except ImportError as e:
-        return f"CuPy is not installed ({e}); {INSTALL_HINT}"
+        return f"CuPy is not installed ({e}); {_INSTALL_HINT}"
     try:
         if cupy.cuda.runtime.getDeviceCount() > 0:
             return None
         return "CuPy sees no CUDA device"
     except Exception as e:  # a CuPy built for another CUDA major version, or no driver
-        return f"CuPy cannot use the GPU ({type(e).__name__}: {e}); check that its wheel matches your CUDA: {INSTALL_HINT}"
+        return f"CuPy cannot use the GPU ({type(e).__name__}: {e}); check that its wheel matches your CUDA: {_INSTALL_HINT}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,8 +402,10 @@ def scatter_add_dense(out: Tensor, values: Tensor, indices: Tensor, scale: float
 
     ``out``: 1-D; ``values``: 1-D of ``out``'s dtype; ``indices``: int32 (int64 accepted), same length.
     Same semantics as ``out.index_add_(0, indices.long(), values * scale)`` (up to the order in which
-    duplicates are summed on CUDA). Out-of-range indices raise ``IndexError``; on CUDA that check
-    costs one device-to-host read, skipped with ``check=False`` (bad indices are then ignored).
+    duplicates are summed on CUDA). Out-of-range indices raise ``IndexError`` on the torch path. The
+    CUDA kernel skips them and flags them; with ``check=True`` the flag fails a device-side assertion
+    (``torch._assert_async``), as torch's own ``index_add_`` does on CUDA: the error surfaces at the
+    next synchronisation and no host read is made. ``check=False`` ignores bad indices.
     """
     s = _check_scatter(out, values, indices, scale)
     if out.dtype in _SUFFIX and _use_cupy(out, values, indices):
@@ -445,8 +447,8 @@ def _scatter_add_dense_cupy(out: Tensor, values: Tensor, indices: Tensor, scale:
     sc = np.float64(scale) if out.dtype == torch.float64 else np.float32(scale)
     _launch(out.device, "scatter_add", f"scatter_add_{_SUFFIX[out.dtype]}", _grid_for(nnz, out.device),
             (out, np.int64(out.numel()), values.contiguous(), idx, np.int64(nnz), sc, bad))
-    if check and int(bad) != 0:
-        raise IndexError(f"scatter_add_dense: an index is out of range for out of size {out.numel()}")
+    if check:
+        torch._assert_async(bad == 0, f"scatter_add_dense: an index is out of range for out of size {out.numel()}")
     return out
 
 
@@ -598,7 +600,8 @@ def _fused_lars_step_cupy(tables: Tuple[Tensor, Tensor], dev: torch.device, lrs,
     nc, nt = chunks_d.shape[0], meta_d.shape[0]
     if nc == 0:
         return
-    hyper_d = torch.tensor(list(zip(lrs, wds)), dtype=torch.float32).to(dev)
+    # pinned + non_blocking: a pageable host-to-device copy would wait for the stream (a sync every step)
+    hyper_d = torch.tensor(list(zip(lrs, wds)), dtype=torch.float32, pin_memory=True).to(dev, non_blocking=True)
     partials = torch.empty(nc, 2, dtype=torch.float64, device=dev)
     trust = torch.empty(nt, dtype=torch.float32, device=dev)
     _launch(dev, "fused_lars", "lars_norms", nc, (meta_d, chunks_d, partials))

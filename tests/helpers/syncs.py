@@ -14,9 +14,13 @@ data (which CUDA has to read back first). Two nets catch them:
   ``tolist``, ``cpu`` and ``numpy`` do not dispatch an aten op on CPU tensors.
 
 A call caught by a patched method is counted once (the ops it dispatches inside are not counted
-again). Not seen: syncs inside an op's own CPU kernel (the mode sees the op, not what its kernel
-calls) other than the ops listed, and Python-side reads such as ``len()`` of a shape, which is host
-data. ``torch.nonzero_static`` is sync-free on CUDA (torch >= 2.6) and is not counted.
+again). The patched methods see every thread; the dispatch mode, like every torch mode, only the
+thread that entered the block (on CPU, DDP's comm hooks run there). Not seen: syncs inside an op's
+own kernel other than the ops listed (the mode sees the op, not what its kernel calls), and blocking
+host-to-device copies (``torch.tensor(..., device="cuda")``, ``.to("cuda")`` from pageable memory),
+which wait for the stream on CUDA but are CPU-to-CPU here. ``torch.nonzero_static`` is sync-free on
+CUDA (torch >= 2.6) and is not counted. On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` is the
+complete check.
 """
 from __future__ import annotations
 
