@@ -26,11 +26,9 @@ def work(rank, world, nodes, local, density, params, hierarchical):
     width = int((params / 2) ** 0.5)
     m = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
     ddp = DDP(m)
-    st = TopKState(TopKConfig(density=density, dense_steps=1, hierarchical=hierarchical))
+    hier = make_groups(nodes, local, rank) if hierarchical else None
+    st = TopKState(TopKConfig(density=density, dense_steps=1, hierarchical=hierarchical), hier=hier, num_nodes=nodes)
     st.bind(m.named_parameters())
-    st.num_nodes = nodes
-    if hierarchical:
-        st.hier = make_groups(nodes, local, rank)
     ddp.register_comm_hook(st, hierarchical_topk_hook if hierarchical else topk_allgather_hook)
     for _ in range(3):
         m.zero_grad()

@@ -17,7 +17,7 @@ import importlib.resources
 import os
 import re
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple, Union
+from typing import Any, Dict, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -372,7 +372,7 @@ def _per_tensor(name: str, v, n: int, kind=float) -> List:
     return [kind(v)] * n
 
 
-def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step):
+def _check_lars(params, grads, bufs, lrs, weight_decays, adapt, first_step) -> Tuple[Any, ...]:
     params, grads, bufs = list(params), list(grads), list(bufs)
     n = len(params)
     if len(grads) != n or len(bufs) != n:
@@ -407,9 +407,9 @@ def fused_lars_step(params: Sequence[Tensor], grads: Sequence[Tensor], momentum_
     ps, gs, bs = args[:3]
     hyper = (float(momentum), float(trust_coeff), float(eps), bool(nesterov))
     if ps and _lars_cupy_ok(ps, gs, bs):
-        _fused_lars_step_cupy(*args, *hyper)
+        _fused_lars_step_cupy(*(args + hyper))
     else:
-        _fused_lars_step_torch(*args, *hyper)
+        _fused_lars_step_torch(*(args + hyper))
 
 
 def _lars_cupy_ok(ps, gs, bs) -> bool:
@@ -423,7 +423,7 @@ def fused_lars_step_torch(params, grads, momentum_bufs, lrs, weight_decays, adap
                           trust_coeff: float, eps: float, nesterov: bool = False, first_step=False) -> None:
     """Torch reference of :func:`fused_lars_step` (same arguments, same math)."""
     args = _check_lars(params, grads, momentum_bufs, lrs, weight_decays, adapt, first_step)
-    _fused_lars_step_torch(*args, float(momentum), float(trust_coeff), float(eps), bool(nesterov))
+    _fused_lars_step_torch(*(args + (float(momentum), float(trust_coeff), float(eps), bool(nesterov))))
 
 
 def _fused_lars_step_torch(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:
