@@ -64,7 +64,9 @@ def test_nonfinite_gradients_skip_or_raise_on_every_rank(tmp_path):
         err = x["raise"]["error"]
         assert err["type"] == "FloatingPointError" and "net.head.3.weight" in err["message"]
         assert x["raise"]["global_step"] == 2
-    assert "on rank 1" in ranks[1]["raise"]["error"]["message"]  # the rank where it started says so
+        assert "entered the exchange on rank(s) [1]" in err["message"]  # every rank names where it started
+    assert "on this rank (1) in the bucket of" in ranks[1]["raise"]["error"]["message"]
+    assert "on this rank" not in ranks[0]["raise"]["error"]["message"]
     for k, v in ranks[0]["skip"]["params"].items():
         assert torch.equal(v, ranks[1]["skip"]["params"][k]), k
 

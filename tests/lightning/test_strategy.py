@@ -25,7 +25,7 @@ def test_registered_in_both_registries_idempotently():
     from lightning.pytorch.strategies import DDPStrategy as LDDP
 
     lt = LTrainer(strategy="topk_ddp_spawn", accelerator="cpu", devices=2, logger=False)
-    assert isinstance(lt.strategy, LDDP) and type(lt.strategy).__name__ == "TopKDDPStrategy"
+    assert isinstance(lt.strategy, LDDP) and type(lt.strategy).__name__ == "UnifiedTopKDDPStrategy"
 
 
 def test_ddp_kwargs_pass_through():
