@@ -14,11 +14,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from dist_utils import run_distributed
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from tests.helpers.dist import run_distributed
 
 
 def work(rank, world, nodes, local, density, params, hierarchical):
