@@ -14,11 +14,10 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from dist_utils import run_distributed
-
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from tests.helpers.dist import run_distributed
 
 
 def work(rank, world, nodes, local, density, params, hierarchical):
@@ -26,11 +25,9 @@ def work(rank, world, nodes, local, density, params, hierarchical):
     width = int((params / 2) ** 0.5)
     m = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
     ddp = DDP(m)
-    st = TopKState(TopKConfig(density=density, dense_steps=1, hierarchical=hierarchical))
+    hier = make_groups(nodes, local, rank) if hierarchical else None
+    st = TopKState(TopKConfig(density=density, dense_steps=1, hierarchical=hierarchical), hier=hier, num_nodes=nodes)
     st.bind(m.named_parameters())
-    st.num_nodes = nodes
-    if hierarchical:
-        st.hier = make_groups(nodes, local, rank)
     ddp.register_comm_hook(st, hierarchical_topk_hook if hierarchical else topk_allgather_hook)
     for _ in range(3):
         m.zero_grad()

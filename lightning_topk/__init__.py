@@ -28,6 +28,8 @@ _EXPORTS = {
     "topk_select": "lightning_topk.comm",
     "TopKDDPStrategy": "lightning_topk.lightning.strategy",
     "UnifiedTopKDDPStrategy": "lightning_topk.lightning.unified",
+    "UnifiedTopKPrecision": "lightning_topk.lightning.unified",
+    "StepController": "lightning_topk.comm",
     "TopKPrecision": "lightning_topk.lightning.precision",
     "register_strategies": "lightning_topk.lightning.registry",
     "WebDataModule": "lightning_topk.data",
@@ -36,12 +38,14 @@ _EXPORTS = {
 
 __all__ = [
     "DensitySchedule",
+    "StepController",
     "StepStats",
     "TopKConfig",
     "TopKDDPStrategy",
     "TopKPrecision",
     "TopKState",
     "UnifiedTopKDDPStrategy",
+    "UnifiedTopKPrecision",
     "WebDataModule",
     "hierarchical_topk_hook",
     "register_strategies",
@@ -54,6 +58,7 @@ __all__ = [
 if TYPE_CHECKING:
     from lightning_topk.comm import (
         DensitySchedule,
+        StepController,
         StepStats,
         TopKConfig,
         TopKState,
@@ -65,7 +70,7 @@ if TYPE_CHECKING:
     from lightning_topk.lightning.precision import TopKPrecision
     from lightning_topk.lightning.registry import register_strategies
     from lightning_topk.lightning.strategy import TopKDDPStrategy
-    from lightning_topk.lightning.unified import UnifiedTopKDDPStrategy
+    from lightning_topk.lightning.unified import UnifiedTopKDDPStrategy, UnifiedTopKPrecision
 
 
 def __getattr__(name: str) -> Any:

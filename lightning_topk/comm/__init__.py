@@ -1,12 +1,13 @@
-"""The torch-only core: selection, wire format, density schedule, per-rank state and the exchanges
-(DDP communication hooks). Nothing here imports Lightning."""
+"""The torch-only core: selection, wire format, density schedule, per-rank state, the exchanges
+(DDP communication hooks) and the per-step fault controller. Nothing here imports Lightning."""
 from lightning_topk.comm.allgather import topk_allgather_hook
-from lightning_topk.comm.hierarchical import hierarchical_topk_hook
+from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
 from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
 
 __all__ = [
-    "DensitySchedule", "StepStats", "TopKConfig", "TopKState", "hierarchical_topk_hook", "topk_allgather_hook",
-    "topk_select",
+    "Decision", "DensitySchedule", "StepController", "StepStats", "TopKConfig", "TopKState",
+    "hierarchical_topk_hook", "make_groups", "topk_allgather_hook", "topk_select",
 ]

@@ -1,36 +1,41 @@
 """Flat top-k exchange as a DDP communication hook: error feedback, top-k, one allgather per bucket.
 
-Usage without Lightning::
+Usage without Lightning (the controller applies the ``nonfinite`` policy once per step)::
 
     state = TopKState(TopKConfig(density=0.01))
     state.bind(model.named_parameters())
     ddp_model.register_comm_hook(state, topk_allgather_hook)
+    ctl = StepController(state)          # lightning_topk.comm.controller
 
-Per bucket: ``acc = residual + grad / scale``; pick k = ceil(density * n) entries of ``acc``; the
-residual keeps everything not sent (including the rounding error of fp16/bf16 wire values); values
-and int32 indices are packed into one fixed-size buffer and all-gathered; every rank rebuilds the
-average with ``index_add_`` (entries picked by several ranks add up) and returns it in the scaled
-units the optimizer/GradScaler expect.
+Per bucket: ``residual += grad / scale`` in place; pick k = ceil(density * n) entries of it; zero what was
+sent in the residual (for fp16/bf16 wire values it keeps their rounding error and any clipped part); pack
+values and int32 indices into one fixed-size buffer and all-gather it; every rank rebuilds the average
+straight into the bucket's buffer with ``index_add_`` (entries picked by several ranks add up), in the
+scaled units the optimizer/GradScaler expect.
+
+Nothing here reads a tensor on the host: finiteness goes into device flags (``state.flags``), times into
+CUDA events on CUDA, and with the sync-free selection (default on CUDA, ``LIGHTNING_TOPK_SYNC_FREE=1``
+anywhere) the whole hook and its callback only queue device work. The callbacks do only device work, so
+on NCCL (whose futures complete when the collective is enqueued) the backward pass is not held up.
 """
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration
 # and rejects a string "dist.GradBucket".
 import math
-import time
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.selection import topk_select
-from lightning_topk.comm.state import StepStats, TopKState, _BucketBuffers
-from lightning_topk.comm.wire import pack, packed_nbytes, unpack
+from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.state import Scale, TopKState, _BucketBuffers, clock
+from lightning_topk.comm.wire import index_dtype_for, pack, packed_nbytes, to_wire, unpack
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def _link(state: TopKState, nbytes: int) -> dict:
+def _link(state: TopKState, nbytes: int) -> Dict[str, int]:
     # A flat exchange over several nodes sends everything across nodes; on one node, nothing.
     return {"bytes_inter": nbytes} if state.num_nodes > 1 else {"bytes_intra": nbytes}
 
@@ -42,26 +47,9 @@ def bucket_k(state: TopKState, n: int) -> int:
         return 0
     k = max(1, math.ceil(density * n))
     # Sparse only pays when the packed buffer is smaller than the dense one.
-    if packed_nbytes(k, state.config.wire_dtype) >= 4 * n:
+    if packed_nbytes(k, state.config.wire_dtype, index_dtype_for(n)) >= 4 * n:
         return 0
     return k
-
-
-def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
-    """fp32 ``acc = residual + grad/scale`` (DGC momentum correction: ``+ m*u + grad/scale``).
-
-    Returns (acc, new_velocity). Nothing in the state is modified yet: a non-finite bucket must leave
-    the residual as it was.
-    """
-    inv = 1.0 / state.grad_scale
-    if b is None:
-        acc = grad.float() if grad.dtype != torch.float32 else grad.clone()
-        return (acc.mul_(inv) if inv != 1.0 else acc), None
-    acc = b.scratch("work")
-    if b.velocity is not None:
-        vel = b.velocity.mul(state.config.momentum).add_(grad, alpha=inv)
-        return torch.add(b.residual, vel, out=acc), vel
-    return torch.add(b.residual, grad, alpha=inv, out=acc), None
 
 
 def param_ks(state: TopKState, numels: Sequence[int]) -> List[int]:
@@ -70,159 +58,197 @@ def param_ks(state: TopKState, numels: Sequence[int]) -> List[int]:
     return [n if n < state.config.min_sparse_numel else max(1, math.ceil(d * n)) for n in numels]
 
 
-def select_per_param(acc: Tensor, numels: Sequence[int], ks: Sequence[int], selector: str) -> Tensor:
-    """Top-k of each parameter's slice, as indices into the bucket. Independent of how DDP groups
-    parameters into buckets, so a resumed run (whose first iteration uses DDP's pre-rebuild buckets)
-    selects exactly what an uninterrupted run does."""
+def factor(scale: Scale, world: int) -> Scale:
+    """Turns a sum of unscaled values over ``world`` ranks into the scaled average DDP expects."""
+    return scale / world
+
+
+def _add_scaled_(dst: Tensor, grad: Tensor, scale: Scale) -> None:
+    """``dst += grad / scale`` in place (the scale may be a device tensor: no host read)."""
+    if isinstance(scale, Tensor):
+        dst.addcdiv_(grad, scale)
+    elif scale == 1.0:
+        dst.add_(grad)
+    else:
+        dst.add_(grad, alpha=1.0 / scale)
+
+
+def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """``residual += grad/scale`` in place (momentum correction: ``velocity = m*velocity + grad/scale``,
+    ``residual += velocity``); returns (the residual buffer, whole with any padding; the velocity).
+
+    Without error feedback there is no residual: the bucket buffer itself is unscaled in place (it is
+    overwritten by the result anyway). The undo log copies the buffers first when the step may be skipped.
+    """
+    scale = state.grad_scale
+    if b is None:
+        acc = grad if grad.dtype == torch.float32 else grad.float()
+        if isinstance(scale, Tensor):
+            acc.div_(scale)
+        elif scale != 1.0:
+            acc.mul_(1.0 / scale)
+        return acc, None
+    state.undo.save(b)
+    n = grad.numel()
+    if b.velocity is not None:
+        vel = b.velocity[:n]
+        vel.mul_(state.config.momentum)
+        _add_scaled_(vel, grad, scale)
+        b.residual[:n].add_(vel)
+        return b.residual, vel
+    _add_scaled_(b.residual[:n], grad, scale)
+    return b.residual, None
+
+
+def select(state: TopKState, acc: Tensor, k: int, ks: Optional[Sequence[int]] = None,
+           numels: Optional[Sequence[int]] = None) -> Tensor:
+    """Indices (int64) of the entries of ``acc`` to send: k of the bucket, or ``ks[i]`` of each parameter's
+    slice (``selection_scope="parameter"``: independent of how DDP groups parameters into buckets, so a
+    resumed run, whose first iteration uses DDP's pre-rebuild buckets, selects what an uninterrupted one
+    does). Sync-free selection where :func:`sync_free_enabled` says so, else the CPU fast path."""
+    pick = topk_select_sync_free if sync_free_enabled(acc.device) else topk_select
+    method = state.config.selector
+    if ks is None or numels is None:
+        return pick(acc, k, method)[1]
     out, off = [], 0
-    for n, k in zip(numels, ks):
-        _, i = topk_select(acc[off:off + n], k, selector)
-        out.append(i + off)
+    for n, kp in zip(numels, ks):
+        out.append(pick(acc[off:off + n], kp, method)[1] + off)
         off += n
     return torch.cat(out)
 
 
-def select_and_feedback(
-    state: TopKState, b: Optional[_BucketBuffers], acc: Tensor, k: int, vel: Optional[Tensor],
-    stats: StepStats, offset: int = 0, ks: Optional[Sequence[int]] = None, numels: Optional[Sequence[int]] = None,
-) -> Tuple[Tensor, Tensor, bool]:
-    """Select k entries of ``acc`` and update the residual slice ``[offset, offset+len(acc))``.
-
-    With ``ks``/``numels`` the selection is per parameter (``selection_scope="parameter"``).
-    Returns (wire values, int32 indices into acc, finite). The residual is left untouched when the
-    selected values are not finite (an inf/NaN always ranks first, so it is always selected).
-    """
-    t0 = time.perf_counter()
-    if ks is not None:
-        idx = select_per_param(acc, numels, ks, state.config.selector)
-    else:
-        _, idx = topk_select(acc, k, state.config.selector)
+def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor]) -> Tensor:
+    """Wire values of the selected entries; with error feedback ``acc`` (the residual) keeps what was not
+    sent: 0 at the sent entries for fp32 wire, else the rounding error and any clipped part, so that
+    ``sent + new residual = old residual + grad/scale`` up to fp32 rounding."""
     values = acc.index_select(0, idx)
-    wire = values.to(state.config.wire_dtype)
-    finite = bool(torch.isfinite(values).all())
-    if b is not None and finite:
-        state.before_update(b)
-        # acc becomes the new residual: mark what was sent, then swap buffers (no copy).
+    wire = to_wire(values, state.config.wire_dtype)
+    if state.config.error_feedback:
         if wire.dtype == torch.float32:
             acc.index_fill_(0, idx, 0.0)
         else:
             acc.index_copy_(0, idx, values - wire.float())
-        if acc is b.work:
-            b.residual, b.work = acc, b.residual
-        else:
-            b.residual[offset:offset + acc.numel()].copy_(acc)
         if vel is not None:
             vel.index_fill_(0, idx, 0.0)  # momentum factor masking
-            b.velocity[offset:offset + acc.numel()].copy_(vel)
-    stats.select_time_s += time.perf_counter() - t0
-    return wire, idx.to(torch.int32), finite
+    return wire
 
 
-def dense_feedback(state: TopKState, b: Optional[_BucketBuffers], acc: Tensor, vel: Optional[Tensor],
-                   offset: int = 0) -> bool:
-    """Dense step: everything in acc is sent, so the residual (slice) becomes zero."""
-    finite = bool(torch.isfinite(acc).all())
-    if b is not None and finite:
-        state.before_update(b)
-        b.residual[offset:offset + acc.numel()].zero_()
-        if vel is not None:
-            b.velocity[offset:offset + acc.numel()].zero_()
-    return finite
-
-
-def record_nonfinite(state: TopKState, bucket, stats: StepStats) -> None:
-    stats.nonfinite_buckets += 1
-    for i, (p, g) in enumerate(zip(bucket.parameters(), bucket.gradients())):
-        if not bool(torch.isfinite(g).all()):
-            state.nonfinite_params.append(state.name_of(p, i))
-
-
-def record_sent(state: TopKState, bucket, dense_sent: Tensor) -> None:
-    """Debug/test aid: keep what this rank sent and the gradient it got, per parameter (unscaled)."""
-    grad = bucket.buffer().float() / state.grad_scale
-    off = 0
-    for i, p in enumerate(bucket.parameters()):
-        n = p.numel()
-        name = state.name_of(p, i)
-        state.sent[name] = dense_sent[off:off + n].clone()
-        state.grads_in[name] = grad[off:off + n].clone()
-        off += n
-
-
-def rebuild(n: int, values: Tensor, indices: Tensor, device: torch.device, out: Optional[Tensor] = None) -> Tensor:
-    """Dense fp32 sum of gathered sparse entries; duplicates add (``index_add_``, never ``scatter_``)."""
-    out = torch.zeros(n, dtype=torch.float32, device=device) if out is None else out.zero_()
-    if out.is_cuda:
+def rebuild(out: Tensor, values: Tensor, indices: Tensor) -> Tensor:
+    """``out`` (fp32) := dense sum of gathered sparse entries; duplicates add (``index_add_``, never
+    ``scatter_``)."""
+    out.zero_()
+    if out.is_cuda and indices.dtype == torch.int32:
         from lightning_topk.comm import cuda_ops
 
         if cuda_ops.cupy_available():
-            cuda_ops.scatter_add_dense(out, values, indices.to(torch.int32), 1.0)
+            cuda_ops.scatter_add_dense(out, values, indices, 1.0)
             return out
     return out.index_add_(0, indices, values)
+
+
+def fp32_view(grad: Tensor) -> Tensor:
+    """Where to build a bucket's fp32 result: the bucket buffer itself when it is fp32 (no extra memory),
+    else a transient fp32 buffer copied back by :func:`deliver`."""
+    return grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+
+
+def deliver(state: TopKState, grad: Tensor, result: Tensor) -> Tensor:
+    """Put the bucket's result into its buffer (DDP's own allreduce hook returns that buffer too) and flag
+    non-finite values in the whole result."""
+    if result.data_ptr() != grad.data_ptr():
+        grad.copy_(result[:grad.numel()])
+    state.flags.note_result(grad)
+    return grad
+
+
+def record_grads(state: TopKState, names: Sequence[str], numels: Sequence[int], grad: Tensor) -> None:
+    """Debug aid: the unscaled local gradient per parameter (before the buffer is changed)."""
+    g = grad.float() / state.grad_scale
+    off = 0
+    for name, n in zip(names, numels):
+        state.debug.grads_in[name] = g[off:off + n].clone()
+        off += n
+
+
+def record_sent(state: TopKState, names: Sequence[str], numels: Sequence[int], dense_sent: Tensor) -> None:
+    """Debug aid: what this rank sent, per parameter (unscaled)."""
+    off = 0
+    for name, n in zip(names, numels):
+        state.debug.sent[name] = dense_sent[off:off + n].clone()
+        off += n
 
 
 def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse allgather with error feedback (see module docstring)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
+    cfg = state.config
     grad = bucket.buffer()
     n = grad.numel()
+    params = bucket.parameters()
+    names = state.names_of(params)
+    device = grad.device
     stats = state.current
-    scale = state.grad_scale
-    b = state.buffers(bucket.parameters(), grad.device) if state.config.error_feedback else None
-    acc, vel = accumulate(state, b, grad)
-    ks = numels = None
-    if state.config.selection_scope == "parameter" and state.density_now() < 1.0:
-        numels = [p.numel() for p in bucket.parameters()]
+    ks: Optional[List[int]] = None
+    numels: Optional[List[int]] = None
+    if cfg.selection_scope == "parameter" and state.density_now() < 1.0:
+        numels = [p.numel() for p in params]
         ks = param_ks(state, numels)
         k = sum(ks)
     else:
         k = bucket_k(state, n)
-    elem = grad.element_size()
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * elem)
-    t_launch = time.perf_counter()
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size())
+    t0 = clock(device)
+    if state.debug.enabled:
+        record_grads(state, names, [p.numel() for p in params], grad)
+    b = state.buffers(params, device) if cfg.error_feedback else None
+    acc, vel = accumulate(state, b, grad)
+    acc = acc[:n]
+    state.flags.note_input(names, acc)
+    f = factor(state.grad_scale, world)
 
     if k == 0:
-        finite = dense_feedback(state, b, acc, vel)
-        if not finite:
-            record_nonfinite(state, bucket, stats)
-        if state.record_sent:
-            record_sent(state, bucket, acc)
+        out = fp32_view(grad)
+        if out.data_ptr() != acc.data_ptr():
+            out.copy_(acc)
+        if b is not None:
+            acc.zero_()  # everything is sent
+            if vel is not None:
+                vel.zero_()
+        if state.debug.enabled:
+            record_sent(state, names, [p.numel() for p in params], out)
         state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4))
-        fut = dist.all_reduce(acc, group=group, async_op=True).get_future()
+        t_launch = clock(device)
+        fut = dist.all_reduce(out, group=group, async_op=True).get_future()
 
-        def finish_dense(_f) -> Tensor:
-            stats.comm_time_s += time.perf_counter() - t_launch
-            if not bool(torch.isfinite(acc).all()):
-                state.nonfinite_seen = True
-            return acc.mul_(scale / world).to(grad.dtype)
+        def finish_dense(_f: torch.futures.Future) -> Tensor:
+            state.add_time(stats, "comm_time_s", t_launch)
+            return deliver(state, grad, out.mul_(f))
 
         if bucket.is_last():
             state.end_exchange()
         return fut.then(finish_dense)
 
-    wire, idx, finite = select_and_feedback(state, b, acc, k, vel, stats, ks=ks, numels=numels)
-    if not finite:
-        record_nonfinite(state, bucket, stats)
-    if state.record_sent:
-        sent = torch.zeros(n, dtype=torch.float32, device=grad.device)
-        sent.index_copy_(0, idx.long(), wire.float())
-        record_sent(state, bucket, sent)
-    packed = pack(wire, idx)
-    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=grad.device)
+    idx = select(state, acc, k, ks, numels)
+    wire = send_values(state, acc, idx, vel)
+    if state.debug.enabled:
+        sent = torch.zeros(n, dtype=torch.float32, device=device)
+        sent.index_copy_(0, idx, wire.float())
+        record_sent(state, names, [p.numel() for p in params], sent)
+    idt = index_dtype_for(n)
+    packed = pack(wire, idx, idt)
+    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
     state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()))
-    t_launch = time.perf_counter()
+    state.add_time(stats, "select_time_s", t0)
+    t_launch = clock(device)
     fut = _all_gather(out, packed, group=group, async_op=True).get_future()
-    wire_dtype = state.config.wire_dtype
+    wire_dtype = cfg.wire_dtype
 
-    def finish(_f) -> Tensor:
+    def finish(_f: torch.futures.Future) -> Tensor:
         # On gloo the future's value is not the gathered tensor: read `out`.
-        stats.comm_time_s += time.perf_counter() - t_launch
-        values, indices = unpack(out, k, wire_dtype, world)
-        if not bool(torch.isfinite(values).all()):  # k entries per rank: cheap, unlike a pass over the grads
-            state.nonfinite_seen = True
-        dense = rebuild(n, values, indices, grad.device, None if b is None else b.scratch("out"))
-        return dense.mul_(scale / world).to(grad.dtype)
+        state.add_time(stats, "comm_time_s", t_launch)
+        values, indices = unpack(out, k, wire_dtype, world, idt)
+        return deliver(state, grad, rebuild(fp32_view(grad), values.mul_(f), indices))
 
     if bucket.is_last():
         state.end_exchange()

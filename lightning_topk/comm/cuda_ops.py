@@ -552,7 +552,7 @@ def fused_lars_step_torch(params, grads, momentum_bufs, lrs, weight_decays, adap
                           trust_coeff: float, eps: float, nesterov: bool = False, first_step=False) -> None:
     """Torch reference of :func:`fused_lars_step` (same arguments, same math)."""
     args = _check_lars(params, grads, momentum_bufs, lrs, weight_decays, adapt, first_step)
-    _fused_lars_step_torch(*args, float(momentum), float(trust_coeff), float(eps), bool(nesterov))
+    _fused_lars_step_torch(*(args + (float(momentum), float(trust_coeff), float(eps), bool(nesterov))))
 
 
 def _fused_lars_step_torch(ps, gs, bs, lrs, wds, adapt, first, momentum, tc, eps, nesterov) -> None:

@@ -14,25 +14,28 @@ bytes cross nodes. Buckets are zero-padded to a multiple of L; buckets below ``m
 and dense-schedule steps use a flat all-reduce.
 """
 import math
-import time
 from dataclasses import dataclass
-from typing import Any, List, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_topk.comm.allgather import (
     _all_gather,
     accumulate,
     bucket_k,
+    deliver,
+    factor,
     rebuild,
-    record_nonfinite,
+    record_grads,
     record_sent,
+    select,
+    send_values,
     topk_allgather_hook,
 )
-from lightning_topk.comm.selection import topk_select
-from lightning_topk.comm.state import TopKState
-from lightning_topk.comm.wire import pack, unpack
+from lightning_topk.comm.state import HierExchange, Scale, StepStats, TopKState, clock
+from lightning_topk.comm.wire import index_dtype_for, pack, unpack
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -63,7 +66,8 @@ def layout(num_nodes: int, local_world: int, world: int) -> Tuple[List[List[int]
     return intra, inter
 
 
-def make_groups(num_nodes: int, local_world: int, rank: int, backend=None, timeout=None) -> HierGroups:
+def make_groups(num_nodes: int, local_world: int, rank: int, backend: Optional[str] = None,
+                timeout: Any = None) -> HierGroups:
     """Create the intra- and inter-node groups; every rank must call this, in the same order."""
     intra_lists, inter_lists = layout(num_nodes, local_world, dist.get_world_size())
     node, local = divmod(rank, local_world)
@@ -74,7 +78,7 @@ def make_groups(num_nodes: int, local_world: int, rank: int, backend=None, timeo
                       intra_lists[node], inter_lists[local])
 
 
-def build_groups(strategy) -> HierGroups:
+def build_groups(strategy: Any) -> HierGroups:
     """Groups from a Lightning strategy's cluster environment (node rank, local rank, devices)."""
     env = strategy.cluster_environment
     local_world = strategy.num_processes
@@ -85,18 +89,18 @@ def build_groups(strategy) -> HierGroups:
             f"hierarchical exchange: global rank {rank} is not node_rank ({env.node_rank()}) x devices "
             f"({local_world}) + local_rank ({env.local_rank()}); the launcher's layout is not node-major"
         )
-    if strategy.topk_config.momentum_correction:
-        raise ValueError("topk_ddp: momentum_correction is not supported with the hierarchical exchange; "
-                         "set hierarchical=false or momentum_correction=false")
-    if strategy.topk_config.selection_scope != "bucket":
-        raise ValueError("topk_ddp: selection_scope='parameter' is not supported with the hierarchical exchange "
-                         "(its shards cut across parameters); set hierarchical=false or selection_scope='bucket'")
     return make_groups(num_nodes, local_world, rank, timeout=getattr(strategy, "_timeout", None))
+
+
+def future_on(device: torch.device) -> torch.futures.Future:
+    """A hand-made future that carries its device, so that DDP waits on the right CUDA stream."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
 
 
 def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: intra-node reduce-scatter, top-k on the shard, inter-node all-gather, rebuild."""
-    h: HierGroups = state.hier
+    hx = _exchange(state)
+    h = hx.groups
     L = h.local_world
     grad = bucket.buffer()
     n = grad.numel()
@@ -105,98 +109,103 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
         flush_pending(state)
         return topk_allgather_hook(state, bucket)  # dense (flat all-reduce) or nothing to shard
     k = max(1, math.ceil(state.density_now() * s))
+    cfg = state.config
+    params = bucket.parameters()
+    names = state.names_of(params)
+    device = grad.device
     stats = state.current
-    scale = state.grad_scale
     world = L * h.num_nodes
-    b = state.buffers(bucket.parameters(), grad.device) if state.config.error_feedback else None
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=s * L * 4)
+    if state.debug.enabled:
+        record_grads(state, names, [p.numel() for p in params], grad)
+    b = state.buffers(params, device, multiple=L) if cfg.error_feedback else None
     acc, _ = accumulate(state, b, grad)
-    if s * L != n:
+    state.flags.note_input(names, acc[:n])
+    if acc.numel() != s * L:  # no error feedback: the bucket buffer, unpadded
         acc = torch.cat([acc, acc.new_zeros(s * L - n)])
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=acc.numel() * 4)
-    t0 = time.perf_counter()
+    t0 = clock(device)
     shard = acc.new_empty(s)
-    _reduce_scatter(shard, acc, group=h.intra)  # node sum of my shard (fast link; blocking)
-    stats.comm_time_s += time.perf_counter() - t0
+    # Node sum of my shard (fast link). wait(): on NCCL a stream wait, on gloo the host waits.
+    _reduce_scatter(shard, acc, group=h.intra, async_op=True).wait()
+    state.add_time(stats, "comm_time_s", t0)
 
-    t1 = time.perf_counter()
-    _, idx = topk_select(shard, k, state.config.selector)
-    values = shard.index_select(0, idx)
-    wire = values.to(state.config.wire_dtype)
-    finite = bool(torch.isfinite(values).all())
+    t1 = clock(device)
+    idx = select(state, shard, k)
+    wire = send_values(state, shard, idx, None)  # shard now holds what this rank did not send
     lo = h.local_rank * s
-    valid = max(0, min(n, lo + s) - lo)  # the last shard may hold padding
-    if b is not None and finite:
-        state.before_update(b)
-        res = b.residual
-        res.zero_()  # what this rank held went into the node sum; it now owns only its shard
-        rem = shard.clone()
-        if wire.dtype == torch.float32:
-            rem.index_fill_(0, idx, 0.0)
-        else:
-            rem.index_copy_(0, idx, values - wire.float())
-        res[lo:lo + valid].copy_(rem[:valid])
-    if not finite:
-        record_nonfinite(state, bucket, stats)
-    if state.record_sent:
-        full = torch.zeros(s * L, dtype=torch.float32, device=grad.device)
+    if b is not None:
+        b.residual.zero_()  # what this rank held went into the node sum; it now owns only its shard
+        b.residual[lo:lo + s].copy_(shard)
+    if state.debug.enabled:
+        full = torch.zeros(s * L, dtype=torch.float32, device=device)
         full[lo:lo + s].index_copy_(0, idx, wire.float())
-        record_sent(state, bucket, full[:n])
-    stats.select_time_s += time.perf_counter() - t1
+        record_sent(state, names, [p.numel() for p in params], full[:n])
+    state.add_time(stats, "select_time_s", t1)
 
-    packed = pack(wire, idx.to(torch.int32))
-    out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=grad.device)
+    idt = index_dtype_for(s)
+    packed = pack(wire, idx, idt)
+    out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=device)
     state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel() + s * 4, bytes_inter=packed.numel(),
                     bytes_intra=s * 4)
     # Every collective is issued from this (backward) thread, in bucket order, so all ranks issue the
     # same sequence on each group. The previous bucket's intra-node all-gather goes out now, after
     # its inter-node all-gather had the time between two hooks to run.
     flush_pending(state)
-    result: torch.futures.Future = torch.futures.Future()
+    result = future_on(device)
+    t_launch = clock(device)
     work = _all_gather(out, packed, group=h.inter, async_op=True)
-    state.hier_pending = _Pending(result, work, out, k, s, n, scale / world, grad.dtype, stats,
-                                  time.perf_counter(), state.config.wire_dtype)
+    hx.pending = _Pending(result, work, out, k, s, grad, factor(state.grad_scale, world), stats, t_launch,
+                          cfg.wire_dtype, idt)
     if bucket.is_last():
         flush_pending(state)
         state.end_exchange()
     return result
 
 
+def _exchange(state: TopKState) -> HierExchange:
+    if state.hier is None:
+        raise ValueError("hierarchical_topk_hook: the state has no groups; build it with "
+                         "TopKState(config, hier=make_groups(num_nodes, local_world, rank))")
+    return state.hier
+
+
 @dataclass
 class _Pending:
     result: torch.futures.Future
     work: Any
-    out: torch.Tensor
+    out: Tensor
     k: int
     s: int
-    n: int
-    factor: float
-    dtype: torch.dtype
-    stats: Any
-    t_launch: float
+    grad: Tensor
+    factor: Scale
+    stats: StepStats
+    t_launch: Any
     wire_dtype: torch.dtype
+    index_dtype: torch.dtype
 
 
 def flush_pending(state: TopKState) -> None:
     """Finish the pending bucket: wait for its inter-node gather, rebuild the shard, launch the intra-node
-    all-gather, and complete the bucket's future when that arrives."""
-    p: _Pending = getattr(state, "hier_pending", None)
+    all-gather, and complete the bucket's future when that arrives. Only device work is queued."""
+    hx = _exchange(state)
+    p = hx.pending
     if p is None:
         return
-    state.hier_pending = None
-    h: HierGroups = state.hier
+    hx.pending = None
+    h = hx.groups
     p.work.wait()
-    vals, ids = unpack(p.out, p.k, p.wire_dtype, h.num_nodes)
-    if not bool(torch.isfinite(vals).all()):
-        state.nonfinite_seen = True
-    shard_sum = rebuild(p.s, vals, ids, p.out.device)
-    full = torch.empty(p.s * h.local_world, dtype=torch.float32, device=p.out.device)
+    vals, ids = unpack(p.out, p.k, p.wire_dtype, h.num_nodes, p.index_dtype)
+    shard_sum = rebuild(torch.empty(p.s, dtype=torch.float32, device=p.out.device), vals.mul_(p.factor), ids)
+    n = p.grad.numel()
+    direct = p.grad.dtype == torch.float32 and n == p.s * h.local_world
+    full = p.grad if direct else torch.empty(p.s * h.local_world, dtype=torch.float32, device=p.out.device)
     fut = _all_gather(full, shard_sum, group=h.intra, async_op=True).get_future()
 
-    def done(f) -> None:
+    def done(f: torch.futures.Future) -> None:
         try:
             f.wait()
-            p.stats.comm_time_s += time.perf_counter() - p.t_launch
-            p.result.set_result(full[:p.n].mul_(p.factor).to(p.dtype))
+            state.add_time(p.stats, "comm_time_s", p.t_launch)
+            p.result.set_result(deliver(state, p.grad, full))
         except Exception as e:  # surface comm errors to DDP rather than hanging
             p.result.set_exception(e)
 

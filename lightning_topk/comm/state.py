@@ -1,15 +1,17 @@
 """Per-rank state of the top-k exchange: options, residuals (error feedback), momentum-correction
-buffers, the step counter, and per-step telemetry.
+buffers, the step counter, per-step fault flags, the undo copies of a step, and telemetry.
 
-Residuals are stored per DDP bucket as one flat fp32 buffer (no cat/split per step), but keyed by
+Residuals are stored per DDP bucket as one flat fp32 buffer that the hooks update in place, keyed by
 *parameter names*, so they survive DDP's bucket rebuild after the first iteration and can be saved
 and restored per parameter.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -18,13 +20,62 @@ from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import METHODS
 from lightning_topk.comm.wire import value_dtype_of
 
+if TYPE_CHECKING:
+    from lightning_topk.comm.hierarchical import HierGroups, _Pending
+
 SCOPE_CHOICES = ("bucket", "parameter")
-NONFINITE_CHOICES = ("propagate", "skip", "raise")
+NONFINITE_CHOICES = ("raise", "skip", "propagate")
+Scale = Union[float, Tensor]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 @dataclass
 class TopKConfig:
-    """Options of the top-k exchange (documented in the README)."""
+    """Options of the top-k exchange: the one definition that ``TopKDDPStrategy``, the Hydra config
+    (``conf/strategy/topk_ddp.yaml``) and the README option table follow. Every check, including the
+    ones between options, runs when the object is built and names the option and what is allowed.
+
+    Args:
+        density: share of each bucket's entries sent per step (ρ = k/n), in (0, 1]; 1.0 sends dense.
+        selector: top-k method: ``"exact"`` (the same set as ``torch.topk``), ``"mstopk"`` (MSTopK,
+            approximate, MLSys'21) or ``"torch"``.
+        value_dtype: dtype of the values on the wire: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (indices
+            are int32, int64 for buckets above 2**31 entries). Finite values beyond the dtype's range
+            are clamped to it; the clipped part and the rounding error stay in the residual.
+        error_feedback: keep what was not sent and add it to the next step's gradient.
+        momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
+            with momentum-factor masking. Use it with an optimizer without momentum. Needs
+            ``error_feedback``; flat exchange only.
+        momentum: momentum used by ``momentum_correction``, in [0, 1).
+        dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
+            first iteration; residuals are keyed by parameter name and survive the rebuild either way.
+        warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
+            ``density`` over this many steps (int >= 0; DGC's 25% -> 6.25% -> ... warm-up).
+        warmup_start: density at the start of the warm-up, in (0, 1].
+        min_sparse_numel: buckets with fewer entries go dense (int >= 0); so does any bucket whose
+            packed sparse buffer would not be smaller than the dense one.
+        hierarchical: ``"auto"``, ``True`` or ``False``: intra-node reduce-scatter, top-k on the owned
+            shard, inter-node all-gather. ``"auto"`` uses it with more than one node and more than one
+            process per node, unless ``momentum_correction`` or ``selection_scope="parameter"`` ask for
+            the flat exchange. ``True`` with either of those is an error, and so is ``True`` with one
+            process per node (checked when the strategy knows the layout).
+        nonfinite: a NaN/inf gradient on any rank (seen in what entered or what came out of the
+            exchange): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips the
+            optimizer step on every rank and rolls the residuals back, ``"propagate"`` passes it through
+            as plain DDP would. With a loss scaler (fp16), the scaler's skip decides instead.
+        selection_scope: ``"bucket"``: one top-k over each DDP bucket (k is shared adaptively between
+            its layers). ``"parameter"``: a top-k of each parameter (k_p = ceil(ρ·n_p); parameters below
+            ``min_sparse_numel`` are sent whole); independent of DDP's bucket layout, which makes resume
+            bit-exact with several buckets. Flat exchange only.
+        log_telemetry: log ``topk/*`` metrics to the Trainer's loggers every ``log_every_n_steps``.
+    """
 
     density: float = 0.01
     selector: str = "exact"
@@ -36,42 +87,54 @@ class TopKConfig:
     warmup_steps: int = 0
     warmup_start: float = 0.25
     min_sparse_numel: int = 16384
-    hierarchical: object = "auto"
-    nonfinite: str = "propagate"
+    hierarchical: Union[str, bool] = "auto"
+    nonfinite: str = "raise"
     selection_scope: str = "bucket"
+    log_telemetry: bool = True
 
     def __post_init__(self) -> None:
-        d = self.density
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d) or not 0.0 < d <= 1.0:
-            raise ValueError(f"topk_ddp: density must be a number in (0, 1], got {d!r}")
-        self.density = float(d)
+        def bad(name: str, allowed: str) -> ValueError:
+            return ValueError(f"topk_ddp: {name} must be {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("density", "warmup_start"):
+            v = getattr(self, name)
+            if not _is_number(v) or not 0.0 < v <= 1.0:
+                raise bad(name, "a number in (0, 1]")
+            setattr(self, name, float(v))
         if self.selector not in METHODS:
-            raise ValueError(f"topk_ddp: selector must be one of {list(METHODS)}, got {self.selector!r}")
+            raise bad("selector", f"one of {list(METHODS)}")
         try:
             value_dtype_of(self.value_dtype)
         except ValueError as e:
             raise ValueError(f"topk_ddp: {e}") from None
-        for name in ("error_feedback", "momentum_correction"):
+        for name in ("error_feedback", "momentum_correction", "log_telemetry"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"topk_ddp: {name} must be true or false, got {getattr(self, name)!r}")
-        if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"topk_ddp: momentum must be in [0, 1), got {self.momentum!r}")
+                raise bad(name, "true or false")
+        if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
+            raise bad("momentum", "a number in [0, 1)")
+        for name in ("dense_steps", "warmup_steps", "min_sparse_numel"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                raise bad(name, "an int >= 0")
+        if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
+            raise bad("hierarchical", "'auto', true or false")
+        if self.nonfinite not in NONFINITE_CHOICES:
+            raise bad("nonfinite", f"one of {list(NONFINITE_CHOICES)}")
+        if self.selection_scope not in SCOPE_CHOICES:
+            raise bad("selection_scope", f"one of {list(SCOPE_CHOICES)}")
+        # Between options.
         if self.momentum_correction and not self.error_feedback:
             raise ValueError("topk_ddp: momentum_correction=True needs error_feedback=True (it accumulates velocity)")
-        if isinstance(self.min_sparse_numel, bool) or not isinstance(self.min_sparse_numel, int) or self.min_sparse_numel < 0:
-            raise ValueError(f"topk_ddp: min_sparse_numel must be an int >= 0, got {self.min_sparse_numel!r}")
-        if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
-            raise ValueError(f"topk_ddp: hierarchical must be 'auto', true or false, got {self.hierarchical!r}")
-        if self.selection_scope not in SCOPE_CHOICES:
-            raise ValueError(
-                f"topk_ddp: selection_scope must be one of {list(SCOPE_CHOICES)}, got {self.selection_scope!r}"
-            )
-        if self.nonfinite not in NONFINITE_CHOICES:
-            raise ValueError(f"topk_ddp: nonfinite must be one of {list(NONFINITE_CHOICES)}, got {self.nonfinite!r}")
-        try:
-            DensitySchedule(self.density, self.dense_steps, self.warmup_steps, self.warmup_start)
-        except ValueError as e:
-            raise ValueError(f"topk_ddp: {e}") from None
+        if self.hierarchical is True and self.momentum_correction:
+            raise ValueError("topk_ddp: momentum_correction is not supported with the hierarchical exchange; "
+                             "set hierarchical=false (or 'auto') or momentum_correction=false")
+        if self.hierarchical is True and self.selection_scope != "bucket":
+            raise ValueError("topk_ddp: selection_scope='parameter' is not supported with the hierarchical exchange "
+                             "(its shards cut across parameters); set hierarchical=false (or 'auto') or "
+                             "selection_scope='bucket'")
+
+    @classmethod
+    def option_names(cls) -> Tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
     @property
     def schedule(self) -> DensitySchedule:
@@ -81,10 +144,34 @@ class TopKConfig:
     def wire_dtype(self) -> torch.dtype:
         return value_dtype_of(self.value_dtype)
 
+    def use_hierarchical(self, num_nodes: int, procs_per_node: int) -> bool:
+        """Whether the hierarchical exchange runs on this layout (raises for ``True`` on one process per node)."""
+        if self.hierarchical == "auto":
+            return (num_nodes > 1 and procs_per_node > 1 and not self.momentum_correction
+                    and self.selection_scope == "bucket")
+        if self.hierarchical and procs_per_node < 2:
+            raise ValueError("topk_ddp: hierarchical=True needs more than one process per node "
+                             f"(devices={procs_per_node}); use hierarchical='auto' or false")
+        return bool(self.hierarchical)
+
+
+# ---- telemetry -------------------------------------------------------------------------------------
+def clock(device: torch.device) -> Any:
+    """A start mark: a recorded CUDA event on CUDA (host wall time would measure stalls), else perf_counter."""
+    if device.type == "cuda":
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+    return time.perf_counter()
+
 
 @dataclass
 class StepStats:
-    """Telemetry of one exchange step on this rank (bytes are what this rank put on the wire)."""
+    """Telemetry of one exchange step on this rank (bytes are what this rank put on the wire).
+
+    On CUDA the times are CUDA-event pairs that are read only by :meth:`resolve` (called by
+    :meth:`as_metrics`, at logging time), never in the hot path.
+    """
 
     step: int = 0
     bytes_sent: int = 0
@@ -98,6 +185,7 @@ class StepStats:
     buckets: int = 0
     dense_buckets: int = 0
     nonfinite_buckets: int = 0
+    _events: List[Tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def density(self) -> float:
@@ -107,7 +195,21 @@ class StepStats:
     def compression(self) -> float:
         return self.bytes_dense / self.bytes_sent if self.bytes_sent else 0.0
 
+    def resolve(self, ready_only: bool = False) -> "StepStats":
+        """Fold pending CUDA-event times into ``select_time_s``/``comm_time_s`` (waits for them unless
+        ``ready_only``)."""
+        keep = []
+        for name, start, end in self._events:
+            if ready_only and not end.query():
+                keep.append((name, start, end))
+                continue
+            end.synchronize()
+            setattr(self, name, getattr(self, name) + start.elapsed_time(end) / 1e3)
+        self._events = keep
+        return self
+
     def as_metrics(self) -> Dict[str, float]:
+        self.resolve()
         return {
             "topk/bytes_sent": float(self.bytes_sent),
             "topk/bytes_dense": float(self.bytes_dense),
@@ -120,49 +222,150 @@ class StepStats:
         }
 
 
+# ---- per-bucket storage, fault flags, undo copies, debug record -----------------------------------
 @dataclass
 class _BucketBuffers:
     names: Tuple[str, ...]
     numels: Tuple[int, ...]
-    residual: Tensor
+    residual: Tensor  # fp32, sum(numels) entries, zero-padded for the hierarchical exchange's shards
     velocity: Optional[Tensor]
     owned: set = field(default_factory=set)
-    # Reused scratch buffers (fresh large CPU tensors cost more in page faults than the math on them).
-    work: Optional[Tensor] = None
-    out: Optional[Tensor] = None
 
-    def scratch(self, kind: str) -> Tensor:
-        t = getattr(self, kind)
-        if t is None:
-            t = torch.empty_like(self.residual)
-            setattr(self, kind, t)
-        return t
+
+def nonfinite(x: Tensor) -> Tensor:
+    """A 0-dim bool tensor on x's device: does x hold a NaN or inf? One read pass, no host sync
+    (aminmax propagates NaN; ``isfinite(x).all()`` would allocate n bools and is ~20x slower on CPU)."""
+    lo, hi = torch.aminmax(x)
+    return torch.isfinite(torch.stack((lo, hi))).all().logical_not()
+
+
+def _grown(t: Tensor, n: int) -> Tensor:
+    out = t.new_zeros(n)
+    out[:t.numel()].copy_(t)
+    return out
+
+
+class FaultFlags:
+    """Device-side flags the hooks raise during a step; :class:`~lightning_topk.comm.controller.StepController`
+    reads them once per step. ``inputs``: per bucket (keyed by parameter names), non-finite values in what
+    this rank put into the exchange; ``result``: non-finite values in any rebuilt bucket."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # results arrive on communication threads
+        self.inputs: Dict[Tuple[str, ...], Tensor] = {}
+        self.result: Optional[Tensor] = None
+
+    def note_input(self, names: Tuple[str, ...], x: Tensor) -> None:
+        bad = nonfinite(x)
+        with self._lock:
+            cur = self.inputs.get(names)
+            self.inputs[names] = bad if cur is None else cur | bad
+
+    def note_result(self, x: Tensor) -> None:
+        bad = nonfinite(x)
+        with self._lock:
+            self.result = bad if self.result is None else self.result | bad
+
+    def clear(self) -> None:
+        with self._lock:
+            self.inputs = {}
+            self.result = None
+
+
+class UndoLog:
+    """What a skipped step must restore: a copy of each bucket's residual (and velocity) taken just before
+    the step's first in-place update of it. Active only while ``enabled`` (``nonfinite="skip"`` or a loss
+    scaler); the copies are reused from step to step (4 B/param, 8 with momentum correction).
+
+    Why not only the O(k) sent entries: in-place error feedback adds ``grad/scale`` to every residual entry,
+    and the local gradient is gone once the bucket buffer holds the average, so undoing the dense part
+    needs a dense record of either the old residual or the gradient (see README, "Memory").
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._copies: Dict[Tuple[str, ...], Tuple[Tensor, Optional[Tensor]]] = {}
+        self._saved: Dict[int, _BucketBuffers] = {}
+
+    def save(self, b: _BucketBuffers) -> None:
+        if not self.enabled or id(b) in self._saved:
+            return
+        res, vel = self._copies.get(b.names, (None, None))
+        if res is None or res.shape != b.residual.shape or res.device != b.residual.device:
+            res = torch.empty_like(b.residual)
+            vel = None if b.velocity is None else torch.empty_like(b.velocity)
+            self._copies[b.names] = (res, vel)
+        res.copy_(b.residual)
+        if vel is not None and b.velocity is not None:
+            vel.copy_(b.velocity)
+        self._saved[id(b)] = b
+
+    def rollback(self) -> None:
+        for b in self._saved.values():
+            res, vel = self._copies[b.names]
+            b.residual.copy_(res)
+            if vel is not None and b.velocity is not None:
+                b.velocity.copy_(vel)
+        self._saved.clear()
+
+    def commit(self, live: Iterable[Tuple[str, ...]]) -> None:
+        self._saved.clear()
+        keep = set(live)
+        for names in [n for n in self._copies if n not in keep]:  # buckets DDP rebuilt away
+            del self._copies[names]
+
+    def clear(self) -> None:
+        self._saved.clear()
+        self._copies.clear()
+
+
+@dataclass
+class DebugRecord:
+    """Test/debug aid (``enabled=True``): what this rank sent and the gradient it got, per parameter,
+    in unscaled units. Costs copies and host syncs; off by default."""
+
+    enabled: bool = False
+    sent: Dict[str, Tensor] = field(default_factory=dict)
+    grads_in: Dict[str, Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class HierExchange:
+    """The hierarchical exchange's process groups and the bucket whose collectives are still in flight."""
+
+    groups: "HierGroups"
+    pending: Optional["_Pending"] = None
 
 
 class TopKState:
-    """Explicit state object passed to the top-k comm hooks (as torch's PowerSGDState is)."""
+    """Explicit state object passed to the top-k comm hooks (as torch's PowerSGDState is).
 
-    def __init__(self, config: TopKConfig, process_group=None) -> None:
+    Args:
+        config: the options.
+        process_group: group of the flat exchange (default: the world).
+        hier: the hierarchical exchange's groups (:func:`~lightning_topk.comm.hierarchical.make_groups`),
+            needed by :func:`~lightning_topk.comm.hierarchical.hierarchical_topk_hook`.
+        num_nodes: nodes of the job (telemetry: which link the flat exchange's bytes cross).
+    """
+
+    def __init__(self, config: TopKConfig, process_group: Any = None, hier: Optional["HierGroups"] = None,
+                 num_nodes: int = 1) -> None:
         self.config = config
         self.schedule = config.schedule
         self.process_group = process_group
-        # Hierarchical exchange: groups set by the strategy (see exchange_hier.HierGroups).
-        self.hier = None
-        self.hier_pending = None
-        self.num_nodes = 1
+        self.hier: Optional[HierExchange] = HierExchange(hier) if hier is not None else None
+        self.num_nodes = num_nodes
         self.step = 0
-        self.grad_scale = 1.0
-        self.snapshot_residuals = False
-        self.record_sent = False
-        self.sent: Dict[str, Tensor] = {}
-        self.grads_in: Dict[str, Tensor] = {}
-        self.nonfinite_params: List[str] = []  # this rank's parameters that were non-finite going in
-        self.nonfinite_seen = False  # an exchanged result was non-finite (on every rank alike)
+        # Loss scale of the current backward: a float, or the scaler's scale as a device tensor (no host read).
+        self.grad_scale: Scale = 1.0
+        self.flags = FaultFlags()
+        self.undo = UndoLog()
+        self.debug = DebugRecord()
         self._names: Dict[int, str] = {}
+        self._unbound: Dict[int, str] = {}
         self._buckets: Dict[Tuple[str, ...], _BucketBuffers] = {}
         self._owner: Dict[str, Tuple[str, ...]] = {}
-        self._snapshots: Dict[Tuple[str, ...], Tuple[Tensor, Optional[Tensor]]] = {}
-        self._pending_load: Optional[Dict[str, Tensor]] = None
+        self._pending_load: Optional[Dict[Tuple[str, str], Tensor]] = None
         self.current = StepStats()
         self.last = StepStats()
         self.totals = StepStats()
@@ -172,18 +375,30 @@ class TopKState:
         """Tell the state the names of the model's parameters (keys of residuals in checkpoints)."""
         self._names = {id(p): n for n, p in named_parameters}
 
-    def name_of(self, p: Tensor, fallback_index: int) -> str:
-        return self._names.get(id(p), f"param{fallback_index}")
+    def name_of(self, p: Tensor) -> str:
+        """The bound name; an unbound parameter gets ``param<i>``, i in the order parameters are first seen
+        (unique per parameter, and the same in every run of the same model)."""
+        name = self._names.get(id(p))
+        if name is None:
+            name = self._unbound.setdefault(id(p), f"param{len(self._unbound)}")
+        return name
+
+    def names_of(self, params: Sequence[Tensor]) -> Tuple[str, ...]:
+        return tuple(self.name_of(p) for p in params)
 
     # ---- residual storage -------------------------------------------------------------------
-    def buffers(self, params: Sequence[Tensor], device: torch.device) -> _BucketBuffers:
-        """Flat residual (and velocity) buffers for a bucket holding ``params``, in bucket order."""
-        names = tuple(self.name_of(p, i) for i, p in enumerate(params))
+    def buffers(self, params: Sequence[Tensor], device: torch.device, multiple: int = 1) -> _BucketBuffers:
+        """Flat residual (and velocity) buffers for a bucket holding ``params``, in bucket order, padded
+        with zeros to a multiple of ``multiple`` entries."""
+        names = self.names_of(params)
+        numels = tuple(p.numel() for p in params)
+        total = -(-sum(numels) // multiple) * multiple
         buf = self._buckets.get(names)
         if buf is not None:
+            if buf.residual.numel() % multiple:  # first seen by the flat path (dense steps): pad it now
+                buf.residual = _grown(buf.residual, total)
+                buf.velocity = None if buf.velocity is None else _grown(buf.velocity, total)
             return buf
-        numels = tuple(p.numel() for p in params)
-        total = sum(numels)
         residual = torch.zeros(total, dtype=torch.float32, device=device)
         velocity = torch.zeros_like(residual) if self.config.momentum_correction else None
         # Migrate what other buckets (before DDP's rebuild) or a loaded checkpoint held for these params.
@@ -226,6 +441,10 @@ class TopKState:
             off += n
         return None
 
+    def bucket_names(self) -> List[Tuple[str, ...]]:
+        """The parameter names of each live bucket."""
+        return list(self._buckets)
+
     def residuals(self) -> Dict[str, Tensor]:
         """Per-parameter flat views of this rank's residuals."""
         return self._per_param("residual")
@@ -237,7 +456,7 @@ class TopKState:
     def _per_param(self, kind: str) -> Dict[str, Tensor]:
         out = {}
         for b in self._buckets.values():
-            flat = getattr(b, kind)
+            flat = b.residual if kind == "residual" else b.velocity
             if flat is None:
                 continue
             off = 0
@@ -251,59 +470,49 @@ class TopKState:
     def density_now(self) -> float:
         return self.schedule.density_at(self.step)
 
-    def before_update(self, buf: _BucketBuffers) -> None:
-        """Called by a hook just before it overwrites a bucket's residual."""
-        if self.snapshot_residuals and buf.names not in self._snapshots:
-            self._snapshots[buf.names] = (
-                buf.residual.clone(),
-                None if buf.velocity is None else buf.velocity.clone(),
-            )
-
-    def rollback_step(self) -> None:
-        """Undo the residual updates of the last exchange (the optimizer step was skipped)."""
-        for names, (res, vel) in self._snapshots.items():
-            b = self._buckets.get(names)
-            if b is None:
-                continue
-            b.residual.copy_(res)
-            if vel is not None and b.velocity is not None:
-                b.velocity.copy_(vel)
-        self._snapshots.clear()
-
-    def commit_step(self) -> None:
-        """The optimizer step that used the last exchange was applied: drop the undo snapshots."""
-        self._snapshots.clear()
-
     def end_exchange(self) -> None:
         """Called when the last bucket of a backward pass has been launched."""
         self.last = self.current
         self.step += 1
         self.current = StepStats(step=self.step)
+        self.totals.resolve(ready_only=True)
 
-    def add_stats(self, stats: StepStats, **kw) -> None:
+    def add_stats(self, stats: StepStats, **kw: int) -> None:
         for k, v in kw.items():
             setattr(stats, k, getattr(stats, k) + v)
             setattr(self.totals, k, getattr(self.totals, k) + v)
 
+    def add_time(self, stats: StepStats, name: str, start: Any) -> None:
+        """Add the time since ``start`` (from :func:`clock`) to ``stats.<name>`` and the totals."""
+        if isinstance(start, float):
+            dt = time.perf_counter() - start
+            setattr(stats, name, getattr(stats, name) + dt)
+            setattr(self.totals, name, getattr(self.totals, name) + dt)
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        stats._events.append((name, start, end))
+        self.totals._events.append((name, start, end))
+
     # ---- checkpointing ----------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, object]:
+    def state_dict(self) -> Dict[str, Any]:
         """This rank's compression state; residuals keyed by parameter name, on CPU."""
         pending = self._pending_load or {}
-        out: Dict[str, object] = {"version": 1, "step": self.step, "config": asdict(self.config)}
+        out: Dict[str, Any] = {"version": 1, "step": self.step, "config": asdict(self.config)}
         for kind, live in (("residual", self.residuals()), ("velocity", self.velocities())):
             d = {n: t.clone() for (k, n), t in pending.items() if k == kind}
             d.update({n: t.detach().cpu().clone() for n, t in live.items()})
             out[kind] = d
         return out
 
-    def load_state_dict(self, sd: Dict[str, object]) -> None:
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict`; residuals are applied as buckets appear."""
         self.step = int(sd["step"])
-        pending = {}
+        pending: Dict[Tuple[str, str], Tensor] = {}
         for kind in ("residual", "velocity"):
             for name, t in dict(sd.get(kind, {})).items():
                 pending[(kind, name)] = t
         self._buckets.clear()
         self._owner.clear()
-        self._snapshots.clear()
+        self.undo.clear()
         self._pending_load = pending

@@ -2,7 +2,8 @@
 
 Every rank sends exactly k entries per bucket, so a single ``all_gather_into_tensor`` moves values and
 indices together with no size exchange and no uneven shapes (gloo's all_gather needs equal sizes).
-Layout: ``[k values as value_dtype][k indices as int32]``, viewed as uint8.
+Layout: ``[k values as value_dtype][k indices as index_dtype]``, viewed as uint8. Indices are int32,
+or int64 for buckets of more than 2**31 entries (:func:`index_dtype_for`; every rank knows n).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 from torch import Tensor
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_INDEX_BYTES = 4
 
 
 def value_dtype_of(name: str) -> torch.dtype:
@@ -21,21 +21,42 @@ def value_dtype_of(name: str) -> torch.dtype:
     return VALUE_DTYPES[name]
 
 
-def packed_nbytes(k: int, value_dtype: torch.dtype) -> int:
+def index_dtype_for(n: int) -> torch.dtype:
+    """int32 addresses buckets of up to 2**31 entries; larger buckets need int64 (never wrap silently)."""
+    return torch.int32 if n <= 2**31 else torch.int64
+
+
+def packed_nbytes(k: int, value_dtype: torch.dtype, index_dtype: torch.dtype = torch.int32) -> int:
     """Bytes one rank sends for k entries."""
-    return k * (torch.finfo(value_dtype).bits // 8 + _INDEX_BYTES)
+    return k * (value_dtype.itemsize + index_dtype.itemsize)
 
 
-def pack(values: Tensor, indices: Tensor) -> Tensor:
-    """values (already in the wire dtype) and indices (< 2**31) -> one contiguous uint8 buffer."""
-    return torch.cat([values.contiguous().view(torch.uint8), indices.to(torch.int32).view(torch.uint8)])
+def to_wire(values: Tensor, value_dtype: torch.dtype) -> Tensor:
+    """fp32 values -> wire dtype. Finite values beyond the dtype's range are clamped to it (a finite
+    1e6 must not become inf in fp16); inf/NaN stay what they are, so a real fault is still seen."""
+    if value_dtype == values.dtype:
+        return values
+    big = torch.finfo(value_dtype).max
+    return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(value_dtype)
 
 
-def unpack(buf: Tensor, k: int, value_dtype: torch.dtype, world: int) -> Tuple[Tensor, Tensor]:
-    """Gathered ``[world * packed_nbytes]`` uint8 -> (values fp32 [world*k], indices int64 [world*k])."""
-    vbytes = torch.finfo(value_dtype).bits // 8
-    per = k * (vbytes + _INDEX_BYTES)
+def pack(values: Tensor, indices: Tensor, index_dtype: torch.dtype = torch.int32) -> Tensor:
+    """values (already in the wire dtype) and indices -> one contiguous uint8 buffer."""
+    return torch.cat([values.contiguous().view(torch.uint8), indices.to(index_dtype).view(torch.uint8)])
+
+
+def unpack(buf: Tensor, k: int, value_dtype: torch.dtype, world: int,
+           index_dtype: torch.dtype = torch.int32) -> Tuple[Tensor, Tensor]:
+    """Gathered ``[world * packed_nbytes]`` uint8 -> (values fp32 [world*k], indices [world*k] in
+    ``index_dtype``, which ``index_add_`` takes as it is)."""
+    vbytes = value_dtype.itemsize
+    per = k * (vbytes + index_dtype.itemsize)
     rows = buf.view(world, per)
-    values = rows[:, : k * vbytes].contiguous().view(value_dtype).reshape(-1)
-    indices = rows[:, k * vbytes:].contiguous().view(torch.int32).reshape(-1)
-    return values.float(), indices.long()
+    return _view_as(rows[:, : k * vbytes], value_dtype).float(), _view_as(rows[:, k * vbytes:], index_dtype)
+
+
+def _view_as(part: Tensor, dtype: torch.dtype) -> Tensor:
+    flat = part.reshape(-1)  # copies when world > 1 (the rows' slices are strided)
+    if flat.storage_offset() % dtype.itemsize:  # one row's slice may start where the wider dtype cannot view
+        flat = flat.clone()
+    return flat.view(dtype)

@@ -118,7 +118,11 @@ class Heartbeat:
                 return
 
     def stop(self) -> None:
+        """Stop and join the thread (bounded: one store call can take up to ``STORE_TIMEOUT_S``), so that no
+        store call is in flight when the process group is destroyed or the interpreter exits."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(self.interval + STORE_TIMEOUT_S + 1.0)
 
     def _get(self, key: str) -> Optional[str]:
         v = _timed(lambda: self._store.get(key).decode() if self._store.check([key]) else None)
@@ -181,9 +185,8 @@ def is_comm_error(exc: BaseException) -> bool:
     return False
 
 
-def explain_exception(strategy, exc: BaseException) -> Optional[str]:
+def explain_exception(hb: Optional[Heartbeat], exc: BaseException) -> Optional[str]:
     """Prefix a failed collective's message with the lost-rank diagnosis (and log it)."""
-    hb: Optional[Heartbeat] = getattr(strategy, "_topk_heartbeat", None)
     if hb is None or not is_comm_error(exc):
         return None
     hb.stop()
@@ -250,26 +253,25 @@ def _mid_accumulation(trainer) -> bool:
 
 
 # ---- strategy glue -----------------------------------------------------------------------------
-def start(strategy) -> None:
-    """After the process group exists: start the heartbeat, add :class:`RequeueSync` under SLURM."""
-    stop(strategy)
-    if dist.is_available() and dist.is_initialized() and strategy.world_size > 1:
-        try:
-            strategy._topk_heartbeat = Heartbeat(strategy.global_rank, strategy.world_size)
-        except Exception as e:  # no TCP store (file:// init) or no clone(): diagnosis unavailable
-            log.warning("lightning_topk: heartbeat unavailable (%s); failed collectives will not name the "
-                        "lost rank", e)
+def start(strategy) -> Optional[Heartbeat]:
+    """After the process group exists: add :class:`RequeueSync` under SLURM, and start and return the
+    heartbeat (None on one process or without a TCP store)."""
     trainer = getattr(strategy.lightning_module, "_trainer", None)
     if trainer is not None and _slurm_requeue_env(strategy) is not None:
         if not any(isinstance(cb, RequeueSync) for cb in trainer.callbacks):
             trainer.callbacks.append(RequeueSync())
+    if not (dist.is_available() and dist.is_initialized() and strategy.world_size > 1):
+        return None
+    try:
+        return Heartbeat(strategy.global_rank, strategy.world_size)
+    except Exception as e:  # no TCP store (file:// init) or no clone(): diagnosis unavailable
+        log.warning("lightning_topk: heartbeat unavailable (%s); failed collectives will not name the lost rank", e)
+        return None
 
 
-def stop(strategy) -> None:
-    hb = getattr(strategy, "_topk_heartbeat", None)
+def stop(hb: Optional[Heartbeat]) -> None:
     if hb is not None:
         hb.stop()
-    strategy._topk_heartbeat = None
 
 
 __all__ = ["Heartbeat", "RequeueSync", "check_before_setup", "explain_exception", "is_comm_error", "start", "stop"]

@@ -4,10 +4,10 @@ Differences from Lightning's ``MixedPrecision`` (whose hooks it follows):
 
 * gradient clipping works with fused optimizers: gradients are always unscaled (``scaler.unscale_``) before
   the clipping hook, then ``scaler.step`` runs the (fused) step, which sees them already unscaled;
-* the overflow decision is global: the found-inf flag is max-reduced over all ranks before the step, so one
-  rank's overflow skips the step everywhere and the scale stays identical on every rank;
-* with the ``topk_ddp`` strategy it sets ``topk_state.grad_scale`` before each backward (residuals are kept
-  in unscaled units), asks for residual snapshots, and rolls the residuals back when a step is skipped;
+* the overflow decision is global: after unscaling, the found-inf flag goes into the one per-step reduction
+  of the ``topk_ddp`` strategy's step controller (or, under any other strategy, its own all-reduce), so one
+  rank's overflow skips the step everywhere, the residuals are rolled back, and the scale stays identical on
+  every rank (the strategy hands the live scale to the hooks, so residuals stay in unscaled units);
 * optional fp32 master weights for models whose parameters are fp16/bf16;
 * plain torch SGD/Adam/AdamW built without an explicit ``fused``/``foreach`` choice are switched to
   their fused form;
@@ -16,16 +16,17 @@ Differences from Lightning's ``MixedPrecision`` (whose hooks it follows):
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Generator, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Generator, List, Optional, Tuple
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from pytorch_lightning.plugins.precision import Precision
-from pytorch_lightning.utilities import GradClipAlgorithmType
 from pytorch_lightning.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_topk.comm.controller import Decision
 
 STATE_KEY = "lightning_topk.TopKPrecision"
 PRECISIONS = ("16-mixed", "bf16-mixed", "32-true")
@@ -33,8 +34,9 @@ _LOW = (torch.float16, torch.bfloat16)
 _FUSABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 
-class TopKPrecision(Precision):
-    """Mixed precision with global overflow decisions, fused-optimizer clipping and top-k residual safety.
+class TopKPrecisionMixin:
+    """The logic of :class:`TopKPrecision`, shared with ``lightning.pytorch``'s
+    :class:`~lightning_topk.lightning.unified.UnifiedTopKPrecision` (two packages, two Precision bases).
 
     Args:
         precision: ``"16-mixed"`` (fp16 autocast + dynamic loss scaling), ``"bf16-mixed"`` (bf16 autocast,
@@ -83,7 +85,14 @@ class TopKPrecision(Precision):
         self.skipped_steps = 0
         self.last_step_skipped = False
 
+    @property
+    def finishes_topk_step(self) -> bool:
+        """With a loss scaler this plugin hands the step's found-inf to the top-k step controller itself,
+        after unscaling; the strategy then leaves the decision to it."""
+        return self.scaler is not None
+
     # ---- setup -------------------------------------------------------------------------------------------
+    @override
     def connect(self, model: torch.nn.Module, optimizers: List[Optimizer], lr_schedulers: List[Any]):
         if self.master_weights:
             for opt in optimizers:
@@ -114,29 +123,28 @@ class TopKPrecision(Precision):
             self._load_masters(self._pending_masters)
 
     # ---- forward / backward ------------------------------------------------------------------------------
+    @override
     def autocast_context_manager(self) -> contextlib.AbstractContextManager:
         if self.precision == "32-true":
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.precision == "bf16-mixed" else torch.float16
         return torch.autocast(self.device, dtype=dtype, cache_enabled=False)
 
+    @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         with self.autocast_context_manager():
             yield
 
-    def pre_backward(self, tensor: Tensor, module: "pl.LightningModule") -> Tensor:  # type: ignore[override]
-        state = _topk_state(module)
-        if state is not None:
-            # The comm hook divides by grad_scale so residuals stay in unscaled units.
-            state.grad_scale = float(self.scaler.get_scale()) if self.scaler is not None else 1.0
-            state.snapshot_residuals = self.scaler is not None
+    @override
+    def pre_backward(self, tensor: Tensor, module: Any) -> Tensor:  # type: ignore[override]
         if self.scaler is not None:
             tensor = self.scaler.scale(tensor)
         return super().pre_backward(tensor, module)
 
     # ---- optimizer step ----------------------------------------------------------------------------------
-    def optimizer_step(self, optimizer: Any, model: "pl.LightningModule", closure: Callable[[], Any],
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any],
                        **kwargs: Any) -> Any:  # type: ignore[override]
         if self.scaler is None and not self._masters.get(id(optimizer)):
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
@@ -145,11 +153,12 @@ class TopKPrecision(Precision):
                              "master_weights=False")
         closure_result = closure()
         skip_unscaling = closure_result is None and model.automatic_optimization
+        skipped = False
         if not skip_unscaling:
             self._grads_to_masters(optimizer)
             if self.scaler is not None:
                 self.scaler.unscale_(optimizer)  # before clipping, for every optimizer (fused ones too)
-                self._make_found_inf_global(optimizer)
+                skipped = self._global_skip(optimizer, model)
         self._after_closure(model, optimizer)
         if skip_unscaling:
             return closure_result
@@ -158,34 +167,29 @@ class TopKPrecision(Precision):
             self._masters_to_model(optimizer)
             return out
         out = self.scaler.step(optimizer, **kwargs)
-        skipped = self._found_inf(optimizer)
         self.scaler.update()
         self.last_step_skipped = skipped
         self.skipped_steps += int(skipped)
-        state = _topk_state(model)
-        if state is not None:
-            state.rollback_step() if skipped else state.commit_step()
-            if hasattr(state, "nonfinite_params"):
-                state.nonfinite_params.clear()  # handled here: the scaler skipped the step on every rank
         if not skipped:
             self._masters_to_model(optimizer)
         return out
 
-    def _make_found_inf_global(self, optimizer: Optimizer) -> None:
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return
+    def _global_skip(self, optimizer: Optimizer, model: Any) -> bool:
+        """One reduction of the found-inf flags over all ranks, written back so that the scaler skips on every
+        rank alike; under ``topk_ddp`` it is the step controller's reduction (which also rolls back)."""
         found = list(self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        ctl = _topk_controller(model)
+        if ctl is not None:
+            return ctl.finish_step(model.named_parameters(), found_inf=found) is Decision.SKIP
         dev = found[0].device if found else torch.device(self.device)
         flag = torch.zeros((), dtype=torch.float32, device=dev)
         for t in found:
             flag += t.to(dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         for t in found:
             t.copy_(flag)
-
-    def _found_inf(self, optimizer: Optimizer) -> bool:
-        found = self.scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
-        return bool(sum(float(t.item()) for t in found) > 0)
+        return bool(flag > 0)
 
     def _grads_to_masters(self, optimizer: Optimizer) -> None:
         for p, m in self._masters.get(id(optimizer), ()):
@@ -200,18 +204,15 @@ class TopKPrecision(Precision):
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
-    def clip_gradients(self, optimizer: Optimizer, clip_val: Union[int, float] = 0.0,
-                       gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM) -> None:
-        # Unlike MixedPrecision, no refusal for fused optimizers: gradients were unscaled before this hook.
-        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
-
     # ---- checkpointing -----------------------------------------------------------------------------------
+    @override
     def state_dict(self) -> Dict[str, Any]:
         masters = [m.detach().cpu().clone() for pairs in self._masters.values() for _, m in pairs]
         return {"precision": self.precision,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "master_weights": masters}
 
+    @override
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         if "scale" in state_dict and "precision" not in state_dict:  # a bare GradScaler state (MixedPrecision)
             state_dict = {"scaler": state_dict}
@@ -241,12 +242,14 @@ class TopKPrecision(Precision):
             with torch.no_grad():
                 torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
 
+    @override
     def on_save_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         # Lightning stored state_dict() under type(self).__qualname__; move it to the fixed key so renaming
         # or subclassing the plugin does not orphan the scaler state.
         state = checkpoint.pop(type(self).__qualname__, None)
         checkpoint[STATE_KEY] = state if state is not None else self.state_dict()
 
+    @override
     def on_load_checkpoint(self, checkpoint: Dict[str, Any]) -> None:
         for key in (STATE_KEY, type(self).__qualname__, "TopKPrecision", "MixedPrecision"):
             if key in checkpoint:
@@ -259,10 +262,10 @@ def _check(name: str, value: Any, ok: Callable[[float], bool], rule: str) -> Non
         raise ValueError(f"TopKPrecision: option '{name}' must be a number {rule}, got {value!r}")
 
 
-def _topk_state(module: Any) -> Any:
+def _topk_controller(module: Any) -> Any:
     trainer = getattr(module, "_trainer", None)
     strategy = getattr(trainer, "strategy", None) if trainer is not None else None
-    return getattr(strategy, "topk_state", None)
+    return getattr(strategy, "topk_controller", None)
 
 
 def _prefer_fused(opt: Optimizer) -> bool:
@@ -284,3 +287,8 @@ def _prefer_fused(opt: Optimizer) -> bool:
     opt._step_supports_amp_scaling = True
     opt._need_device_dtype_check_for_fused = True
     return True
+
+
+class TopKPrecision(TopKPrecisionMixin, Precision):
+    """Mixed precision with global overflow decisions, fused-optimizer clipping and top-k residual safety
+    (``pytorch_lightning``); see :class:`TopKPrecisionMixin` for the arguments."""

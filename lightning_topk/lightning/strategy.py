@@ -1,58 +1,55 @@
 """Lightning glue: ``TopKDDPStrategy`` = Lightning's DDPStrategy + the top-k comm hook on every device.
 
 The logic lives in :class:`TopKStrategyMixin` so the same code serves ``pytorch_lightning`` and
-``lightning.pytorch`` (two packages with separate base classes and registries).
+``lightning.pytorch`` (two packages with separate base classes and registries). Gradient faults are
+decided once per step by the comm layer's :class:`~lightning_topk.comm.controller.StepController`; this
+module only tells it the loss scale and applies its decision to the optimizer step.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any, Callable, Dict, Optional
 
 import pytorch_lightning as pl
 import torch
+from torch import Tensor
+from typing_extensions import override
 
+from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
+from lightning_topk.lightning.faults import Heartbeat
 
 log = logging.getLogger(__name__)
 
 
 class TopKStrategyMixin:
-    """Adds the top-k exchange to a DDPStrategy subclass. See :class:`TopKConfig` for the options."""
+    """Adds the top-k exchange to a DDPStrategy subclass.
 
-    def __init__(
-        self,
-        density: float = 0.01,
-        selector: str = "exact",
-        value_dtype: str = "fp32",
-        error_feedback: bool = True,
-        momentum_correction: bool = False,
-        momentum: float = 0.9,
-        dense_steps: int = 1,
-        warmup_steps: int = 0,
-        warmup_start: float = 0.25,
-        min_sparse_numel: int = 16384,
-        hierarchical: Any = "auto",
-        nonfinite: str = "raise",
-        selection_scope: str = "bucket",
-        log_telemetry: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    Keywords named like a :class:`~lightning_topk.comm.state.TopKConfig` field are top-k options (documented
+    there); ``config=TopKConfig(...)`` passes them as one object (keywords then override its fields). Every
+    other keyword goes to Lightning's ``DDPStrategy`` and torch's DDP.
+    """
+
+    def __init__(self, *, config: Optional[TopKConfig] = None, **kwargs: Any) -> None:
         for bad in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"topk_ddp: {bad} cannot be set; the strategy registers its own top-k comm hook")
-        self.topk_config = TopKConfig(
-            density=density, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
-            momentum_correction=momentum_correction, momentum=momentum, dense_steps=dense_steps,
-            warmup_steps=warmup_steps, warmup_start=warmup_start, min_sparse_numel=min_sparse_numel,
-            hierarchical=hierarchical, nonfinite=nonfinite, selection_scope=selection_scope,
-        )
-        if not isinstance(log_telemetry, bool):
-            raise ValueError(f"topk_ddp: log_telemetry must be true or false, got {log_telemetry!r}")
-        self.log_telemetry = log_telemetry
+        if config is not None and not isinstance(config, TopKConfig):
+            raise ValueError(f"topk_ddp: config must be a lightning_topk.TopKConfig, got {type(config).__name__}")
+        options = {k: kwargs.pop(k) for k in TopKConfig.option_names() if k in kwargs}
+        self.topk_config = replace(config, **options) if config is not None else TopKConfig(**options)
         self.topk_state: Optional[TopKState] = None
+        self.topk_controller: Optional[StepController] = None
         self._pending_topk_state: Optional[Dict[str, Any]] = None
+        self._topk_heartbeat: Optional[Heartbeat] = None
         super().__init__(**kwargs)
 
+    @property
+    def log_telemetry(self) -> bool:
+        return self.topk_config.log_telemetry
+
+    @override
     def _configure_launcher(self) -> None:
         # Lightning checks a SLURM allocation against devices/num_nodes only in the popen launcher;
         # check it for every start method, before any process starts or waits in a collective.
@@ -62,21 +59,20 @@ class TopKStrategyMixin:
         super()._configure_launcher()
 
     # ---- hook registration --------------------------------------------------------------------
+    @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
         from lightning_topk.comm.allgather import topk_allgather_hook
 
-        state = TopKState(self.topk_config)
-        state.bind(self.lightning_module.named_parameters())
-        state.num_nodes = self.num_nodes
         hook: Callable = topk_allgather_hook
+        hier = None
         if self._use_hierarchical():
             from lightning_topk.comm.hierarchical import build_groups, hierarchical_topk_hook
 
-            state.hier = build_groups(self)
+            hier = build_groups(self)
             hook = hierarchical_topk_hook
-        if self.topk_config.nonfinite == "skip":
-            state.snapshot_residuals = True
+        state = TopKState(self.topk_config, hier=hier, num_nodes=self.num_nodes)
+        state.bind(self.lightning_module.named_parameters())
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
@@ -84,74 +80,54 @@ class TopKStrategyMixin:
             self._pending_topk_state = None
         self.model.register_comm_hook(state, hook)
         self.topk_state = state
+        self.topk_controller = StepController(state, device=self.root_device)
 
     def _use_hierarchical(self) -> bool:
-        h = self.topk_config.hierarchical
-        if h == "auto":
-            return self.num_nodes > 1 and self.num_processes > 1
-        if h and self.num_processes < 2:
-            raise ValueError(
-                "topk_ddp: hierarchical=True needs more than one process per node "
-                f"(devices={self.num_processes}); use hierarchical='auto' or false"
-            )
-        return bool(h)
+        return self.topk_config.use_hierarchical(self.num_nodes, self.num_processes)
 
     # ---- telemetry ----------------------------------------------------------------------------
     @property
     def topk_stats(self) -> StepStats:
         """Telemetry of the last completed exchange on this rank (bytes, density, times)."""
-        return self.topk_state.last if self.topk_state is not None else StepStats()
+        return self.topk_state.last.resolve() if self.topk_state is not None else StepStats()
 
     @property
     def topk_totals(self) -> StepStats:
         """Telemetry summed over all exchanges since the state was created."""
-        return self.topk_state.totals if self.topk_state is not None else StepStats()
+        return self.topk_state.totals.resolve() if self.topk_state is not None else StepStats()
 
-    # ---- step: non-finite handling and logging ------------------------------------------------
-    def optimizer_step(self, optimizer, closure: Callable[[], Any], model=None, **kwargs: Any) -> Any:
-        state = self.topk_state
-        if state is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        if _has_grad_scaler(self.precision_plugin):
-            # The scaler makes the skip decision (and the precision plugin rolls residuals back).
+    # ---- one decision per step ----------------------------------------------------------------
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.topk_controller is not None:
+            # The hooks divide by the live loss scale, so residuals stay in unscaled units whatever the
+            # precision plugin (Lightning's MixedPrecision or TopKPrecision); read as a tensor, no host sync.
+            scaler = _scaler_of(self.precision_plugin)
+            scale = 1.0 if scaler is None else scaler.scale(torch.ones((), device=closure_loss.device))
+            self.topk_controller.begin_step(grad_scale=scale, scaler=scaler is not None)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        ctl = self.topk_controller
+        if ctl is None or getattr(self.precision_plugin, "finishes_topk_step", False):
+            # No exchange yet, or a plugin that decides after unscaling (TopKPrecision with fp16).
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
-            state.nonfinite_seen = False
-            self._log_topk()
-            return out
+        else:
+            scaler = _scaler_of(self.precision_plugin)
 
-        def checked_closure():
-            out = closure()
-            # The hooks flag a non-finite exchanged result on every rank alike: no pass over the grads here.
-            if state.nonfinite_params or state.nonfinite_seen:
-                self._handle_nonfinite(optimizer, state)
-            return out
+            def closure_then_decide() -> Any:
+                result = closure()
+                if ctl.finish_step(self.lightning_module.named_parameters()) is Decision.SKIP:
+                    if scaler is not None:
+                        _poison_for_scaler(optimizer)
+                    else:
+                        _drop_grads(self.lightning_module, optimizer)
+                return result
 
-        out = super().optimizer_step(optimizer, checked_closure, model, **kwargs)
-        state.commit_step()
+            out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
         self._log_topk()
         return out
-
-    def _handle_nonfinite(self, optimizer, state: TopKState) -> None:
-        names = _nonfinite_param_names(self.lightning_module, optimizer) or list(state.nonfinite_params)
-        local = list(state.nonfinite_params)
-        state.nonfinite_params.clear()
-        state.nonfinite_seen = False
-        mode = self.topk_config.nonfinite
-        if mode == "raise":
-            where = f"; non-finite before the exchange on rank {self.global_rank} in {local}" if local else ""
-            raise FloatingPointError(
-                f"topk_ddp: non-finite gradient after the exchange in parameter(s) {names[:8]}{where}. "
-                "Set strategy nonfinite='skip' to skip such steps on all ranks, or use fp16 loss scaling."
-            )
-        if mode == "skip":
-            trainer = getattr(self.lightning_module, "_trainer", None)
-            step = trainer.global_step if trainer is not None else state.step - 1
-            log.warning("topk_ddp: skipping optimizer step %d on all ranks: non-finite gradient in %s",
-                        step, names[:8])
-            state.rollback_step()
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
 
     def _log_topk(self) -> None:
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
@@ -165,13 +141,16 @@ class TopKStrategyMixin:
 
 
     # ---- checkpoints and faults (logic in lightning_topk.lightning.checkpoint / lightning_topk.lightning.faults) ------
+    @override
     def setup_distributed(self) -> None:
         from lightning_topk.lightning import faults
 
         faults.check_before_setup(self)  # fail before any process group or collective exists
         super().setup_distributed()
-        faults.start(self)
+        faults.stop(self._topk_heartbeat)
+        self._topk_heartbeat = faults.start(self)
 
+    @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
         # Called on every rank: each writes its own shard, then rank 0 writes the main file.
         from lightning_topk.lightning.checkpoint import save_rank_state
@@ -179,6 +158,7 @@ class TopKStrategyMixin:
         save_rank_state(self, checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    @override
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         # DDP restores before setup/configure_ddp, so _register_ddp_hooks applies this pending state.
         from lightning_topk.lightning.checkpoint import restore_rank_state
@@ -187,45 +167,59 @@ class TopKStrategyMixin:
         self._pending_topk_state = restore_rank_state(self, checkpoint_path, checkpoint)
         return checkpoint
 
+    @override
     def remove_checkpoint(self, filepath) -> None:
         from lightning_topk.lightning.checkpoint import remove_rank_state
 
         super().remove_checkpoint(filepath)
         remove_rank_state(self, filepath)
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         from lightning_topk.lightning import faults
 
         super().on_exception(exception)
-        faults.explain_exception(self, exception)
+        faults.explain_exception(self._topk_heartbeat, exception)
 
+    @override
     def teardown(self) -> None:
         from lightning_topk.lightning import faults
 
-        faults.stop(self)
+        faults.stop(self._topk_heartbeat)  # joined before the process group goes away
+        self._topk_heartbeat = None
         super().teardown()
 
 
-def _has_grad_scaler(plugin) -> bool:
-    return getattr(plugin, "scaler", None) is not None
+def _scaler_of(plugin: Any) -> Optional[torch.amp.GradScaler]:
+    scaler = getattr(plugin, "scaler", None)
+    return scaler if scaler is not None and scaler.is_enabled() else None
 
 
-def _nonfinite_param_names(module, optimizer) -> list:
-    names = {id(p): n for n, p in module.named_parameters()} if module is not None else {}
-    out = []
-    for g in optimizer.param_groups:
-        for p in g["params"]:
-            if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
-                out.append(names.get(id(p), "<unnamed>"))
-    return out
+def _drop_grads(module: Any, optimizer: Any) -> None:
+    """Skip the step: parameters without a gradient are left alone by every torch optimizer (state too)."""
+    for p in module.parameters():
+        p.grad = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
+
+
+def _poison_for_scaler(optimizer: Any) -> None:
+    """Make sure the loss scaler sees the fault (and skips and backs off) on every rank alike, even when the
+    non-finite values never reached this rank's gradients (the controller's verdict is global)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.grad.view(-1)[:1].fill_(float("nan"))
+                return
 
 
 class TopKDDPStrategy(TopKStrategyMixin, pl.strategies.DDPStrategy):
     """DDP strategy whose gradient exchange is a top-k sparse allgather with error feedback.
 
-    ``TopKDDPStrategy(density=0.001, selector="mstopk", bucket_cap_mb=25, ...)``: the top-k options
-    are listed in :class:`~lightning_topk.comm.state.TopKConfig`; every other keyword (e.g.
-    ``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
+    ``TopKDDPStrategy(density=0.001, selector="mstopk", bucket_cap_mb=25, ...)``: the top-k options are the
+    fields of :class:`~lightning_topk.comm.state.TopKConfig` (or ``config=TopKConfig(...)``); every other
+    keyword (e.g. ``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
     ``start_method``, ``timeout``) goes to Lightning's ``DDPStrategy`` and torch's DDP.
     """
 

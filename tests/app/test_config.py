@@ -206,5 +206,23 @@ def test_topk_strategy_config_lists_every_option():
     from lightning_topk.comm.state import TopKConfig
 
     cfg = yaml.safe_load((ROOT / "conf" / "strategy" / "topk_ddp.yaml").read_text())
-    missing = (set(TopKConfig.__dataclass_fields__) | {"log_telemetry"}) - set(cfg)
+    missing = set(TopKConfig.option_names()) - set(cfg)
     assert not missing, f"conf/strategy/topk_ddp.yaml lacks {sorted(missing)}"
+
+
+def test_readme_option_table_is_topk_config():
+    """The README's TopKDDPStrategy table lists exactly TopKConfig's fields, with their defaults, and
+    TopKConfig's docstring documents each."""
+    import dataclasses
+    import re
+
+    from lightning_topk.comm.state import TopKConfig
+
+    text = (ROOT / "README.md").read_text()
+    table = text.split("### `TopKDDPStrategy` options", 1)[1].split("\n\n", 2)[1]
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
+    fields = {f.name: f.default for f in dataclasses.fields(TopKConfig)}
+    assert set(rows) == set(fields), (sorted(set(rows) ^ set(fields)))
+    for name, default in fields.items():
+        assert rows[name] == repr(default).replace("'", '"'), (name, rows[name], default)
+        assert re.search(rf"^\s+{name}: ", TopKConfig.__doc__, flags=re.M), f"TopKConfig docstring lacks {name}"

@@ -8,7 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.allgather import rebuild
-from lightning_topk.comm.wire import pack, unpack
+from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.wire import index_dtype_for, pack, packed_nbytes, unpack
 from tests.helpers.dist import run_distributed
 
 
@@ -29,7 +30,7 @@ def _train(rank, world, cfg, steps=6, same_data=False, hook=True, record=False, 
     if hook:
         state = TopKState(TopKConfig(**cfg))
         state.bind(m.named_parameters())
-        state.record_sent = record
+        state.debug.enabled = record
         ddp.register_comm_hook(state, topk_allgather_hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     history = []
@@ -39,8 +40,8 @@ def _train(rank, world, cfg, steps=6, same_data=False, hook=True, record=False, 
         nn.functional.cross_entropy(ddp(x), y).backward()
         if record:
             history.append((old, {k: v.clone() for k, v in state.residuals().items()},
-                            {k: v.clone() for k, v in state.sent.items()},
-                            {k: v.clone() for k, v in state.grads_in.items()},
+                            {k: v.clone() for k, v in state.debug.sent.items()},
+                            {k: v.clone() for k, v in state.debug.grads_in.items()},
                             {n: p.grad.clone() for n, p in m.named_parameters()}))
         opt.step()
     params = {k: v.detach().clone() for k, v in m.state_dict().items()}
@@ -131,7 +132,7 @@ def test_momentum_correction_keeps_finite_state_and_sends_k(runs):
 def test_rebuild_index_add_and_codec_roundtrip():
     vals = torch.tensor([1.0, 2.0, 3.0, 4.0])
     idx = torch.tensor([5, 7, 5, 0])
-    out = rebuild(10, vals, idx, torch.device("cpu"))
+    out = rebuild(torch.full((10,), 7.0), vals, idx)
     assert out[5] == 4.0 and out[7] == 2.0 and out[0] == 4.0 and out.sum() == 10.0
     for dt in (torch.float32, torch.float16, torch.bfloat16):
         v = torch.randn(6).to(dt)
@@ -139,17 +140,19 @@ def test_rebuild_index_add_and_codec_roundtrip():
         buf = torch.cat([pack(v, i), pack(v * 2, i)])
         v2, i2 = unpack(buf, 6, dt, 2)
         assert torch.equal(v2[:6], v.float()) and torch.equal(v2[6:], (v * 2).float())
-        assert torch.equal(i2[:6], i.long())
+        assert torch.equal(i2[:6], i) and i2.dtype == torch.int32
 
 
 def _nonfinite(rank, world):
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)
-    st = TopKState(TopKConfig(density=0.05, min_sparse_numel=0, dense_steps=0))
+    st = TopKState(TopKConfig(density=0.05, min_sparse_numel=0, dense_steps=0, nonfinite="skip"))
     st.bind(m.named_parameters())
     ddp.register_comm_hook(st, topk_allgather_hook)
+    ctl = StepController(st)
     x, y = _batches(rank, 1)[0]
     nn.functional.cross_entropy(ddp(x), y).backward()
+    first = ctl.finish_step()
     before = {k: v.clone() for k, v in st.residuals().items()}
     for p in m.parameters():
         p.grad = None
@@ -157,20 +160,28 @@ def _nonfinite(rank, world):
     if rank == 1:
         loss = loss * float("inf")
     loss.backward()
-    after = {k: v.clone() for k, v in st.residuals().items()}
     grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
-    return before, after, grads_finite, list(st.nonfinite_params)
+    second = ctl.finish_step()
+    after = {k: v.clone() for k, v in st.residuals().items()}
+    return before, after, grads_finite, (first, second, st.step)
 
 
-def test_nonfinite_on_one_rank_reaches_all_ranks_and_residual_untouched(runs):
-    res = runs["nonfinite"]
-    for _before, after, grads_finite, _names in res:
-        assert not grads_finite  # every rank sees the overflow: identical skip decisions
-        assert all(torch.isfinite(v).all() for v in after.values())
-    before, after, _, names = res[1]
-    assert names  # rank 1 names its non-finite parameters
-    for k in before:
-        assert torch.equal(before[k], after[k])  # residual left as it was on the overflowing rank
+def test_nonfinite_on_one_rank_reaches_all_ranks_and_residuals_roll_back(runs):
+    for before, after, grads_finite, (first, second, step) in runs["nonfinite"]:
+        assert not grads_finite  # every rank sees the overflow in the exchanged result
+        assert (first, second, step) == (Decision.COMMIT, Decision.SKIP, 1)  # the skipped exchange is undone
+        assert before.keys() == after.keys() and before
+        for k in before:
+            assert torch.equal(before[k], after[k]), k
+
+
+def test_wire_indices_widen_for_huge_buckets():
+    assert index_dtype_for(2**31) == torch.int32 and index_dtype_for(2**31 + 1) == torch.int64
+    i = torch.tensor([0, 2**31 + 5, 2**33], dtype=torch.int64)
+    v = torch.ones(3, dtype=torch.float16)
+    v2, i2 = unpack(pack(v, i, torch.int64), 3, torch.float16, 1, torch.int64)
+    assert torch.equal(i2, i) and torch.equal(v2, v.float())
+    assert packed_nbytes(3, torch.float16, torch.int64) == 3 * (2 + 8)
 
 
 def test_parameter_scope_sends_k_per_parameter_and_conserves(runs):

@@ -38,13 +38,12 @@ def _run(rank, world, density):
     h = make_groups(N, L, rank)
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)  # several buckets: collectives of consecutive buckets interleave
-    st = TopKState(TopKConfig(density=density, min_sparse_numel=0, dense_steps=0, hierarchical=True))
+    st = TopKState(TopKConfig(density=density, min_sparse_numel=0, dense_steps=0, hierarchical=True), hier=h)
     st.bind(m.named_parameters())
-    st.hier = h
     layouts = {}
 
     def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        layouts[bucket.index()] = [state.name_of(p, i) for i, p in enumerate(bucket.parameters())]
+        layouts[bucket.index()] = list(state.names_of(bucket.parameters()))
         return hierarchical_topk_hook(state, bucket)
 
     ddp.register_comm_hook(st, hook)

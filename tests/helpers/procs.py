@@ -24,3 +24,29 @@ def run_script(args, timeout=420, env=None, cwd=None):
     if p.returncode != 0:
         raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+def run_nodes(args, num_nodes=2, timeout=600, env=None):
+    """Run a script as ``num_nodes`` simulated nodes on loopback (NODE_RANK set per process; Lightning's
+    launcher then starts each node's local ranks). Returns the logs; fails if any node fails."""
+    from tests.helpers.dist import free_port
+
+    port = str(free_port())
+    procs = []
+    for node in range(num_nodes):
+        e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node), OMP_NUM_THREADS="1")
+        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
+            e.pop(k, None)
+        e.update(env or {})
+        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if any(p.returncode != 0 for p in procs):
+        raise AssertionError("\n".join(f"node {i} ({p.returncode}):\n{log[-3000:]}"
+                                       for i, (p, log) in enumerate(zip(procs, logs))))
+    return logs

@@ -1,6 +1,7 @@
 """Count host synchronisations, on CPU, in code meant to run on CUDA without any.
 
-``with count_syncs() as c: ...; assert c.total == 0, c.calls``
+``with count_syncs() as c: ...; assert c.total == 0, c.calls``; :class:`SyncCounter` splits the
+count between DDP comm hooks (with their future callbacks) and the rest of a training step.
 
 A sync is anything that needs a device value on the host, or an output shape that depends on the
 data (which CUDA has to read back first). Two nets catch them:
@@ -24,8 +25,11 @@ complete check.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
-from typing import Iterator, List
+import functools
+import threading
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -117,6 +121,102 @@ def count_syncs() -> Iterator[SyncCount]:
             yield count
     finally:
         for name, original in own.items():
+            if original is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, original)
+
+
+class _CounterMode(TorchDispatchMode):
+    def __init__(self, counter: "SyncCounter") -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _is_sync(func, args, kwargs):
+            self.counter._count(str(func))
+        return func(*args, **kwargs)
+
+
+class SyncCounter:
+    """Syncs inside DDP comm hooks (and the future callbacks they chain, on whichever thread) and outside.
+
+    ``ddp.register_comm_hook(state, counter.wrap_hook(hook)); with counter: ...`` then
+    ``counter.inside`` / ``counter.outside`` (Counters by op) and ``counter.hook_calls``. Same net as
+    :func:`count_syncs`; dispatch modes are per thread, so ``torch.Future.then`` is patched to run
+    callbacks chained inside a hook under the counter.
+    """
+
+    def __init__(self) -> None:
+        self.inside: collections.Counter = collections.Counter()
+        self.outside: collections.Counter = collections.Counter()
+        self.hook_calls = 0
+        self._tls = threading.local()
+        self._own: Dict[str, Any] = {}
+        self._then: Any = None
+        self._mode: Optional[_CounterMode] = None
+
+    def _count(self, kind: str) -> None:
+        if getattr(self._tls, "in_method", False):  # already counted by the patched method
+            return
+        (self.inside if getattr(self._tls, "inside", False) else self.outside)[kind] += 1
+
+    def _inside(self, fn: Callable, *args: Any) -> Any:
+        prev, moded = getattr(self._tls, "inside", False), getattr(self._tls, "mode", False)
+        self._tls.inside = self._tls.mode = True
+        try:
+            if moded:
+                return fn(*args)
+            with _CounterMode(self):
+                return fn(*args)
+        finally:
+            self._tls.inside, self._tls.mode = prev, moded
+
+    def wrap_hook(self, hook: Callable) -> Callable:
+        """The hook, counted as "inside" (with the callbacks it chains)."""
+
+        @functools.wraps(hook)
+        def counted(state, bucket):
+            self.hook_calls += 1
+            return self._inside(hook, state, bucket)
+
+        return counted
+
+    def __enter__(self) -> "SyncCounter":
+        counter = self
+        self._own = {name: torch.Tensor.__dict__.get(name) for name in _METHODS}
+        for name in _METHODS:
+            orig = getattr(torch.Tensor, name)
+
+            def patched(t, *a, __orig=orig, __name=name, **k):
+                counter._count(f"Tensor.{__name}")
+                counter._tls.in_method = True
+                try:
+                    return __orig(t, *a, **k)
+                finally:
+                    counter._tls.in_method = False
+
+            setattr(torch.Tensor, name, patched)
+        then = self._then = torch._C.Future.then
+
+        def then_patched(fut, callback):
+            if getattr(counter._tls, "inside", False):
+                return then(fut, lambda f: counter._inside(callback, f))
+            return then(fut, callback)
+
+        torch._C.Future.then = then_patched
+        self._mode = _CounterMode(self)
+        self._mode.__enter__()
+        self._tls.mode = True
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._tls.mode = False
+        torch._C.Future.then = self._then
+        for name, original in self._own.items():
             if original is None:
                 delattr(torch.Tensor, name)
             else:

@@ -62,6 +62,16 @@ def test_resume_is_bit_exact_across_several_buckets_with_parameter_scope(tmp_pat
         assert_same_state(straight, resumed)
 
 
+def test_resume_is_bit_exact_on_the_sync_free_path(tmp_path):
+    # LIGHTNING_TOPK_SYNC_FREE=1: the GPU path's selection and flags, forced on CPU.
+    run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,stop,resume"],
+               env={"LIGHTNING_TOPK_SYNC_FREE": "1"})
+    for r in range(2):
+        straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "resume", r)
+        assert resumed["restored"]["residual"]
+        assert_same_state(straight, resumed)
+
+
 def test_shards_written_per_rank_and_pruned_with_their_checkpoint(runs):
     ck = runs / "ckpt"
     # resume used save_top_k=1: ModelCheckpoint removed epoch 0's file, and its shards went with it

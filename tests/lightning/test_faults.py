@@ -1,5 +1,6 @@
 """Faults and bad input: a rank killed (SIGKILL) or stopped (SIGSTOP) mid-training, NaN/inf gradients,
 option combinations rejected before the process group starts. Real processes on gloo, real signals."""
+import json
 import signal
 import sys
 import time
@@ -64,7 +65,9 @@ def test_nonfinite_gradients_skip_or_raise_on_every_rank(tmp_path):
         err = x["raise"]["error"]
         assert err["type"] == "FloatingPointError" and "net.head.3.weight" in err["message"]
         assert x["raise"]["global_step"] == 2
-    assert "on rank 1" in ranks[1]["raise"]["error"]["message"]  # the rank where it started says so
+        assert "entered the exchange on rank(s) [1]" in err["message"]  # every rank names where it started
+    assert "on this rank (1) in the bucket of" in ranks[1]["raise"]["error"]["message"]
+    assert "on this rank" not in ranks[0]["raise"]["error"]["message"]
     for k, v in ranks[0]["skip"]["params"].items():
         assert torch.equal(v, ranks[1]["skip"]["params"][k]), k
 
@@ -127,3 +130,24 @@ def test_comm_errors_are_recognised():
     wrapped.__cause__ = dist.DistBackendError("inner")
     assert faults.is_comm_error(wrapped)
     assert not faults.is_comm_error(FloatingPointError("topk_ddp: non-finite gradient"))
+
+
+def test_no_lightning_topk_thread_outlives_fit_or_test(tmp_path):
+    """The heartbeat is joined at teardown (bounded), so no store call can be in flight at exit."""
+    run_script(["tests/scripts/exit_probe.py", "--out", tmp_path])
+    for r in range(2):
+        threads = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert threads == {"after_fit": [], "after_test": []}, (r, threads)
+
+
+def _heartbeat_stop(rank, world):
+    hb = faults.Heartbeat(rank, world, interval=0.001)
+    time.sleep(0.2)
+    hb.stop()
+    return hb._thread.is_alive()
+
+
+def test_heartbeat_stop_joins_its_thread():
+    from tests.helpers.dist import run_distributed
+
+    assert run_distributed(_heartbeat_stop, 2) == [False, False]

@@ -72,6 +72,8 @@ def digits_runs(tmp_path_factory):
     runs = {
         "ddp": ["--strategy", "ddp", "--epochs", "6"],
         "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01
+        # the sync-free path (default on CUDA), forced on CPU by the environment
+        "topk_sync_free": (["--strategy", "topk_ddp", "--epochs", "6"], {"LIGHTNING_TOPK_SYNC_FREE": "1"}),
         "dense": ["--strategy", "topk", "--density", "1.0", "--epochs", "2"],
         "ddp2": ["--strategy", "ddp", "--epochs", "2"],
         # static_graph + accumulate_grad_batches trips a torch reducer assert under plain `ddp` too,
@@ -82,8 +84,9 @@ def digits_runs(tmp_path_factory):
     }
     out = {}
     for name, args in runs.items():
+        args, env = args if isinstance(args, tuple) else (args, None)
         d = base / name
-        run_script([PROBE, *args, "--out", d])
+        run_script([PROBE, *args, "--out", d], env=env)
         out[name] = {
             "result": json.loads((d / "result.json").read_text()),
             "ranks": [torch.load(d / f"rank{r}.pt") for r in range(2)],
@@ -101,6 +104,14 @@ def test_topk_reaches_dense_accuracy_on_digits(digits_runs):
     totals = digits_runs["topk"]["ranks"][0]["totals"]
     assert totals["numel_sent"] < 0.05 * totals["numel"]  # it really was sparse
     assert totals["bytes_sent"] < 0.1 * totals["bytes_dense"]
+
+
+def test_sync_free_path_trains_like_the_cpu_fast_path(digits_runs):
+    fast = digits_runs["topk"]["result"]["val_acc"]
+    sync_free = digits_runs["topk_sync_free"]["result"]["val_acc"]
+    assert abs(sync_free - fast) <= 0.01, (sync_free, fast)
+    assert digits_runs["topk_sync_free"]["ranks"][0]["totals"]["numel_sent"] < 0.05 * \
+        digits_runs["topk_sync_free"]["ranks"][0]["totals"]["numel"]
 
 
 def test_density_one_matches_ddp_through_trainer(digits_runs):

@@ -95,7 +95,7 @@ def main():
         "steps": st.step if st else None,
         "totals": vars(st.totals) if st else None,
         "last": vars(st.last) if st else None,
-        "hier": None if not st or st.hier is None else [st.hier.intra_ranks, st.hier.inter_ranks],
+        "hier": None if not st or st.hier is None else [st.hier.groups.intra_ranks, st.hier.groups.inter_ranks],
     }
     torch.save(dump, os.path.join(a.out, f"rank{rank}.pt"))
     if rank == 0:

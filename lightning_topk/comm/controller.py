@@ -1,0 +1,164 @@
+"""One decision per step for gradient faults, identical on every rank.
+
+The hooks only raise device-side flags (:class:`~lightning_topk.comm.state.FaultFlags`): non-finite values
+in what a rank put into the exchange, and in each bucket's whole rebuilt result. :meth:`StepController.finish_step`
+gathers them, together with a loss scaler's ``found_inf``, into one tiny tensor, reduces it across ranks
+with **one** all-reduce, reads it to the host (the one host sync per step, outside the hooks) and decides:
+
+* no fault: commit (the residual updates of the step stand);
+* a loss scaler is in charge (fp16): the scaler's skip applies on every rank alike (its ``found_inf`` is
+  replaced by the global verdict) and the residuals are rolled back;
+* otherwise by ``nonfinite``: ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` rolls the
+  residuals back and tells the caller to skip the optimizer step, ``"propagate"`` commits.
+
+Use without Lightning::
+
+    ctl = StepController(state)
+    loss.backward()                      # the comm hooks run
+    if ctl.finish_step(model.named_parameters()) is Decision.SKIP:
+        optimizer.zero_grad()            # skip this step
+    else:
+        optimizer.step()
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_topk.comm.state import Scale, TopKState
+
+log = logging.getLogger(__name__)
+
+_RESULT, _FOUND_INF, _INPUTS = 0, 1, 2  # slots of the reduced vector; inputs: one slot per rank
+
+
+class Decision(enum.Enum):
+    COMMIT = "commit"
+    SKIP = "skip"
+
+
+class StepController:
+    """Collects the fault flags of a step, reduces them once across ranks and applies the policy.
+
+    Args:
+        state: the hooks' state.
+        device: device of the reduced flag tensor (must suit the group's backend); default: the device the
+            hooks' flags are on, else CUDA's current device for NCCL groups, else CPU.
+    """
+
+    def __init__(self, state: TopKState, device: Optional[torch.device] = None) -> None:
+        self.state = state
+        self.device = device
+        self._scaler = False
+        self._step_at_start = state.step
+        state.undo.enabled = state.config.nonfinite == "skip"
+
+    @property
+    def group(self) -> Any:
+        return self.state.process_group if self.state.process_group is not None else dist.group.WORLD
+
+    def begin_step(self, grad_scale: Scale = 1.0, scaler: bool = False) -> None:
+        """Before a backward that may exchange: the loss scale the gradients carry (a float, or the scaler's
+        scale as a device tensor) and whether a loss scaler makes the skip decision."""
+        self.state.grad_scale = grad_scale
+        self._scaler = scaler
+        self.state.undo.enabled = scaler or self.state.config.nonfinite == "skip"
+
+    def finish_step(self, named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
+                    found_inf: Sequence[Tensor] = ()) -> Decision:
+        """After the backward whose exchange this step used, before the optimizer step; on every rank.
+
+        ``found_inf``: a loss scaler's per-device found-inf tensors, after ``unscale_``; they are
+        overwritten in place with the global verdict so that the scaler skips on every rank alike.
+        ``named_parameters`` only names parameters in the ``FloatingPointError`` message.
+        """
+        st = self.state
+        if st.config.nonfinite == "propagate" and not self._scaler and not found_inf:
+            return self._end(commit=True)  # nothing could change the outcome: no collective, no sync
+        vec = self._local_vector(found_inf)
+        world = self._world()
+        if world > 1:
+            dist.all_reduce(vec, group=self.group)
+        host = vec.tolist()  # the one host sync of the step
+        fault = any(v > 0 for v in host)
+        for t in found_inf:
+            t.fill_(float(fault))
+        if not fault:
+            return self._end(commit=True)
+        if self._scaler or found_inf:
+            return self._end(commit=False)
+        mode = st.config.nonfinite
+        if mode == "propagate":
+            return self._end(commit=True)
+        message = self._describe(host, named_parameters)
+        if mode == "raise":
+            self._end(commit=False)
+            raise FloatingPointError(
+                f"topk_ddp: {message}. Set nonfinite='skip' to skip such steps on all ranks, or use fp16 loss scaling."
+            )
+        log.warning("topk_ddp: skipping the optimizer step on all ranks (residuals rolled back): %s", message)
+        return self._end(commit=False)
+
+    # ---- internals ---------------------------------------------------------------------------------
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+
+    def _rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+
+    def _flag_device(self, found_inf: Sequence[Tensor]) -> torch.device:
+        if self.device is not None:
+            return self.device
+        flags = self.state.flags
+        for t in [flags.result, *flags.inputs.values(), *found_inf]:
+            if t is not None:
+                return t.device
+        if self._world() > 1 and dist.get_backend(self.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _local_vector(self, found_inf: Sequence[Tensor]) -> Tensor:
+        flags = self.state.flags
+        dev = self._flag_device(found_inf)
+        vec = torch.zeros(_INPUTS + self._world(), dtype=torch.float32, device=dev)
+        if flags.result is not None:
+            vec[_RESULT] = flags.result.to(dev)
+        for t in found_inf:
+            vec[_FOUND_INF] += t.to(dev)
+        if flags.inputs:
+            vec[_INPUTS + self._rank()] = torch.stack([t.to(dev) for t in flags.inputs.values()]).any()
+        return vec
+
+    def _describe(self, host: List[float], named_parameters: Optional[Iterable[Tuple[str, Tensor]]]) -> str:
+        """Only on the fault path, so host reads are fine here."""
+        after = [n for n, p in (named_parameters or ())
+                 if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        origin = [r for r, v in enumerate(host[_INPUTS:]) if v > 0]
+        parts = [f"non-finite gradient at exchange step {self._step_at_start}"]
+        if after:
+            parts.append(f"after the exchange in parameter(s) {after[:8]}")
+        if origin:
+            parts.append(f"it entered the exchange on rank(s) {origin}")
+        mine = [names for names, bad in self.state.flags.inputs.items() if bool(bad)]
+        if mine:
+            local = [n for names in mine for n in names]
+            parts.append(f"on this rank ({self._rank()}) in the bucket of {local[:8]}")
+        elif host[_RESULT] > 0 and not origin:
+            parts.append("the sum of finite values overflowed in the exchange")
+        return "; ".join(parts)
+
+    def _end(self, commit: bool) -> Decision:
+        st = self.state
+        if commit:
+            st.undo.commit(st.bucket_names())
+        else:
+            st.undo.rollback()
+            st.step = self._step_at_start  # a skipped step did not happen: the density schedule stays put
+        st.flags.clear()
+        self._step_at_start = st.step
+        return Decision.COMMIT if commit else Decision.SKIP

@@ -1,0 +1,65 @@
+"""Host syncs of the exchange on the sync-free path (LIGHTNING_TOPK_SYNC_FREE=1 forces it on CPU): none inside the
+hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat and hierarchical; at most one
+per step outside them (the step controller's). Real gloo processes; counter in tests/helpers/syncs.py."""
+import os
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_topk import TopKConfig, TopKState
+from lightning_topk.comm.allgather import topk_allgather_hook
+from lightning_topk.comm.controller import StepController
+from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from tests.helpers.dist import run_distributed
+from tests.helpers.syncs import SyncCounter
+
+STEPS = 3
+COMBOS = [(sel, wire) for sel in ("exact", "mstopk") for wire in ("fp32", "bf16")]
+
+
+def _count(rank, world, hier, sync_free):
+    os.environ["LIGHTNING_TOPK_SYNC_FREE"] = "1" if sync_free else "0"
+    groups = make_groups(2, 2, rank) if hier else None
+    out = {}
+    for selector, wire in COMBOS:
+        torch.manual_seed(0)
+        # 3.2 MB of gradients: several buckets, most above the selectors' small-tensor cut-off
+        m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
+        ddp = DDP(m, bucket_cap_mb=0.6)
+        cfg = TopKConfig(density=0.01, selector=selector, value_dtype=wire, min_sparse_numel=1000, dense_steps=1,
+                         nonfinite="skip", hierarchical=hier)
+        st = TopKState(cfg, hier=groups)
+        st.bind(m.named_parameters())
+        counter = SyncCounter()
+        ddp.register_comm_hook(st, counter.wrap_hook(hierarchical_topk_hook if hier else topk_allgather_hook))
+        ctl = StepController(st)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        g = torch.Generator().manual_seed(rank)
+        batches = [(torch.randn(8, 256, generator=g), torch.randn(8, 10, generator=g)) for _ in range(STEPS)]
+        with counter:
+            for x, y in batches:
+                opt.zero_grad()
+                nn.functional.mse_loss(ddp(x), y).backward()
+                ctl.finish_step()
+                opt.step()
+        out[(selector, wire)] = (dict(counter.inside), dict(counter.outside), counter.hook_calls,
+                                 st.totals.numel_sent < st.totals.numel)
+    return out
+
+
+@pytest.mark.parametrize("hier", [False, True], ids=["flat", "hierarchical"])
+def test_sync_free_hooks_make_no_host_sync(hier):
+    world = 4 if hier else 2
+    for per_rank in run_distributed(_count, world, (hier, True)):
+        for combo, (inside, outside, calls, sparse) in per_rank.items():
+            assert sparse and calls > STEPS, combo  # sparse steps; several buckets after DDP's rebuild
+            assert inside == {}, (combo, inside)
+            assert sum(outside.values()) <= STEPS, (combo, outside)  # the controller's one read per step
+
+
+def test_the_counter_sees_the_cpu_fast_path():
+    """Without the sync-free path the CPU selection makes host syncs: the counter must see them."""
+    inside, _outside, _calls, _ = run_distributed(_count, 2, (False, False))[0][("exact", "fp32")]
+    assert inside.get("nonzero", 0) > 0 and sum(inside.values()) >= STEPS
