@@ -62,4 +62,4 @@ def test_sync_free_hooks_make_no_host_sync(hier):
 def test_the_counter_sees_the_cpu_fast_path():
     """Without the sync-free path the CPU selection makes host syncs: the counter must see them."""
     inside, _outside, _calls, _ = run_distributed(_count, 2, (False, False))[0][("exact", "fp32")]
-    assert inside.get("nonzero", 0) > 0 and sum(inside.values()) >= STEPS
+    assert any("nonzero" in op for op in inside) and sum(inside.values()) >= STEPS, inside
