@@ -114,7 +114,7 @@ def select_and_feedback(
         if vel is not None:
             vel.index_fill_(0, idx, 0.0)  # momentum factor masking
             b.velocity[offset:offset + acc.numel()].copy_(vel)
-    stats.select_time_s += time.perf_counter() - t0
+    state.add_stats(stats, select_time_s=time.perf_counter() - t0)
     return wire, idx.to(torch.int32), finite
 
 
@@ -192,7 +192,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         fut = dist.all_reduce(acc, group=group, async_op=True).get_future()
 
         def finish_dense(_f) -> Tensor:
-            stats.comm_time_s += time.perf_counter() - t_launch
+            state.add_stats(stats, comm_time_s=time.perf_counter() - t_launch)
             if not bool(torch.isfinite(acc).all()):
                 state.nonfinite_seen = True
             return acc.mul_(scale / world).to(grad.dtype)
@@ -217,7 +217,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
 
     def finish(_f) -> Tensor:
         # On gloo the future's value is not the gathered tensor: read `out`.
-        stats.comm_time_s += time.perf_counter() - t_launch
+        state.add_stats(stats, comm_time_s=time.perf_counter() - t_launch)
         values, indices = unpack(out, k, wire_dtype, world)
         if not bool(torch.isfinite(values).all()):  # k entries per rank: cheap, unlike a pass over the grads
             state.nonfinite_seen = True

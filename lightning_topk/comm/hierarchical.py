@@ -116,7 +116,7 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     t0 = time.perf_counter()
     shard = acc.new_empty(s)
     _reduce_scatter(shard, acc, group=h.intra)  # node sum of my shard (fast link; blocking)
-    stats.comm_time_s += time.perf_counter() - t0
+    state.add_stats(stats, comm_time_s=time.perf_counter() - t0)
 
     t1 = time.perf_counter()
     _, idx = topk_select(shard, k, state.config.selector)
@@ -141,7 +141,7 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
         full = torch.zeros(s * L, dtype=torch.float32, device=grad.device)
         full[lo:lo + s].index_copy_(0, idx, wire.float())
         record_sent(state, bucket, full[:n])
-    stats.select_time_s += time.perf_counter() - t1
+    state.add_stats(stats, select_time_s=time.perf_counter() - t1)
 
     packed = pack(wire, idx.to(torch.int32))
     out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=grad.device)
@@ -195,7 +195,7 @@ def flush_pending(state: TopKState) -> None:
     def done(f) -> None:
         try:
             f.wait()
-            p.stats.comm_time_s += time.perf_counter() - p.t_launch
+            state.add_stats(p.stats, comm_time_s=time.perf_counter() - p.t_launch)
             p.result.set_result(full[:p.n].mul_(p.factor).to(p.dtype))
         except Exception as e:  # surface comm errors to DDP rather than hanging
             p.result.set_exception(e)

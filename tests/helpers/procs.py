@@ -24,3 +24,14 @@ def run_script(args, timeout=420, env=None, cwd=None):
     if p.returncode != 0:
         raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
     return p
+
+
+def blocking_env(tmp_dir, modules, env=None):
+    """Environment whose Python processes (children too) cannot import ``modules``, as if not installed."""
+    d = Path(tmp_dir) / "block_imports"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text(
+        "import sys\nfor _m in %r:\n    sys.modules[_m] = None  # import raises ImportError\n" % (list(modules),))
+    e = dict(os.environ if env is None else env)
+    e["PYTHONPATH"] = os.pathsep.join([str(d), *filter(None, [e.get("PYTHONPATH")])])
+    return e

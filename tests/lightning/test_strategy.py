@@ -103,6 +103,24 @@ def test_topk_reaches_dense_accuracy_on_digits(digits_runs):
     assert totals["bytes_sent"] < 0.1 * totals["bytes_dense"]
 
 
+def test_telemetry_through_lightning_logging_on_every_rank(digits_runs):
+    run = digits_runs["topk"]
+    r0, r1 = run["ranks"]
+    for r in (r0, r1):  # reduced over the ranks: the same values everywhere, not only on rank 0
+        cm = r["callback_metrics"]
+        assert {"topk/compression", "topk/density", "topk/bytes_sent", "topk/comm_ms"} <= set(cm)
+        assert cm["topk/compression"] > 5 and 0 < cm["topk/density"] < 0.1
+        assert {"topk/compression", "topk/density"} <= set(r["progress_bar"])
+        assert "topk/bytes_sent" not in r["progress_bar"]
+    assert {k: v for k, v in r0["callback_metrics"].items() if k.startswith("topk/")} == \
+        {k: v for k, v in r1["callback_metrics"].items() if k.startswith("topk/")}
+    header = (run["dir"] / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "topk/compression" in header and "topk/select_ms" in header  # through Lightning's loggers
+    for key in ("select_time_s", "comm_time_s"):  # totals include the hooks' timings
+        assert r0["totals"][key] > 0, key
+    assert "topk/compression" not in digits_runs["ddp"]["ranks"][0]["callback_metrics"]
+
+
 def test_density_one_matches_ddp_through_trainer(digits_runs):
     a = digits_runs["dense"]["ranks"][0]["params"]
     b = digits_runs["ddp2"]["ranks"][0]["params"]
