@@ -28,6 +28,24 @@ def test_registered_in_both_registries_idempotently():
     assert isinstance(lt.strategy, LDDP) and type(lt.strategy) is lightning_topk.UnifiedTopKDDPStrategy
 
 
+def test_registered_in_fabric_registries_idempotently():
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+    from lightning_fabric.strategies import STRATEGY_REGISTRY as STANDALONE
+
+    from lightning_topk.lightning.fabric import fabric_strategy_class
+
+    lightning_topk.register_strategies()
+    for registry, package in ((STRATEGY_REGISTRY, "lightning.fabric"), (STANDALONE, "lightning_fabric")):
+        for name, method in (("topk_ddp", "popen"), ("topk_ddp_spawn", "spawn")):
+            assert registry[name]["strategy"] is fabric_strategy_class(package)
+            assert registry[name]["init_params"]["start_method"] == method
+    f = Fabric(strategy="topk_ddp", accelerator="cpu", devices=2)
+    assert isinstance(f.strategy, DDPStrategy) and f.strategy.topk_config.density == 0.01
+    with pytest.raises(ValueError, match="package must be one of"):
+        fabric_strategy_class("lightning.pytorch")
+
+
 def test_ddp_kwargs_pass_through():
     s = TopKDDPStrategy(density=0.001, selector="mstopk", bucket_cap_mb=5, static_graph=True,
                         gradient_as_bucket_view=True, find_unused_parameters=True)
@@ -119,6 +137,23 @@ def test_telemetry_through_lightning_logging_on_every_rank(digits_runs):
     for key in ("select_time_s", "comm_time_s"):  # totals include the hooks' timings
         assert r0["totals"][key] > 0, key
     assert "topk/compression" not in digits_runs["ddp"]["ranks"][0]["callback_metrics"]
+
+
+def test_fabric_matches_trainer_and_restores_residuals_exactly(digits_runs, tmp_path):
+    """Same seed, data, model, optimizer, batches and epochs as the Trainer's "topk" run, through Fabric."""
+    run_script(["tests/scripts/fabric_train.py", "--epochs", "6", "--out", tmp_path])
+    fabric_acc = json.loads((tmp_path / "result.json").read_text())["val_acc"]
+    trainer_acc = digits_runs["topk"]["result"]["val_acc"]
+    assert abs(fabric_acc - trainer_acc) <= 0.01, (fabric_acc, trainer_acc)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r["strategy"] == "lightning_topk.lightning.fabric.TopKDDPStrategy"
+        assert r["shard_exists"] and r["changed"] and r["saved"]
+        assert r["saved"].keys() == r["loaded"].keys()
+        assert all(torch.equal(r["saved"][k], r["loaded"][k]) for k in r["saved"])
+        assert r["rest"] == ["step"]  # the top-k metadata is not handed back to the user
+        assert r["metrics"]["topk/compression"] > 5
+    assert any(not torch.equal(ranks[0]["saved"][k], ranks[1]["saved"][k]) for k in ranks[0]["saved"])
 
 
 def test_density_one_matches_ddp_through_trainer(digits_runs):
