@@ -12,6 +12,9 @@ layout, non-finite handling, telemetry properties) and adapts the few places whe
 * ``fabric.save(path, state)`` writes only on rank 0; every rank also writes its residual shard next to it
   (:mod:`lightning_topk.lightning.checkpoint`), and ``fabric.load`` restores each rank's own shard.
 * ``strategy.topk_metrics()`` returns the ``topk/*`` metrics reduced over the ranks for ``fabric.log_dict``.
+
+``from lightning_topk.lightning.fabric import FabricTopKDDPStrategy`` gives the class for ``lightning.fabric``
+(or, without the ``lightning`` package, for ``lightning_fabric``); :func:`fabric_strategy_class` picks one.
 """
 from __future__ import annotations
 
@@ -123,6 +126,8 @@ def fabric_strategy_class(package: str) -> type:
 
 
 def __getattr__(name: str):
-    if name == "TopKDDPStrategy":  # lightning.fabric's, when that package is installed
-        return fabric_strategy_class("lightning.fabric")
-    raise AttributeError(name)
+    if name == "FabricTopKDDPStrategy":  # lightning.fabric's class, else the standalone lightning_fabric's
+        import importlib.util
+
+        return fabric_strategy_class(FABRIC_PACKAGES[0] if importlib.util.find_spec("lightning") else FABRIC_PACKAGES[1])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
