@@ -65,9 +65,10 @@ def telemetry_callback(base: type) -> type:
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             state = self.strategy.topk_state
-            step = trainer.global_step
-            # should_update_logs depends only on the step counter, so every rank takes the same decision.
-            if state is None or step == self._logged_step or not trainer._logger_connector.should_update_logs:
+            step, every = trainer.global_step, trainer.log_every_n_steps
+            # Lightning's own logging steps (it writes to the loggers when this step count is a multiple of
+            # log_every_n_steps); a decision from the step counter alone is the same on every rank.
+            if state is None or every < 1 or step == self._logged_step or step % every != 0:
                 return
             self._logged_step = step
             for name, value in reduced_metrics(state.last, self.strategy).items():

@@ -156,6 +156,24 @@ def test_fabric_matches_trainer_and_restores_residuals_exactly(digits_runs, tmp_
     assert any(not torch.equal(ranks[0]["saved"][k], ranks[1]["saved"][k]) for k in ranks[0]["saved"])
 
 
+def test_fabric_nonfinite_skip_and_raise_on_every_rank(tmp_path):
+    """Rank 0's loss is NaN at one step: `skip` leaves the weights untouched on both ranks and trains on;
+    `raise` raises FloatingPointError on both ranks (the Trainer strategy's handling, reused)."""
+    for mode, step in (("skip", 3), ("raise", 2)):
+        d = tmp_path / mode
+        d.mkdir()
+        run_script(["tests/scripts/fabric_train.py", "--epochs", "1", "--nonfinite", mode, "--inject-step", step,
+                    "--out", d])
+        r0, r1 = (torch.load(d / f"nonfinite_rank{r}.pt") for r in range(2))
+        for r in (r0, r1):
+            assert r["residuals_finite"]
+            if mode == "skip":
+                assert r["unchanged"] is True and "raised" not in r and r["acc"] > 0.8
+            else:
+                assert "non-finite gradient after the exchange" in r["raised"] and r["steps"] == step
+        assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
+
+
 def test_density_one_matches_ddp_through_trainer(digits_runs):
     a = digits_runs["dense"]["ranks"][0]["params"]
     b = digits_runs["ddp2"]["ranks"][0]["params"]
