@@ -80,10 +80,13 @@ def telemetry_callback(base: type) -> type:
 
 
 def attach(strategy, trainer) -> None:
-    """Add the telemetry callback for ``strategy`` to ``trainer.callbacks`` unless it is there."""
+    """Make sure ``trainer.callbacks`` holds exactly one telemetry callback, bound to ``strategy``."""
     cls = telemetry_callback(_callback_base(trainer))
-    if not any(isinstance(c, cls) and c.strategy is strategy for c in trainer.callbacks):
-        trainer.callbacks.append(cls(strategy))
+    for c in trainer.callbacks:
+        if isinstance(c, cls):
+            c.strategy = strategy
+            return
+    trainer.callbacks.append(cls(strategy))
 
 
 def _callback_base(trainer) -> type:
