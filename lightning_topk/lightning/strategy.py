@@ -130,15 +130,13 @@ class TopKStrategyMixin:
         return out
 
     def _log_topk(self) -> None:
+        """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
+        ``LightningModule.log``: see :mod:`lightning_topk.lightning.telemetry`). Called after each step."""
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
-        if not self.log_telemetry or trainer is None or not trainer.loggers or self.topk_state is None:
-            return
-        if trainer.global_step % max(1, trainer.log_every_n_steps) != 0:
-            return
-        metrics = self.topk_state.last.as_metrics()
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        if self.log_telemetry and trainer is not None:
+            from lightning_topk.lightning.telemetry import attach
 
+            attach(self, trainer)
 
     # ---- checkpoints and faults (logic in lightning_topk.lightning.checkpoint / lightning_topk.lightning.faults) ------
     @override

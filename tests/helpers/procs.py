@@ -50,3 +50,14 @@ def run_nodes(args, num_nodes=2, timeout=600, env=None):
         raise AssertionError("\n".join(f"node {i} ({p.returncode}):\n{log[-3000:]}"
                                        for i, (p, log) in enumerate(zip(procs, logs))))
     return logs
+
+
+def blocking_env(tmp_dir, modules, env=None):
+    """Environment whose Python processes (children too) cannot import ``modules``, as if not installed."""
+    d = Path(tmp_dir) / "block_imports"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "sitecustomize.py").write_text(
+        "import sys\nfor _m in %r:\n    sys.modules[_m] = None  # import raises ImportError\n" % (list(modules),))
+    e = dict(os.environ if env is None else env)
+    e["PYTHONPATH"] = os.pathsep.join([str(d), *filter(None, [e.get("PYTHONPATH")])])
+    return e

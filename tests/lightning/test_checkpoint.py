@@ -72,6 +72,19 @@ def test_resume_is_bit_exact_on_the_sync_free_path(tmp_path):
         assert_same_state(straight, resumed)
 
 
+@pytest.mark.slow
+def test_resume_from_file_url_checkpoint_is_bit_exact(tmp_path):
+    # Shards go through the same URL handling as Lightning's checkpoint I/O (fsspec), not plain paths.
+    run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,url_stop,url_resume"])
+    assert sorted(os.listdir(tmp_path / "url" / "e1.ckpt.topk")) == ["rank0.pt", "rank1.pt"]
+    for r in range(2):
+        straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "url_resume", r)
+        assert resumed["ckpt_path"].startswith("file://")
+        assert resumed["restored"]["step"] == 22 and resumed["restored"]["residual"]
+        assert resumed["warnings"] == []
+        assert_same_state(straight, resumed)
+
+
 def test_shards_written_per_rank_and_pruned_with_their_checkpoint(runs):
     ck = runs / "ckpt"
     # resume used save_top_k=1: ModelCheckpoint removed epoch 0's file, and its shards went with it

@@ -2,7 +2,6 @@
 import os
 import warnings
 
-import pytest
 import torch
 from torch import nn
 
@@ -159,7 +158,7 @@ def test_symlinked_last_finds_the_target_shards(tmp_path):
     assert notes == [] and torch.equal(out["residual"]["1.bias"], states[0].residuals()["1.bias"])
 
 
-def test_remove_and_weights_only_and_url(tmp_path):
+def test_remove_and_weights_only(tmp_path):
     path = tmp_path / "a.ckpt"
     save_world(path, 2)
     m = model()
@@ -172,5 +171,29 @@ def test_remove_and_weights_only_and_url(tmp_path):
     weights_only = {"epoch": 0, "global_step": 1, "state_dict": {}}
     ck.save_rank_state(s, weights_only, path)
     assert "lightning_topk" not in weights_only and not os.path.exists(f"{path}.topk")
-    with pytest.warns(UserWarning, match="is a URL"):
-        ck.save_rank_state(s, {"optimizer_states": [], "global_step": 1}, "s3://bucket/a.ckpt")
+
+
+def test_remote_shards_through_fsspec_save_restore_stale_and_remove():
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    path = "memory://bucket/run/last.ckpt"
+    try:
+        checkpoint, states, m = save_world(path, 2)
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("memory://bucket/run/last.ckpt.topk", detail=False)) \
+            == ["rank0.pt", "rank1.pt"]
+        for r in range(2):
+            out, notes = restore(path, checkpoint, r, 2, m=m)
+            assert notes == []
+            for name, t in states[r].residuals().items():
+                assert torch.equal(out["residual"][name], t)
+        # A stale rank-1 shard (saved at another step) is detected on the remote copy too.
+        newer, _, _ = save_world("memory://bucket/run/other.ckpt", 2, step=9)
+        fs.copy("memory://bucket/run/other.ckpt.topk/rank1.pt", "memory://bucket/run/last.ckpt.topk/rank1.pt")
+        out, notes = restore(path, checkpoint, 1, 2, m=m)
+        assert out["residual"] == {} and any("rank 1: stale" in n for n in notes)
+        for r in (1, 0):  # rank 0 removes the directory after its own shard
+            ck.remove_rank_state(Stand(r, 2, m), path)
+        assert not fs.exists("memory://bucket/run/last.ckpt.topk")
+    finally:
+        fs.rm("memory://bucket", recursive=True)

@@ -28,6 +28,24 @@ def test_registered_in_both_registries_idempotently():
     assert isinstance(lt.strategy, LDDP) and type(lt.strategy) is lightning_topk.UnifiedTopKDDPStrategy
 
 
+def test_registered_in_fabric_registries_idempotently():
+    from lightning.fabric import Fabric
+    from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
+    from lightning_fabric.strategies import STRATEGY_REGISTRY as STANDALONE
+
+    from lightning_topk.lightning.fabric import fabric_strategy_class
+
+    lightning_topk.register_strategies()
+    for registry, package in ((STRATEGY_REGISTRY, "lightning.fabric"), (STANDALONE, "lightning_fabric")):
+        for name, method in (("topk_ddp", "popen"), ("topk_ddp_spawn", "spawn")):
+            assert registry[name]["strategy"] is fabric_strategy_class(package)
+            assert registry[name]["init_params"]["start_method"] == method
+    f = Fabric(strategy="topk_ddp", accelerator="cpu", devices=2)
+    assert isinstance(f.strategy, DDPStrategy) and f.strategy.topk_config.density == 0.01
+    with pytest.raises(ValueError, match="package must be one of"):
+        fabric_strategy_class("lightning.pytorch")
+
+
 def test_ddp_kwargs_pass_through():
     s = TopKDDPStrategy(density=0.001, selector="mstopk", bucket_cap_mb=5, static_graph=True,
                         gradient_as_bucket_view=True, find_unused_parameters=True)
@@ -112,6 +130,59 @@ def test_sync_free_path_trains_like_the_cpu_fast_path(digits_runs):
     assert abs(sync_free - fast) <= 0.01, (sync_free, fast)
     assert digits_runs["topk_sync_free"]["ranks"][0]["totals"]["numel_sent"] < 0.05 * \
         digits_runs["topk_sync_free"]["ranks"][0]["totals"]["numel"]
+
+
+def test_telemetry_through_lightning_logging_on_every_rank(digits_runs):
+    run = digits_runs["topk"]
+    r0, r1 = run["ranks"]
+    for r in (r0, r1):  # reduced over the ranks: the same values everywhere, not only on rank 0
+        cm = r["callback_metrics"]
+        assert {"topk/compression", "topk/density", "topk/bytes_sent", "topk/comm_ms"} <= set(cm)
+        assert cm["topk/compression"] > 5 and 0 < cm["topk/density"] < 0.1
+        assert {"topk/compression", "topk/density"} <= set(r["progress_bar"])
+        assert "topk/bytes_sent" not in r["progress_bar"]
+    assert {k: v for k, v in r0["callback_metrics"].items() if k.startswith("topk/")} == \
+        {k: v for k, v in r1["callback_metrics"].items() if k.startswith("topk/")}
+    header = (run["dir"] / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "topk/compression" in header and "topk/select_ms" in header  # through Lightning's loggers
+    for key in ("select_time_s", "comm_time_s"):  # totals include the hooks' timings
+        assert r0["totals"][key] > 0, key
+    assert "topk/compression" not in digits_runs["ddp"]["ranks"][0]["callback_metrics"]
+
+
+def test_fabric_matches_trainer_and_restores_residuals_exactly(digits_runs, tmp_path):
+    """Same seed, data, model, optimizer, batches and epochs as the Trainer's "topk" run, through Fabric."""
+    run_script(["tests/scripts/fabric_train.py", "--epochs", "6", "--out", tmp_path])
+    fabric_acc = json.loads((tmp_path / "result.json").read_text())["val_acc"]
+    trainer_acc = digits_runs["topk"]["result"]["val_acc"]
+    assert abs(fabric_acc - trainer_acc) <= 0.01, (fabric_acc, trainer_acc)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r["strategy"] == "lightning_topk.lightning.fabric.TopKDDPStrategy"
+        assert r["shard_exists"] and r["changed"] and r["saved"]
+        assert r["saved"].keys() == r["loaded"].keys()
+        assert all(torch.equal(r["saved"][k], r["loaded"][k]) for k in r["saved"])
+        assert r["rest"] == ["step"]  # the top-k metadata is not handed back to the user
+        assert r["metrics"]["topk/compression"] > 5
+    assert any(not torch.equal(ranks[0]["saved"][k], ranks[1]["saved"][k]) for k in ranks[0]["saved"])
+
+
+def test_fabric_nonfinite_skip_and_raise_on_every_rank(tmp_path):
+    """Rank 0's loss is NaN at one step: `skip` leaves the weights untouched on both ranks and trains on;
+    `raise` raises FloatingPointError on both ranks (the Trainer strategy's handling, reused)."""
+    for mode, step in (("skip", 3), ("raise", 2)):
+        d = tmp_path / mode
+        d.mkdir()
+        run_script(["tests/scripts/fabric_train.py", "--epochs", "1", "--nonfinite", mode, "--inject-step", step,
+                    "--out", d])
+        r0, r1 = (torch.load(d / f"nonfinite_rank{r}.pt") for r in range(2))
+        for r in (r0, r1):
+            assert r["residuals_finite"]
+            if mode == "skip":
+                assert r["unchanged"] is True and "raised" not in r and r["acc"] > 0.8
+            else:
+                assert "non-finite gradient after the exchange" in r["raised"] and r["steps"] == step
+        assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
 
 
 def test_density_one_matches_ddp_through_trainer(digits_runs):

@@ -9,6 +9,8 @@ later Trainers reuse the process group):
   topk_from_ddp  topk_ddp resumes OUT/ddp/last.ckpt to 3 epochs
   resume         topk_ddp resumes ckpt_path="last" (OUT/ckpt) to 2 epochs, save_top_k=1 (prunes epoch 0)
   shrink         (--devices 1) topk_ddp resumes OUT/ckpt/last.ckpt to 3 epochs
+  url_stop       topk_ddp, 1 epoch, then trainer.save_checkpoint("file://OUT/url/e1.ckpt") (a URL path)
+  url_resume     topk_ddp resumes ckpt_path="file://OUT/url/e1.ckpt" to 2 epochs
   slurm          topk_ddp, 2 epochs, default_root_dir OUT/slurm, ckpt_path=None (SLURM auto-resume
                  of hpc_ckpt_N.ckpt); --slow sleeps per step; the caller starts the ranks with SLURM env
 
@@ -141,6 +143,9 @@ def main():
         EXTRA["selection_scope"] = a.scope
     torch.set_num_threads(1)
     ck = os.path.join(a.out, "ckpt")
+    # (Lightning 2.6's ModelCheckpoint turns a file:// dirpath into <cwd>/file:/..., so URLs are used here
+    # through trainer.save_checkpoint and ckpt_path.)
+    url = "file://" + os.path.join(os.path.abspath(a.out), "url", "e1.ckpt")
     for phase in a.phases.split(","):
         if phase == "straight":
             run(a, phase, topk(), 2)
@@ -154,6 +159,10 @@ def main():
             run(a, phase, topk(), 3, ckpt_path=os.path.join(a.out, "ddp", "last.ckpt"))
         elif phase == "resume":
             run(a, phase, topk(), 2, ckpt_path="last", callbacks=[ckpt_cb(ck, 1)], seed=1)
+        elif phase == "url_stop":
+            run(a, phase, topk(), 1).save_checkpoint(url)
+        elif phase == "url_resume":
+            run(a, phase, topk(), 2, ckpt_path=url)
         elif phase == "shrink":
             run(a, phase, topk(), 3, ckpt_path=os.path.join(ck, "last.ckpt"))
         elif phase == "slurm":

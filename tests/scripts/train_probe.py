@@ -86,6 +86,8 @@ def main():
         deterministic=True, log_every_n_steps=5,
     )
     trainer.fit(model, DataLoader(train, batch_size=32, shuffle=True), DataLoader(val, batch_size=100))
+    callback_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    progress_bar = {k: float(v) for k, v in trainer.progress_bar_metrics.items()}
     res = trainer.validate(model, DataLoader(val, batch_size=100), verbose=False)
     rank = trainer.global_rank
     st = getattr(trainer.strategy, "topk_state", None)
@@ -95,6 +97,8 @@ def main():
         "steps": st.step if st else None,
         "totals": vars(st.totals) if st else None,
         "last": vars(st.last) if st else None,
+        "callback_metrics": callback_metrics,
+        "progress_bar": progress_bar,
         "hier": None if not st or st.hier is None else [st.hier.groups.intra_ranks, st.hier.groups.inter_ranks],
     }
     torch.save(dump, os.path.join(a.out, f"rank{rank}.pt"))

@@ -1,0 +1,140 @@
+"""``Fabric(strategy="topk_ddp")``: the top-k exchange for Lightning Fabric (``lightning.fabric`` and the
+standalone ``lightning_fabric``, which keep separate registries and DDPStrategy classes).
+
+The Trainer strategy's logic is reused, not copied: the class mixes in
+:class:`~lightning_topk.lightning.strategy.TopKStrategyMixin` (options, hook registration, hierarchical
+layout, non-finite handling, telemetry properties) and adapts the few places where Fabric differs:
+
+* Fabric wraps the model in ``setup_module``; the comm hook is registered right after, on every device
+  (Lightning registers DDP comm hooks only on CUDA).
+* ``optimizer.step()`` reaches :meth:`optimizer_step`: a non-finite exchanged gradient raises or skips the
+  step on every rank (``nonfinite``), as with the Trainer.
+* ``fabric.save(path, state)`` writes only on rank 0; every rank also writes its residual shard next to it
+  (:mod:`lightning_topk.lightning.checkpoint`), and ``fabric.load`` restores each rank's own shard.
+* ``strategy.topk_metrics()`` returns the ``topk/*`` metrics reduced over the ranks for ``fabric.log_dict``.
+
+``from lightning_topk.lightning.fabric import FabricTopKDDPStrategy`` gives the class for ``lightning.fabric``
+(or, without the ``lightning`` package, for ``lightning_fabric``); :func:`fabric_strategy_class` picks one.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from lightning_topk.comm.controller import Decision
+from lightning_topk.lightning.strategy import TopKStrategyMixin, _drop_grads, _poison_for_scaler, _scaler_of
+
+FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
+
+
+class _FabricTopKMixin(TopKStrategyMixin):
+    """Fabric adapter over :class:`TopKStrategyMixin` (see the module docstring)."""
+
+    _topk_module = None
+    _topk_ddp = None
+
+    # TopKStrategyMixin reads the module and the DDP wrapper under the Trainer strategy's names.
+    @property
+    def lightning_module(self):
+        return self._topk_module
+
+    @property
+    def model(self):
+        return self._topk_ddp
+
+    # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
+    # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
+    def setup_module(self, module):
+        ddp = super().setup_module(module)
+        self._topk_module, self._topk_ddp = module, ddp
+        self._register_ddp_hooks()
+        return ddp
+
+    def backward(self, tensor, module, *args: Any, **kwargs: Any) -> None:
+        ctl = self.topk_controller
+        if ctl is not None:  # the live loss scale, as a device tensor (no host sync); see the mixin's pre_backward
+            scaler = _scaler_of(self.precision)
+            scale = 1.0 if scaler is None else scaler.scale(torch.ones((), device=tensor.device))
+            ctl.begin_step(grad_scale=scale, scaler=scaler is not None)
+        super().backward(tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
+        ctl = self.topk_controller
+        fabric_step = super(TopKStrategyMixin, self).optimizer_step
+        if ctl is not None and ctl.finish_step(self._topk_module.named_parameters()) is Decision.SKIP:
+            if _scaler_of(self.precision) is not None:
+                _poison_for_scaler(optimizer)  # the scaler skips and backs off on every rank alike
+            else:
+                _drop_grads(self._topk_module, optimizer)
+        return fabric_step(optimizer, **kwargs)
+
+    def topk_metrics(self) -> Dict[str, float]:
+        """``topk/*`` of the last exchange, reduced over all ranks (a collective: call on every rank)."""
+        from lightning_topk.lightning.telemetry import reduced_metrics
+
+        return reduced_metrics(self.topk_stats, self)
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        return self.all_reduce(tensor, group=group, reduce_op=reduce_op)
+
+    def save_checkpoint(self, path, state: Dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        from lightning_topk.lightning.checkpoint import META_KEY, save_rank_state
+
+        # A fabric.save is a resume point; step/epoch keys, when the user keeps them, go into the save key.
+        info = {"optimizer_states": True, "epoch": _int(state.get("epoch")),
+                "global_step": _int(state.get("global_step", state.get("step")))}
+        save_rank_state(self, info, path)
+        if META_KEY in info:
+            state = {**state, META_KEY: info[META_KEY]}
+        super(TopKStrategyMixin, self).save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
+        from lightning_topk.lightning.checkpoint import META_KEY, restore_rank_state
+
+        out = super(TopKStrategyMixin, self).load_checkpoint(path, state=state, strict=strict,
+                                                             weights_only=weights_only)
+        if self._topk_module is None or not isinstance(out, dict):
+            return out  # nothing set up yet to restore into (fabric.load before fabric.setup)
+        meta = out.pop(META_KEY, None) if state else out.get(META_KEY)
+        pending = restore_rank_state(self, path, {META_KEY: meta} if meta is not None else {})
+        if pending is not None:
+            if self.topk_state is not None:
+                self.topk_state.load_state_dict(pending)
+            else:
+                self._pending_topk_state = pending
+        return out
+
+
+def _int(v: Any) -> int:
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return -1
+
+
+@functools.lru_cache(maxsize=None)
+def fabric_strategy_class(package: str) -> type:
+    """``TopKDDPStrategy`` for the Fabric package ``package`` (``lightning.fabric`` or ``lightning_fabric``)."""
+    if package not in FABRIC_PACKAGES:
+        raise ValueError(f"fabric_strategy_class: package must be one of {FABRIC_PACKAGES}, got {package!r}")
+    import importlib
+
+    base = importlib.import_module(f"{package}.strategies").DDPStrategy
+    cls = type("TopKDDPStrategy", (_FabricTopKMixin, base), {
+        "__doc__": f"DDP strategy for ``{package}.Fabric`` whose gradient exchange is a top-k sparse allgather "
+                   "with error feedback; options as :class:`lightning_topk.TopKDDPStrategy`.",
+        "__module__": __name__,
+        "strategy_name": "topk_ddp",
+    })
+    return cls
+
+
+def __getattr__(name: str):
+    if name == "FabricTopKDDPStrategy":  # lightning.fabric's class, else the standalone lightning_fabric's
+        import importlib.util
+
+        return fabric_strategy_class(FABRIC_PACKAGES[0] if importlib.util.find_spec("lightning") else FABRIC_PACKAGES[1])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
