@@ -79,6 +79,13 @@ def check_topk_args(x: Tensor, k: int, method: str) -> None:
         raise ValueError(f"topk_select: k={k} is larger than the number of entries n={x.numel()}")
 
 
+def _all_or_nothing(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """k == 0 or k == n: nothing to select."""
+    if k == 0:
+        return x.new_empty(0), torch.empty(0, dtype=torch.long, device=x.device)
+    return x.clone(), torch.arange(x.numel(), device=x.device)
+
+
 def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tensor]:
     """Select the k entries of ``x`` with the largest magnitude.
 
@@ -97,10 +104,8 @@ def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tenso
     """
     check_topk_args(x, k, method)
     n = x.numel()
-    if k == 0:
-        return x.new_empty(0), torch.empty(0, dtype=torch.long, device=x.device)
-    if k == n:
-        return x.clone(), torch.arange(n, device=x.device)
+    if k in (0, n):
+        return _all_or_nothing(x, k)
     if method == "torch" or n <= _SMALL_NUMEL or k > _DENSE_SHARE * n:
         return _torch_topk(x, k)
     a = _WS.get(n, x.device, torch.float32)
@@ -312,10 +317,8 @@ def topk_select_sync_free(x: Tensor, k: int, method: str = "exact") -> Tuple[Ten
     """
     check_topk_args(x, k, method)
     n = x.numel()
-    if k == 0:
-        return x.new_empty(0), torch.empty(0, dtype=torch.long, device=x.device)
-    if k == n:
-        return x.clone(), torch.arange(n, device=x.device)
+    if k in (0, n):
+        return _all_or_nothing(x, k)
     if method == "torch" or n < _SYNC_FREE_MIN_NUMEL or (method == "exact" and (x.is_cuda or x.dtype == torch.float64)):
         _, idx = torch.topk(x.abs(), k, sorted=False)
         return x.index_select(0, idx), idx

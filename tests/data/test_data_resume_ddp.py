@@ -1,9 +1,7 @@
 """Mid-epoch resume of WebDataModule with real processes: 2 gloo ranks under Lightning, checkpointed in the
 middle of an epoch (ModelCheckpoint, and a real SIGUSR1 SLURM requeue), resumed in fresh processes, and
 compared bit for bit with an uninterrupted run (tests/scripts/data_resume_train.py)."""
-import os
 import signal
-import stat
 import sys
 from pathlib import Path
 
@@ -11,7 +9,7 @@ import pytest
 import torch
 
 from lightning_topk.data import array_samples, load_arrays, write_shards
-from tests.helpers.procs import SCRIPTS, run_script
+from tests.helpers.procs import SCRIPTS, fake_scontrol, run_script
 
 sys.path.insert(0, str(SCRIPTS))
 from fault_launch import Ranks, progress, wait_for
@@ -83,13 +81,7 @@ def test_mid_epoch_resume_in_cache_served_epoch_no_workers_topk(shards, tmp_path
 def test_slurm_requeue_mid_epoch_resumes_exactly(shards, config_a, tmp_path):
     """Real SIGUSR1 to both running ranks: Lightning writes hpc_ckpt_1.ckpt mid-epoch and calls scontrol (a
     fake one on PATH); the ranks are killed and the requeued job resumes it in new processes."""
-    fakebin = tmp_path / "bin"
-    fakebin.mkdir()
-    scontrol_log = tmp_path / "scontrol.log"
-    scontrol = fakebin / "scontrol"
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{scontrol_log}"\n')
-    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
-    env = {"PATH": f"{fakebin}{os.pathsep}{os.environ['PATH']}"}
+    env, scontrol_log = fake_scontrol(tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     args = ["--out", out, "--shards", *shards, *CONFIG_A, "--phases", "slurm", "--slow", "0.15"]

@@ -61,3 +61,16 @@ def blocking_env(tmp_dir, modules, env=None):
     e = dict(os.environ if env is None else env)
     e["PYTHONPATH"] = os.pathsep.join([str(d), *filter(None, [e.get("PYTHONPATH")])])
     return e
+
+
+def fake_scontrol(tmp_path):
+    """A fake ``scontrol`` first on PATH (Lightning calls it to requeue on SIGUSR1): (env, log of its calls)."""
+    import stat
+
+    fakebin = Path(tmp_path) / "bin"
+    fakebin.mkdir(exist_ok=True)
+    log = Path(tmp_path) / "scontrol.log"
+    scontrol = fakebin / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n')
+    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
+    return {"PATH": f"{fakebin}{os.pathsep}{os.environ['PATH']}"}, log

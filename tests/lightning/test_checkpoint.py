@@ -2,14 +2,13 @@
 SIGUSR1 for SLURM requeue) and the shard format/redistribution rules on their own."""
 import os
 import signal
-import stat
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.procs import SCRIPTS, run_script
+from tests.helpers.procs import SCRIPTS, fake_scontrol, run_script
 
 sys.path.insert(0, str(SCRIPTS))
 from fault_launch import Ranks, progress, wait_for
@@ -145,13 +144,7 @@ def test_world_size_change_averages_residuals(runs):
 def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
     """Real SIGUSR1 to both running ranks (as SLURM sends it), Lightning writes hpc_ckpt_1.ckpt and calls
     scontrol (a fake one on PATH); both ranks are then killed and the requeued job resumes exactly."""
-    fakebin = tmp_path / "bin"
-    fakebin.mkdir()
-    scontrol_log = tmp_path / "scontrol.log"
-    scontrol = fakebin / "scontrol"
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{scontrol_log}"\n')
-    scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
-    env = {"PATH": f"{fakebin}{os.pathsep}{os.environ['PATH']}"}
+    env, scontrol_log = fake_scontrol(tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     args = [SCRIPT, "--out", out, "--phases", "slurm", "--slow", "0.1"]
