@@ -2,8 +2,9 @@
 
     python benchmarks/bench_memory.py [--params 25e6 100e6] [--configs ddp,topk,topk_sync_free,topk_skip]
 
-Every (config, size) runs in 2 fresh processes (spawn): an MLP of two square layers, plain SGD (no optimizer
-state), 4 steps (the first dense). Each rank reports its peak RSS (``ru_maxrss``); the figure is the mean over
+Every (config, size) runs in 2 fresh processes (spawn): an MLP of 2048 x 2048 layers (4.2M parameters each,
+so DDP's default 25 MB buckets hold one or a few layers, as in real models), plain SGD (no optimizer state),
+4 steps (the first dense). Each rank reports its peak RSS (``ru_maxrss``); the figure is the mean over
 ranks of (peak - peak of plain ``ddp`` at that size) / parameters. Configs:
 
   ddp             torch DDP's own all-reduce (the reference)
@@ -23,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # PYTHONPATH may pick the version
 import lightning_topk
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from tests.helpers.dist import run_distributed
@@ -35,8 +36,8 @@ def work(rank, world, config, params):
     if config == "topk_sync_free":
         os.environ["LIGHTNING_TOPK_SYNC_FREE"] = "1"
     torch.manual_seed(0)
-    width = int((params / 2) ** 0.5)
-    m = nn.Sequential(nn.Linear(width, width, bias=False), nn.Linear(width, width, bias=False))
+    width = 2048
+    m = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(max(1, round(params / width**2)))])
     ddp = DDP(m)
     ctl = None
     if config != "ddp":

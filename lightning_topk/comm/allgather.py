@@ -201,7 +201,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     t0 = clock(device)
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if cfg.error_feedback else None
+    keep = cfg.error_feedback and (k > 0 or state.holds_state(params))
+    b = state.buffers(params, device) if keep else None
     acc, vel = accumulate(state, b, grad)
     acc = acc[:n]
     state.flags.note_input(names, acc)

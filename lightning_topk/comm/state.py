@@ -426,6 +426,17 @@ class TopKState:
         self._buckets[names] = buf
         return buf
 
+    def holds_state(self, params: Sequence[Tensor]) -> bool:
+        """Whether any of these parameters has a residual or velocity (live, or pending from a checkpoint).
+        A dense step needs no buffers for parameters that have none: everything is sent, the residual
+        stays zero. (Allocating them on DDP's first-iteration layout would double the residual memory
+        at DDP's bucket rebuild, when old and new buffers live side by side.)"""
+        pending = self._pending_load or {}
+        for name in self.names_of(params):
+            if self._owner.get(name) in self._buckets or ("residual", name) in pending or ("velocity", name) in pending:
+                return True
+        return False
+
     def _param_view(self, name: str, kind: str) -> Optional[Tensor]:
         sig = self._owner.get(name)
         if sig is None or sig not in self._buckets:
@@ -446,7 +457,8 @@ class TopKState:
         return list(self._buckets)
 
     def residuals(self) -> Dict[str, Tensor]:
-        """Per-parameter flat views of this rank's residuals."""
+        """Per-parameter flat views of this rank's residuals (a parameter that has none yet holds zero: dense
+        steps allocate nothing)."""
         return self._per_param("residual")
 
     def velocities(self) -> Dict[str, Tensor]:

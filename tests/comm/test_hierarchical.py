@@ -90,27 +90,14 @@ def test_hierarchical_equals_definition_and_sends_fewer_inter_node_bytes():
 # ---- 2 "nodes" x 2 processes through Lightning's own multi-node launcher, on loopback -----------
 import json  # noqa: E402
 import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
-from tests.helpers.procs import ROOT  # noqa: E402
+from tests.helpers.procs import run_nodes  # noqa: E402
 
 
 def _two_nodes(out, hierarchical, epochs=3):
-    port = str(__import__("tests.helpers.dist", fromlist=["x"]).free_port())
-    procs = []
-    for node in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node), OMP_NUM_THREADS="1")
-        for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE"):
-            env.pop(k, None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "tests/scripts/train_probe.py", "--strategy", "topk", "--density", "0.01",
-             "--num-nodes", "2", "--hierarchical", hierarchical, "--epochs", str(epochs), "--out", str(out)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return json.loads((out / "result.json").read_text()), [__import__("torch").load(out / f"rank{r}.pt")
-                                                          for r in range(2)]
+    run_nodes(["tests/scripts/train_probe.py", "--strategy", "topk", "--density", "0.01", "--num-nodes", "2",
+               "--hierarchical", hierarchical, "--epochs", str(epochs), "--out", str(out)])
+    return json.loads((out / "result.json").read_text()), [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
 def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
