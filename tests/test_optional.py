@@ -6,7 +6,9 @@ from lightning_topk.optional import MissingDependency, find_missing, install_hin
 
 def test_require_returns_the_module_or_names_the_extra(monkeypatch):
     assert require("json", "data", "x").dumps([1]) == "[1]"
-    monkeypatch.setitem(__import__("sys").modules, "sklearn", None)
+    modules = __import__("sys").modules
+    for name in [m for m in modules if m == "sklearn" or m.startswith("sklearn.")] + ["sklearn"]:
+        monkeypatch.setitem(modules, name, None)  # as if not installed, even if another test imported it
     with pytest.raises(MissingDependency, match=r"^mnist needs scikit-learn, which is not installed: "
                        r"pip install 'lightning-topk\[data\]'$"):
         require("sklearn.datasets", "data", "mnist", package="scikit-learn")
