@@ -24,7 +24,7 @@ from torch import Tensor
 
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import StepStats, TopKState, _BucketBuffers
-from lightning_topk.comm.wire import pack, packed_nbytes, unpack
+from lightning_topk.comm.wire import pack, packed_nbytes, ring_allgather_wire, ring_allreduce_wire, unpack
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -179,7 +179,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     else:
         k = bucket_k(state, n)
     elem = grad.element_size()
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * elem)
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * elem, bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t_launch = time.perf_counter()
 
     if k == 0:
@@ -188,7 +188,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
             record_nonfinite(state, bucket, stats)
         if state.record_sent:
             record_sent(state, bucket, acc)
-        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4))
+        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4),
+                        bytes_wire=ring_allreduce_wire(4 * n, world))
         fut = dist.all_reduce(acc, group=group, async_op=True).get_future()
 
         def finish_dense(_f) -> Tensor:
@@ -210,7 +211,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         record_sent(state, bucket, sent)
     packed = pack(wire, idx)
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=grad.device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()))
+    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
+                    bytes_wire=ring_allgather_wire(packed.numel(), world), allgather_buckets=1)
     t_launch = time.perf_counter()
     fut = _all_gather(out, packed, group=group, async_op=True).get_future()
     wire_dtype = state.config.wire_dtype

@@ -32,7 +32,13 @@ from lightning_topk.comm.allgather import (
 )
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import TopKState
-from lightning_topk.comm.wire import pack, unpack
+from lightning_topk.comm.wire import (
+    pack,
+    ring_allgather_wire,
+    ring_allreduce_wire,
+    ring_reduce_scatter_wire,
+    unpack,
+)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -112,7 +118,8 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     acc, _ = accumulate(state, b, grad)
     if s * L != n:
         acc = torch.cat([acc, acc.new_zeros(s * L - n)])
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=acc.numel() * 4)
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=acc.numel() * 4,
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world), hierarchical_buckets=1)
     t0 = time.perf_counter()
     shard = acc.new_empty(s)
     _reduce_scatter(shard, acc, group=h.intra)  # node sum of my shard (fast link; blocking)
@@ -146,7 +153,8 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     packed = pack(wire, idx.to(torch.int32))
     out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=grad.device)
     state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel() + s * 4, bytes_inter=packed.numel(),
-                    bytes_intra=s * 4)
+                    bytes_intra=s * 4, bytes_wire=ring_reduce_scatter_wire(4 * s * L, L)
+                    + ring_allgather_wire(packed.numel(), h.num_nodes) + ring_allgather_wire(4 * s, L))
     # Every collective is issued from this (backward) thread, in bucket order, so all ranks issue the
     # same sequence on each group. The previous bucket's intra-node all-gather goes out now, after
     # its inter-node all-gather had the time between two hooks to run.

@@ -20,6 +20,8 @@ from lightning_topk.comm.wire import value_dtype_of
 
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("propagate", "skip", "raise")
+# How entries travel: chosen per bucket by a cost model ("auto"), or one algorithm for every bucket.
+EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "scatter")
 
 
 @dataclass
@@ -39,6 +41,7 @@ class TopKConfig:
     hierarchical: object = "auto"
     nonfinite: str = "propagate"
     selection_scope: str = "bucket"
+    exchange: str = "auto"
 
     def __post_init__(self) -> None:
         d = self.density
@@ -66,6 +69,17 @@ class TopKConfig:
             raise ValueError(
                 f"topk_ddp: selection_scope must be one of {list(SCOPE_CHOICES)}, got {self.selection_scope!r}"
             )
+        if self.exchange not in EXCHANGE_CHOICES:
+            raise ValueError(f"topk_ddp: exchange must be one of {list(EXCHANGE_CHOICES)}, got {self.exchange!r}")
+        if self.hierarchical is True and self.exchange not in ("auto", "hierarchical"):
+            raise ValueError(f"topk_ddp: hierarchical=true contradicts exchange={self.exchange!r}; set "
+                             "exchange='hierarchical' (or 'auto') or leave hierarchical='auto'")
+        if self.hierarchical is False and self.exchange == "hierarchical":
+            raise ValueError("topk_ddp: hierarchical=false contradicts exchange='hierarchical'; leave "
+                             "hierarchical='auto'")
+        if self.exchange == "scatter" and self.momentum_correction:
+            raise ValueError("topk_ddp: momentum_correction is not supported with exchange='scatter'; "
+                             "use exchange='allgather' or momentum_correction=false")
         if self.nonfinite not in NONFINITE_CHOICES:
             raise ValueError(f"topk_ddp: nonfinite must be one of {list(NONFINITE_CHOICES)}, got {self.nonfinite!r}")
         try:
@@ -84,19 +98,33 @@ class TopKConfig:
 
 @dataclass
 class StepStats:
-    """Telemetry of one exchange step on this rank (bytes are what this rank put on the wire)."""
+    """Telemetry of one exchange step on this rank.
+
+    Payload (what this rank hands to the collectives): ``bytes_sent``, ``bytes_dense`` (the all-reduce
+    payload it replaced), ``bytes_intra`` / ``bytes_inter``. Wire (what leaves this rank for the algorithm
+    actually used: ring all-reduce ``2(P-1)/P`` x payload, ring all-gather ``(P-1)`` x payload,
+    all-to-all ``(P-1)`` blocks): ``bytes_wire``, and ``bytes_dense_wire`` for a dense fp32 ring all-reduce
+    of the same buckets (a bf16 one sends half of that).
+    """
 
     step: int = 0
     bytes_sent: int = 0
     bytes_dense: int = 0
     bytes_intra: int = 0
     bytes_inter: int = 0
+    bytes_wire: int = 0
+    bytes_dense_wire: int = 0
     numel: int = 0
     numel_sent: int = 0
     select_time_s: float = 0.0
     comm_time_s: float = 0.0
+    predicted_s: float = 0.0  # exchange="auto": the cost model's select + comm time for this step's buckets
     buckets: int = 0
     dense_buckets: int = 0
+    dense_bf16_buckets: int = 0
+    allgather_buckets: int = 0
+    hierarchical_buckets: int = 0
+    scatter_buckets: int = 0
     nonfinite_buckets: int = 0
 
     @property
@@ -105,6 +133,17 @@ class StepStats:
 
     @property
     def compression(self) -> float:
+        """Wire bytes of a dense fp32 ring all-reduce / wire bytes actually sent."""
+        return self.bytes_dense_wire / self.bytes_wire if self.bytes_wire else 0.0
+
+    @property
+    def compression_bf16(self) -> float:
+        """Wire bytes of a dense bf16 ring all-reduce / wire bytes actually sent."""
+        return 0.5 * self.compression
+
+    @property
+    def payload_compression(self) -> float:
+        """All-reduce payload / payload handed to the collectives (not what the wire carries)."""
         return self.bytes_dense / self.bytes_sent if self.bytes_sent else 0.0
 
     def as_metrics(self) -> Dict[str, float]:
@@ -113,10 +152,21 @@ class StepStats:
             "topk/bytes_dense": float(self.bytes_dense),
             "topk/bytes_intra": float(self.bytes_intra),
             "topk/bytes_inter": float(self.bytes_inter),
+            "topk/bytes_wire": float(self.bytes_wire),
+            "topk/bytes_dense_wire": float(self.bytes_dense_wire),
             "topk/density": self.density,
             "topk/compression": self.compression,
+            "topk/compression_bf16": self.compression_bf16,
+            "topk/payload_compression": self.payload_compression,
             "topk/select_ms": 1e3 * self.select_time_s,
             "topk/comm_ms": 1e3 * self.comm_time_s,
+            "topk/predicted_ms": 1e3 * self.predicted_s,
+            "topk/measured_ms": 1e3 * (self.select_time_s + self.comm_time_s),
+            "topk/buckets_dense": float(self.dense_buckets - self.dense_bf16_buckets),
+            "topk/buckets_dense_bf16": float(self.dense_bf16_buckets),
+            "topk/buckets_allgather": float(self.allgather_buckets),
+            "topk/buckets_hierarchical": float(self.hierarchical_buckets),
+            "topk/buckets_scatter": float(self.scatter_buckets),
         }
 
 
@@ -149,6 +199,15 @@ class TopKState:
         # Hierarchical exchange: groups set by the strategy (see exchange_hier.HierGroups).
         self.hier = None
         self.hier_pending = None
+        # Scale-free exchange (comm/scatter.py): options, the bucket waiting for its owner step, and the
+        # owner-side residuals (this rank's region sums not yet forwarded), keyed by bucket.
+        self.scatter = None
+        self.scatter_pending = None
+        self.owner_residuals: Dict[str, Tensor] = {}
+        self._pending_owner: Dict[str, Tensor] = {}
+        # exchange="auto": the cost model (comm/cost.py) and its choice per bucket.
+        self.auto = None
+        self.plan: Dict[str, str] = {}
         self.num_nodes = 1
         self.step = 0
         self.grad_scale = 1.0
@@ -294,6 +353,10 @@ class TopKState:
             d = {n: t.clone() for (k, n), t in pending.items() if k == kind}
             d.update({n: t.detach().cpu().clone() for n, t in live.items()})
             out[kind] = d
+        owner = {k: t.clone() for k, t in self._pending_owner.items()}
+        owner.update({k: t.detach().cpu().clone() for k, t in self.owner_residuals.items()})
+        out["owner_residual"] = owner
+        out["plan"] = dict(self.plan)
         return out
 
     def load_state_dict(self, sd: Dict[str, object]) -> None:
@@ -307,3 +370,6 @@ class TopKState:
         self._owner.clear()
         self._snapshots.clear()
         self._pending_load = pending
+        self.owner_residuals.clear()
+        self._pending_owner = dict(sd.get("owner_residual", {}))
+        self.plan = dict(sd.get("plan", {}))

@@ -34,6 +34,7 @@ class TopKStrategyMixin:
         hierarchical: Any = "auto",
         nonfinite: str = "raise",
         selection_scope: str = "bucket",
+        exchange: str = "auto",
         log_telemetry: bool = True,
         **kwargs: Any,
     ) -> None:
@@ -44,7 +45,7 @@ class TopKStrategyMixin:
             density=density, selector=selector, value_dtype=value_dtype, error_feedback=error_feedback,
             momentum_correction=momentum_correction, momentum=momentum, dense_steps=dense_steps,
             warmup_steps=warmup_steps, warmup_start=warmup_start, min_sparse_numel=min_sparse_numel,
-            hierarchical=hierarchical, nonfinite=nonfinite, selection_scope=selection_scope,
+            hierarchical=hierarchical, nonfinite=nonfinite, selection_scope=selection_scope, exchange=exchange,
         )
         if not isinstance(log_telemetry, bool):
             raise ValueError(f"topk_ddp: log_telemetry must be true or false, got {log_telemetry!r}")
@@ -64,17 +65,10 @@ class TopKStrategyMixin:
     # ---- hook registration --------------------------------------------------------------------
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
-        from lightning_topk.comm.allgather import topk_allgather_hook
-
         state = TopKState(self.topk_config)
         state.bind(self.lightning_module.named_parameters())
         state.num_nodes = self.num_nodes
-        hook: Callable = topk_allgather_hook
-        if self._use_hierarchical():
-            from lightning_topk.comm.hierarchical import build_groups, hierarchical_topk_hook
-
-            state.hier = build_groups(self)
-            hook = hierarchical_topk_hook
+        hook = self._exchange_hook(state)
         if self.topk_config.nonfinite == "skip":
             state.snapshot_residuals = True
         if self.topk_state is not None and self._pending_topk_state is None:
@@ -82,19 +76,57 @@ class TopKStrategyMixin:
         if self._pending_topk_state is not None:
             state.load_state_dict(self._pending_topk_state)
             self._pending_topk_state = None
+        from lightning_topk.comm.scatter import fold_pending_owner
+
+        if self._exchange() not in ("auto", "scatter"):
+            fold_pending_owner(state)  # owner residuals of a scale-free run resumed with another exchange
         self.model.register_comm_hook(state, hook)
         self.topk_state = state
 
+    def _exchange(self) -> str:
+        """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
+        return "hierarchical" if self._use_hierarchical() else self.topk_config.exchange
+
+    def _exchange_hook(self, state: TopKState) -> Callable:
+        """The comm hook for the chosen exchange; ``auto`` probes links and selection first (collective)."""
+        from lightning_topk.comm import cost, hierarchical
+        from lightning_topk.comm.allgather import topk_allgather_hook
+        from lightning_topk.comm.scatter import scatter_topk_hook
+
+        ex = self._exchange()
+        if ex == "hierarchical":
+            state.hier = hierarchical.build_groups(self)
+            return hierarchical.hierarchical_topk_hook
+        if ex == "dense":
+            return cost.dense_topk_hook
+        if ex == "scatter":
+            return scatter_topk_hook
+        if ex == "allgather" or self.world_size < 2:
+            return topk_allgather_hook
+        cfg, nodes, local = self.topk_config, self.num_nodes, self.num_processes
+        groups = None
+        if nodes > 1 and local > 1:
+            hier_ok = cfg.hierarchical is not False and not cfg.momentum_correction and cfg.selection_scope == "bucket"
+            groups = hierarchical.build_groups(self) if hier_ok else hierarchical.make_groups(
+                nodes, local, self.global_rank, timeout=getattr(self, "_timeout", None))
+            state.hier = groups
+        model = cost.probe(nodes, local, self.global_rank, cfg.density, cfg.selector, self.root_device,
+                           None if groups is None else groups.intra, None if groups is None else groups.inter)
+        state.auto = cost.AutoExchange(model, cost.candidates_for(cfg, nodes, local, groups is not None),
+                                       self.global_rank)
+        return cost.auto_topk_hook
+
     def _use_hierarchical(self) -> bool:
-        h = self.topk_config.hierarchical
-        if h == "auto":
-            return self.num_nodes > 1 and self.num_processes > 1
-        if h and self.num_processes < 2:
+        """Whether every bucket takes the hierarchical exchange (``hierarchical=True`` or
+        ``exchange='hierarchical'``); with ``exchange='auto'`` the cost model may still pick it per bucket."""
+        cfg = self.topk_config
+        pinned = cfg.hierarchical is True or cfg.exchange == "hierarchical"
+        if pinned and self.num_processes < 2:
             raise ValueError(
-                "topk_ddp: hierarchical=True needs more than one process per node "
-                f"(devices={self.num_processes}); use hierarchical='auto' or false"
+                "topk_ddp: hierarchical=True / exchange='hierarchical' needs more than one process per node "
+                f"(devices={self.num_processes}); use exchange='auto' or 'scatter' (and hierarchical='auto')"
             )
-        return bool(h)
+        return pinned
 
     # ---- telemetry ----------------------------------------------------------------------------
     @property

@@ -71,7 +71,7 @@ def digits_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("digits")
     runs = {
         "ddp": ["--strategy", "ddp", "--epochs", "6"],
-        "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01
+        "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # density 0.01, flat all-gather (train_probe default)
         "dense": ["--strategy", "topk", "--density", "1.0", "--epochs", "2"],
         "ddp2": ["--strategy", "ddp", "--epochs", "2"],
         # static_graph + accumulate_grad_batches trips a torch reducer assert under plain `ddp` too,

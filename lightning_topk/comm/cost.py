@@ -1,0 +1,395 @@
+"""Alpha-beta cost model of the exchanges and the automatic per-bucket choice (``exchange="auto"``).
+
+Each link tier (intra-node, inter-node) is a latency ``alpha`` (s per message) and a bandwidth ``beta``
+(bytes/s), fitted at setup from timed all-reduces of two sizes; selection and one dense pass over a
+bucket are timed on synthetic gradient-like data of two sizes. Every rank measures, the slowest figure
+wins (one all-reduce), so every rank holds the same model and takes the same decisions.
+
+Per bucket of ``n`` entries with ``k`` to send, on ``P = N x L`` ranks (N nodes, L per node), the
+model predicts compute + link time of
+
+* ``dense``: ring all-reduce of the fp32 accumulator, ``2(P-1) alpha + 2(P-1)/P 4n / beta``;
+* ``dense_bf16``: the same in bf16 (half the bytes; the cast error stays in the residual);
+* ``allgather``: selection + ring all-gather of k entries, ``(P-1)(alpha + k b / beta)``;
+* ``hierarchical``: intra-node reduce-scatter and all-gather of the fp32 shard, selection on ``n/L``, an
+  inter-node all-gather of ``k/L`` entries per rank that all L ranks of a node run at once;
+* ``scatter``: selection, an all-to-all of ``P-1`` slots (a node's link carries ``L (P-L)`` of them)
+  and a ring all-gather of the owners' forwards (:mod:`lightning_topk.comm.scatter`).
+
+Flat collectives across nodes are limited by the inter-node tier (a node-major ring crosses each
+node's link once per step). The choice is the fastest prediction; ``density`` stays the user's: only
+how the entries travel changes (``dense`` sends them all). Predictions and measured times are logged as
+``topk/predicted_ms`` and ``topk/measured_ms``. Every ``REFRESH_STEPS`` exchanges the model is refreshed
+from telemetry (one small all-reduce): selection cost per entry from the measured selection time,
+and a link-time scale from measured over predicted exchange time; a bucket switches algorithm only
+when the new choice is predicted at least ``SWITCH_GAIN`` faster.
+"""
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_topk.comm.allgather import (
+    accumulate,
+    bucket_k,
+    dense_feedback,
+    record_nonfinite,
+    record_sent,
+    topk_allgather_hook,
+)
+from lightning_topk.comm.hierarchical import flush_pending, hierarchical_topk_hook
+from lightning_topk.comm.scatter import (
+    _select,
+    bucket_key,
+    flush_scatter,
+    fold_live_owner,
+    fold_pending_owner,
+    scatter_topk_hook,
+    slot_plan,
+)
+from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.wire import packed_nbytes, ring_allreduce_wire
+
+log = logging.getLogger(__name__)
+
+CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "scatter")
+REFRESH_STEPS = 100
+SWITCH_GAIN = 0.9
+_PROBE_BYTES = (1024, 1 << 20)
+_PROBE_NUMELS = (1 << 17, 1 << 20)
+
+
+@dataclass
+class Link:
+    """One tier: ``alpha`` seconds per message, ``beta`` bytes per second."""
+
+    alpha: float
+    beta: float
+
+    def allreduce(self, nbytes: float, p: int) -> float:
+        return 0.0 if p < 2 else 2 * (p - 1) * self.alpha + 2 * (p - 1) / p * nbytes / self.beta
+
+    def allgather(self, nbytes: float, p: int) -> float:
+        return 0.0 if p < 2 else (p - 1) * (self.alpha + nbytes / self.beta)
+
+    def reduce_scatter(self, nbytes: float, p: int) -> float:
+        return 0.0 if p < 2 else (p - 1) * (self.alpha + nbytes / p / self.beta)
+
+    @staticmethod
+    def fit(times: Tuple[float, float], sizes: Tuple[int, int], p: int) -> "Link":
+        """alpha and beta from ring all-reduce times of two sizes."""
+        f = 2 * (p - 1) / p
+        dt = max(times[1] - times[0], 1e-9)
+        beta = f * (sizes[1] - sizes[0]) / dt
+        alpha = max(1e-7, (times[0] - f * sizes[0] / beta) / (2 * (p - 1)))
+        return Link(alpha, beta)
+
+
+@dataclass
+class CostModel:
+    """Predicted seconds per bucket for each exchange on a ``nodes x local`` layout."""
+
+    nodes: int
+    local: int
+    intra: Optional[Link]
+    inter: Optional[Link]
+    select_per_elem: float
+    select_fixed: float
+    pass_per_elem: float
+    comm_scale: float = 1.0
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.local
+
+    def _flat(self) -> Link:
+        return self.inter if self.nodes > 1 else self.intra
+
+    def select(self, n: float) -> float:
+        return self.select_fixed + self.select_per_elem * n
+
+    def predict(self, choice: str, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
+        """(compute seconds, link seconds) of one bucket."""
+        P, N, L = self.world, self.nodes, self.local
+        eb = value_bytes + 4
+        dense_pass = self.pass_per_elem * n
+        flat = self._flat()
+        if choice == "dense":
+            comp, comm = dense_pass, flat.allreduce(4 * n, P)
+        elif choice == "dense_bf16":
+            comp, comm = 2 * dense_pass, flat.allreduce(2 * n, P)
+        elif choice == "allgather":
+            comp = self.select(n) + dense_pass + 4 * self.pass_per_elem * P * k
+            comm = flat.allgather(k * eb, P)
+        elif choice == "scatter":
+            plan = slot_plan(n, k, P)
+            comp = self.select(n) + self.select(plan.region) + dense_pass + 4 * self.pass_per_elem * (
+                k + P * plan.out)
+            slot = plan.slot * eb
+            if N > 1:
+                a2a = (P - 1) * self.inter.alpha + max(L * (P - L) * slot / self.inter.beta,
+                                                       (L - 1) * slot / self.intra.beta if L > 1 else 0.0)
+            else:
+                a2a = (P - 1) * (self.intra.alpha + slot / self.intra.beta)
+            comm = a2a + flat.allgather(plan.out * eb, P)
+        elif choice == "hierarchical":
+            if N < 2 or L < 2:
+                return math.inf, math.inf
+            ks = math.ceil(k / L)
+            comp = self.select(n / L) + dense_pass + 4 * self.pass_per_elem * N * ks
+            comm = (self.intra.reduce_scatter(4 * n, L) + self.intra.allgather(4 * n / L, L)
+                    + (N - 1) * (self.inter.alpha + L * ks * eb / self.inter.beta))
+        else:
+            raise ValueError(f"cost model: unknown exchange {choice!r}; allowed: {list(CHOICES)}")
+        return comp, comm * self.comm_scale
+
+    def total(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
+        return sum(self.predict(choice, n, k, value_bytes))
+
+    def choose(self, n: int, k: int, candidates: List[str], value_bytes: int = 4) -> Tuple[str, Dict[str, float]]:
+        """The fastest candidate and every candidate's predicted seconds."""
+        pred = {c: self.total(c, n, k, value_bytes) for c in candidates}
+        return min(pred, key=pred.get), pred
+
+
+# ---- probes ---------------------------------------------------------------------------------------
+def _timed(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float:
+    best = math.inf
+    for i in range(reps + 1):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first run warms up
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _link_times(group, device: torch.device) -> Tuple[float, float]:
+    bufs = [torch.ones(b // 4, dtype=torch.float32, device=device) for b in _PROBE_BYTES]
+    return tuple(_timed(lambda x=x: dist.all_reduce(x, group=group), device) for x in bufs)
+
+
+def _compute_times(density: float, selector: str, device: torch.device) -> List[float]:
+    g = torch.Generator(device="cpu").manual_seed(0)
+    out = []
+    for n in _PROBE_NUMELS:
+        x = (torch.randn(n, generator=g) * torch.randn(n, generator=g).exp()).to(device)
+        k = max(1, math.ceil(density * n))
+        out.append(_timed(lambda x=x, k=k: _select(x, k, selector), device, reps=2))
+    x = torch.randn(_PROBE_NUMELS[1], device=device)
+    y = torch.empty_like(x)
+    out.append(_timed(lambda: torch.add(x, x, alpha=0.5, out=y), device) / _PROBE_NUMELS[1])
+    return out
+
+
+def probe(nodes: int, local: int, rank: int, density: float, selector: str, device: torch.device,
+          intra_group=None, inter_group=None) -> CostModel:
+    """Measure both link tiers, selection and a dense pass; identical result on every rank.
+
+    Every rank must call this. With several processes per node only local rank 0 probes the inter-node
+    tier (the others would share its link); the intra-node groups probe at the same time.
+    """
+    local_rank = rank % local
+    vec = torch.zeros(7, dtype=torch.float64)
+    if nodes > 1 and local_rank == 0:
+        group = inter_group if local > 1 else None
+        vec[2:4] = torch.tensor(_link_times(group, device), dtype=torch.float64)
+    if local > 1:
+        dist.barrier()
+        vec[0:2] = torch.tensor(_link_times(intra_group if nodes > 1 else None, device), dtype=torch.float64)
+    sel_small, sel_large, per_pass = _compute_times(density, selector, device)
+    vec[4:7] = torch.tensor([sel_small, sel_large, per_pass], dtype=torch.float64)
+    vec = vec.to(device)
+    dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank's figures, identical everywhere
+    v = vec.cpu().tolist()
+    intra = Link.fit((v[0], v[1]), _PROBE_BYTES, local) if local > 1 else None
+    inter = Link.fit((v[2], v[3]), _PROBE_BYTES, nodes) if nodes > 1 else None
+    per = max(0.0, (v[5] - v[4]) / (_PROBE_NUMELS[1] - _PROBE_NUMELS[0]))
+    fixed = max(0.0, v[4] - per * _PROBE_NUMELS[0])
+    return CostModel(nodes, local, intra, inter, per, fixed, v[6])
+
+
+# ---- the dense transports -------------------------------------------------------------------------
+def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
+    """Dense all-reduce of ``residual + grad/scale`` in ``wire_dtype``; with fp16/bf16 the cast error
+    stays in the residual (error feedback) and values are divided by the world size before the cast."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    grad = bucket.buffer()
+    n = grad.numel()
+    stats = state.current
+    scale = state.grad_scale
+    b = state.buffers(bucket.parameters(), grad.device) if state.config.error_feedback else None
+    acc, vel = accumulate(state, b, grad)
+    finite = dense_feedback(state, b, acc, vel)
+    low = wire_dtype != torch.float32
+    if low:
+        wire = acc.div(world).to(wire_dtype)
+        if b is not None and finite:
+            b.residual.add_(acc).sub_(wire.float(), alpha=world)  # residual was zeroed: keep the cast error
+    else:
+        wire = acc
+    if not finite:
+        record_nonfinite(state, bucket, stats)
+    if state.record_sent:
+        record_sent(state, bucket, wire.float() * world if low else acc)
+    eb = wire.element_size()
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), dense_buckets=1,
+                    dense_bf16_buckets=int(low), numel_sent=n, bytes_sent=n * eb,
+                    bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world),
+                    **({"bytes_inter": n * eb} if state.num_nodes > 1 else {"bytes_intra": n * eb}))
+    t_launch = time.perf_counter()
+    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+    def finish(_f) -> torch.Tensor:
+        stats.comm_time_s += time.perf_counter() - t_launch
+        if not bool(torch.isfinite(wire).all()):
+            state.nonfinite_seen = True
+        out = wire.float().mul_(scale) if low else wire.mul_(scale / world)
+        return out.to(grad.dtype)
+
+    if bucket.is_last():
+        state.end_exchange()
+    return fut.then(finish)
+
+
+def dense_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for ``exchange="dense"``: every bucket all-reduced in ``value_dtype``."""
+    return dense_hook(state, bucket, state.config.wire_dtype)
+
+
+# ---- exchange="auto" ------------------------------------------------------------------------------
+@dataclass
+class AutoExchange:
+    """The cost model, the candidates, and the choice made for each bucket (keyed by its parameters and k)."""
+
+    model: CostModel
+    candidates: List[str]
+    rank: int = 0
+    choices: Dict[str, Tuple[str, float]] = field(default_factory=dict)
+    # telemetry since the last refresh: selection seconds and entries, measured and predicted link seconds
+    _window: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
+    # the step being exchanged: predicted link seconds and entries of sparse buckets
+    _step: List[float] = field(default_factory=lambda: [0.0, 0.0])
+
+    def decide(self, state: TopKState, key: str, n: int, k: int) -> Tuple[str, float, float]:
+        """(choice, predicted seconds, predicted link seconds) for a bucket, cached per key."""
+        vb = packed_nbytes(1, state.config.wire_dtype) - 4
+        hit = self.choices.get(key)
+        if hit is None:
+            saved = state.plan.get(key)
+            best, pred = self.model.choose(n, k, self.candidates, vb)
+            if saved in self.candidates:
+                best = saved  # restored from a checkpoint: same choice as the interrupted run
+            self.choices[key] = (best, pred[best])
+            state.plan[key] = best
+            if self.rank == 0:
+                log.info("topk_ddp exchange=auto: bucket of %d entries (k=%d) -> %s; predicted ms: %s", n, k, best,
+                         ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
+        choice = self.choices[key][0]
+        comp, comm = self.model.predict(choice, n, k, vb)
+        return choice, comp + comm, comm
+
+    def refresh(self, state: TopKState, device: torch.device) -> None:
+        """Re-fit selection cost and link-time scale from the window's telemetry; re-decide every bucket."""
+        sel_s, sel_n, meas_comm, pred_comm = self._window
+        self._window = [0.0, 0.0, 0.0, 0.0]
+        per = sel_s / sel_n if sel_n else 0.0
+        ratio = meas_comm / pred_comm if pred_comm > 0 else 0.0
+        vec = torch.tensor([per, ratio], dtype=torch.float64, device=device)
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=state.process_group)
+        per, ratio = vec.cpu().tolist()
+        m = self.model
+        if per > 0:
+            m.select_per_elem = 0.5 * (m.select_per_elem + per)
+        if ratio > 0:
+            m.comm_scale = min(4.0, max(0.25, m.comm_scale * ratio))
+        vb = packed_nbytes(1, state.config.wire_dtype) - 4
+        for key, (old, _) in list(self.choices.items()):
+            n, k = (int(x) for x in key.rsplit("#", 2)[1:])
+            best, pred = m.choose(n, k, self.candidates, vb)
+            if best != old and pred[best] < SWITCH_GAIN * pred[old]:
+                self.choices[key] = (best, pred[best])
+                state.plan[key] = best
+                if self.rank == 0:
+                    log.info("topk_ddp exchange=auto: bucket of %d entries switches %s -> %s (predicted ms: %s)",
+                             n, old, best, ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
+
+    def begin_step(self, state: TopKState, device: torch.device) -> None:
+        """First bucket of an exchange: account the previous one (complete by now), refresh when due."""
+        if state.step:
+            last = state.last
+            w = self._window
+            w[0] += last.select_time_s
+            w[1] += self._step[1]
+            w[2] += last.comm_time_s
+            w[3] += self._step[0]
+        self._step = [0.0, 0.0]
+        if state.step and state.step % REFRESH_STEPS == 0:
+            self.refresh(state, device)
+
+
+def plan_key(names, n: int, k: int) -> str:
+    return "|".join(names) + f"#{n}#{k}"
+
+
+def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook for ``exchange="auto"``: each bucket travels the way the cost model predicts fastest."""
+    a: AutoExchange = state.auto
+    grad = bucket.buffer()
+    n = grad.numel()
+    stats = state.current
+    if stats.buckets == 0:
+        a.begin_step(state, grad.device)
+    k = bucket_k(state, n)
+    params = bucket.parameters()
+    names = [state.name_of(p, i) for i, p in enumerate(params)]
+    if k == 0:  # dense schedule step or small bucket: the flat hook's all-reduce, as ever
+        choice = "dense"
+        comp, comm = a.model.predict("dense", n, 0)
+        predicted = comp + comm
+    else:
+        choice, predicted, comm = a.decide(state, plan_key(names, n, k), n, k)
+        if choice not in ("dense", "dense_bf16"):
+            a._step[1] += n
+    stats.predicted_s += predicted
+    a._step[0] += comm
+    if choice != "scatter":
+        flush_scatter(state)
+        if state.owner_residuals:
+            group = state.process_group if state.process_group is not None else dist.group.WORLD
+            fold_live_owner(state, bucket_key(dist.get_world_size(group), dist.get_rank(group), names,
+                                              [p.numel() for p in params]))
+    if choice != "hierarchical":
+        flush_pending(state)
+    if choice == "dense" and k == 0:
+        fut = topk_allgather_hook(state, bucket)  # dense schedule step or small bucket: as ever
+    elif choice in ("dense", "dense_bf16"):
+        fut = dense_hook(state, bucket, torch.bfloat16 if choice == "dense_bf16" else torch.float32)
+    elif choice == "allgather":
+        fut = topk_allgather_hook(state, bucket)
+    elif choice == "hierarchical":
+        fut = hierarchical_topk_hook(state, bucket)
+    else:
+        fut = scatter_topk_hook(state, bucket)
+    if bucket.is_last():
+        fold_pending_owner(state)
+    return fut
+
+
+def candidates_for(config, nodes: int, local: int, hierarchical_groups: bool) -> List[str]:
+    """The exchanges ``auto`` may use under these options (see TopKConfig for the precedence)."""
+    out = ["dense", "dense_bf16", "allgather"]
+    if config.hierarchical is not False and hierarchical_groups and nodes > 1 and local > 1 \
+            and not config.momentum_correction and config.selection_scope == "bucket":
+        out.append("hierarchical")
+    if not config.momentum_correction and nodes * local > 1:
+        out.append("scatter")
+    return out
