@@ -9,17 +9,19 @@ on ``P`` ranks with ``k = ceil(density n)``:
    n`` with ``a`` about ``0.618 n`` and coprime with ``n`` (a golden-ratio stride). Neighbouring
    coordinates (a row, a bias) land in different regions, so each region gets about ``k/P`` of a rank's
    entries with no rebalancing round. Region ``r`` is owned by rank ``r``.
-3. Each rank puts each region's entries, largest first, into a slot of ``c = ceil(capacity k / P)``
-   entries; what does not fit goes back into the sender's residual. One ``all_to_all_single`` moves the
-   ``P`` slots (values + int32 positions in the region): fixed shapes, no size exchange.
+3. Each rank puts each region's entries, largest first, into a slot of ``c = k/P + 4 sqrt(k/P)``
+   entries (a region's share of a rank's k entries is about binomial; see :class:`ScatterOptions`);
+   what does not fit goes back into the sender's residual. One ``all_to_all_single`` moves the ``P``
+   slots (values + int32 positions in the region): fixed shapes, no size exchange.
 4. The owner adds what it received to its *owner residual* (region sums not forwarded yet) and sends
-   its top ``c_out`` (``owner="select"``, the default: ``c_out = c``; the rest stays in the owner
-   residual) or everything (``owner="forward"``: ``c_out = min(s, P c)``, nothing kept).
+   its top ``c_out = k/P`` (``owner="select"``, the default; the rest stays in the owner residual), or
+   everything (``owner="forward"``: ``c_out = min(s, P c)``, nothing kept, but ``O(P k)`` bytes).
 5. One ``all_gather`` of ``c_out`` entries per rank; every rank rebuilds the sum with ``index_add_``
-   and divides by ``P``.
+   and divides by ``P``. Like gTop-k and Ok-Topk, about k entries of the summed gradient are applied
+   per step (a flat all-gather applies up to ``P k``); the rest waits in the residuals.
 
-Wire bytes per rank: ``(P-1) c b + (P-1) c_out b`` = ``2 capacity k b (P-1)/P`` with the default owner
-mode: independent of ``P`` (``b`` = bytes per entry). Conservation is exact: what a rank selected is
+Wire bytes per rank: ``(P-1) c b + (P-1) c_out b``, about ``2 k b (P-1)/P (1 + 2/sqrt(k/P))`` with
+the defaults: independent of ``P`` but for the slots' margin (``b`` = bytes per entry). Conservation is exact: what a rank selected is
 either in a slot or back in its residual; what an owner received is either forwarded or in its owner
 residual, which is updated only when the gathered result is finite (the step is applied) and is saved
 with :meth:`TopKState.state_dict`. An owner residual that no longer has its bucket (DDP rebuilt its
@@ -62,21 +64,26 @@ from lightning_topk.comm.wire import (
     unpack,
 )
 
-CAPACITY = 1.25
 OWNER_MODES = ("select", "forward")
 _GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
 
 
 @dataclass(frozen=True)
 class ScatterOptions:
-    """``capacity``: slot size as a multiple of ``k/P`` (>= 1); ``owner``: ``select`` or ``forward``."""
+    """Slot size ``c = capacity k/P + margin sqrt(k/P)`` (a region's count of a rank's k entries is about
+    binomial: ``margin`` standard deviations of room); owners forward ``out k/P`` entries (``owner=
+    "select"``) or everything they received (``owner="forward"``)."""
 
-    capacity: float = CAPACITY
+    capacity: float = 1.0
+    margin: float = 4.0
+    out: float = 1.0
     owner: str = "select"
 
     def __post_init__(self) -> None:
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, (int, float)) or not self.capacity >= 1.0:
-            raise ValueError(f"scatter exchange: capacity must be a number >= 1, got {self.capacity!r}")
+        for name, lo in (("capacity", 1.0), ("margin", 0.0), ("out", 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
+                raise ValueError(f"scatter exchange: {name} must be a number >= {lo}, got {v!r}")
         if self.owner not in OWNER_MODES:
             raise ValueError(f"scatter exchange: owner must be one of {list(OWNER_MODES)}, got {self.owner!r}")
 
@@ -110,8 +117,9 @@ def slot_plan(n: int, k: int, world: int, options: Optional[ScatterOptions] = No
     if n < 1 or world < 1 or not 1 <= k <= n:
         raise ValueError(f"scatter exchange: need n >= 1, world >= 1 and 1 <= k <= n, got n={n}, k={k}, world={world}")
     s = math.ceil(n / world)
-    c = min(s, k, max(1, math.ceil(o.capacity * k / world)))
-    out = c if o.owner == "select" else min(s, world * c)
+    share = k / world
+    c = min(s, k, max(1, math.ceil(o.capacity * share + o.margin * math.sqrt(share))))
+    out = min(s, max(1, math.ceil(o.out * share))) if o.owner == "select" else min(s, world * c)
     a = _multiplier(n)
     return SlotPlan(n, world, k, s, c, out, a, pow(a, -1, n) if n > 1 else 0)
 
