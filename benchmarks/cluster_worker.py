@@ -206,9 +206,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         for k in _ENV_VARS:
             os.environ.pop(k, None)
 
+    import logging
+
     import pytorch_lightning as pl
     import torch
     import torch.nn.functional as F
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("lightning_topk").setLevel(logging.INFO)  # exchange="auto" logs its choices
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(args.threads)

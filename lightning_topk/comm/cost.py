@@ -1,8 +1,8 @@
 """Alpha-beta cost model of the exchanges and the automatic per-bucket choice (``exchange="auto"``).
 
 Each link tier (intra-node, inter-node) is a latency ``alpha`` (s per message) and a bandwidth ``beta``
-(bytes/s), fitted at setup from timed all-reduces of two sizes; selection and one dense pass over a
-bucket are timed on synthetic gradient-like data of two sizes. Every rank measures, the slowest figure
+(bytes/s), fitted at setup from timed all-reduces of two sizes; selection (on synthetic gradient-like
+data of two sizes), one dense pass and a random-place ``index_add_`` (rebuilds) are timed too. Every rank measures, the slowest figure
 wins (one all-reduce), so every rank holds the same model and takes the same decisions.
 
 Per bucket of ``n`` entries with ``k`` to send, on ``P = N x L`` ranks (N nodes, L per node), the
@@ -59,7 +59,8 @@ log = logging.getLogger(__name__)
 CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "scatter")
 REFRESH_STEPS = 100
 SWITCH_GAIN = 0.9
-_PROBE_BYTES = (1024, 1 << 20)
+SCATTER_TIE = 0.1
+_PROBE_BYTES = (1024, 1 << 20, 8 << 20)  # the largest only where 1 MiB takes < 50 ms (beats a shaper's burst)
 _PROBE_NUMELS = (1 << 17, 1 << 20)
 
 
@@ -100,6 +101,7 @@ class CostModel:
     select_per_elem: float
     select_fixed: float
     pass_per_elem: float
+    add_per_entry: float  # index_add_ of one entry at a random place (rebuilds, owner sums)
     comm_scale: float = 1.0
 
     @property
@@ -123,12 +125,12 @@ class CostModel:
         elif choice == "dense_bf16":
             comp, comm = 2 * dense_pass, flat.allreduce(2 * n, P)
         elif choice == "allgather":
-            comp = self.select(n) + dense_pass + 4 * self.pass_per_elem * P * k
+            comp = self.select(n) + dense_pass + self.add_per_entry * P * k
             comm = flat.allgather(k * eb, P)
         elif choice == "scatter":
             plan = slot_plan(n, k, P)
-            comp = self.select(n) + self.select(plan.region) + dense_pass + 4 * self.pass_per_elem * (
-                k + P * plan.out)
+            comp = self.select(n) + self.select(plan.region) + dense_pass + self.add_per_entry * (
+                k + P * plan.slot + P * plan.out)
             slot = plan.slot * eb
             if N > 1:
                 a2a = (P - 1) * self.inter.alpha + max(L * (P - L) * slot / self.inter.beta,
@@ -140,7 +142,7 @@ class CostModel:
             if N < 2 or L < 2:
                 return math.inf, math.inf
             ks = math.ceil(k / L)
-            comp = self.select(n / L) + dense_pass + 4 * self.pass_per_elem * N * ks
+            comp = self.select(n / L) + dense_pass + self.add_per_entry * N * ks
             comm = (self.intra.reduce_scatter(4 * n, L) + self.intra.allgather(4 * n / L, L)
                     + (N - 1) * (self.inter.alpha + L * ks * eb / self.inter.beta))
         else:
@@ -151,9 +153,29 @@ class CostModel:
         return sum(self.predict(choice, n, k, value_bytes))
 
     def choose(self, n: int, k: int, candidates: List[str], value_bytes: int = 4) -> Tuple[str, Dict[str, float]]:
-        """The fastest candidate and every candidate's predicted seconds."""
+        """The fastest candidate and every candidate's predicted seconds.
+
+        Ties go to the scale-free exchange: within ``SCATTER_TIE`` of the fastest, never slower than a
+        dense transport, and with fewer wire bytes, it is chosen (its bytes do not grow with P)."""
         pred = {c: self.total(c, n, k, value_bytes) for c in candidates}
-        return min(pred, key=pred.get), pred
+        best = min(pred, key=pred.get)
+        if "scatter" in pred and best != "scatter" and pred["scatter"] <= (1 + SCATTER_TIE) * pred[best] \
+                and all(pred["scatter"] <= pred[d] for d in ("dense", "dense_bf16") if d in pred) \
+                and self.wire("scatter", n, k, value_bytes) < self.wire(best, n, k, value_bytes):
+            best = "scatter"
+        return best, pred
+
+    def wire(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
+        """Bytes one rank puts on the wire (flat collectives; hierarchical: its inter-node part)."""
+        P, eb = self.world, value_bytes + 4
+        if choice in ("dense", "dense_bf16"):
+            return ring_allreduce_wire((4 if choice == "dense" else 2) * n, P)
+        if choice == "allgather":
+            return (P - 1) * k * eb
+        if choice == "scatter":
+            plan = slot_plan(n, k, P)
+            return (P - 1) * (plan.slot + plan.out) * eb
+        return (self.nodes - 1) * math.ceil(k / self.local) * eb
 
 
 # ---- probes ---------------------------------------------------------------------------------------
@@ -171,9 +193,18 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float
     return best
 
 
-def _link_times(group, device: torch.device) -> Tuple[float, float]:
-    bufs = [torch.ones(b // 4, dtype=torch.float32, device=device) for b in _PROBE_BYTES]
-    return tuple(_timed(lambda x=x: dist.all_reduce(x, group=group), device) for x in bufs)
+def _link_times(group, device: torch.device) -> Tuple[float, float, int]:
+    """(small all-reduce seconds, large all-reduce seconds, large size); the same size on every rank."""
+    def timed(nbytes: int) -> float:
+        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+        return _timed(lambda: dist.all_reduce(x, group=group), device)
+
+    small, mid = timed(_PROBE_BYTES[0]), timed(_PROBE_BYTES[1])
+    t = torch.tensor([mid], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # one decision for the group
+    if float(t) < 0.05:
+        return small, timed(_PROBE_BYTES[2]), _PROBE_BYTES[2]
+    return small, mid, _PROBE_BYTES[1]
 
 
 def _compute_times(density: float, selector: str, device: torch.device) -> List[float]:
@@ -186,6 +217,9 @@ def _compute_times(density: float, selector: str, device: torch.device) -> List[
     x = torch.randn(_PROBE_NUMELS[1], device=device)
     y = torch.empty_like(x)
     out.append(_timed(lambda: torch.add(x, x, alpha=0.5, out=y), device) / _PROBE_NUMELS[1])
+    m = _PROBE_NUMELS[0]
+    idx = torch.randint(0, x.numel(), (m,), generator=g).to(device)
+    out.append(_timed(lambda: y.index_add_(0, idx, x[:m]), device) / m)
     return out
 
 
@@ -197,23 +231,22 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
     tier (the others would share its link); the intra-node groups probe at the same time.
     """
     local_rank = rank % local
-    vec = torch.zeros(7, dtype=torch.float64)
+    vec = torch.zeros(10, dtype=torch.float64)
     if nodes > 1 and local_rank == 0:
         group = inter_group if local > 1 else None
-        vec[2:4] = torch.tensor(_link_times(group, device), dtype=torch.float64)
+        vec[3:6] = torch.tensor(_link_times(group, device), dtype=torch.float64)
     if local > 1:
         dist.barrier()
-        vec[0:2] = torch.tensor(_link_times(intra_group if nodes > 1 else None, device), dtype=torch.float64)
-    sel_small, sel_large, per_pass = _compute_times(density, selector, device)
-    vec[4:7] = torch.tensor([sel_small, sel_large, per_pass], dtype=torch.float64)
+        vec[0:3] = torch.tensor(_link_times(intra_group if nodes > 1 else None, device), dtype=torch.float64)
+    vec[6:10] = torch.tensor(_compute_times(density, selector, device), dtype=torch.float64)
     vec = vec.to(device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank's figures, identical everywhere
     v = vec.cpu().tolist()
-    intra = Link.fit((v[0], v[1]), _PROBE_BYTES, local) if local > 1 else None
-    inter = Link.fit((v[2], v[3]), _PROBE_BYTES, nodes) if nodes > 1 else None
-    per = max(0.0, (v[5] - v[4]) / (_PROBE_NUMELS[1] - _PROBE_NUMELS[0]))
-    fixed = max(0.0, v[4] - per * _PROBE_NUMELS[0])
-    return CostModel(nodes, local, intra, inter, per, fixed, v[6])
+    intra = Link.fit((v[0], v[1]), (_PROBE_BYTES[0], int(v[2])), local) if local > 1 else None
+    inter = Link.fit((v[3], v[4]), (_PROBE_BYTES[0], int(v[5])), nodes) if nodes > 1 else None
+    per = max(0.0, (v[7] - v[6]) / (_PROBE_NUMELS[1] - _PROBE_NUMELS[0]))
+    fixed = max(0.0, v[6] - per * _PROBE_NUMELS[0])
+    return CostModel(nodes, local, intra, inter, per, fixed, v[8], v[9])
 
 
 # ---- the dense transports -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from tests.helpers.dist import run_distributed
 
 def _model(nodes, local, beta_inter=12.5e6, beta_intra=10e9, select_per_elem=2e-9):
     return CostModel(nodes, local, Link(5e-6, beta_intra) if local > 1 else None,
-                     Link(50e-6, beta_inter) if nodes > 1 else None, select_per_elem, 1e-4, 0.5e-9)
+                     Link(50e-6, beta_inter) if nodes > 1 else None, select_per_elem, 1e-4, 0.5e-9, 20e-9)
 
 
 def test_link_fit_recovers_alpha_and_beta():
