@@ -386,7 +386,7 @@ def summarize(res: RunResult) -> Dict[str, object]:
     return {
         "strategy": r0["strategy"], "density": r0["density"], "hierarchical": r0["hierarchical"],
         "exchange": r0.get("exchange"), "plan": r0.get("plan"), "inter_node_bytes_per_node": per_node,
-        "wire_bytes_per_rank": wire,
+        "wire_bytes_per_rank": wire, "cost_model": r0.get("cost_model"),
         "mode": res.mode, "world_size": len(ranks), "n_params": r0["n_params"], "steps": n_steps,
         "samples_per_s": sps, "step_time_s": step_time, "inter_node_bytes_per_step": inter,
         "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None, "target_acc": r0["target_acc"],

@@ -328,6 +328,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "hierarchical": args.hierarchical if args.strategy == "topk_ddp" else None,
         "exchange": args.exchange if args.strategy == "topk_ddp" else None,
         "plan": dict(trainer.strategy.topk_state.plan) if getattr(trainer.strategy, "topk_state", None) else None,
+        "cost_model": jsonable(trainer.strategy.topk_state.auto.model)
+        if getattr(getattr(trainer.strategy, "topk_state", None), "auto", None) else None,
         "lightning_global_rank": trainer.global_rank if distributed else env["rank"],
         "lightning_world_size": trainer.world_size if distributed else 1,
         "n_params": n_params, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,
