@@ -9,7 +9,8 @@ Per bucket of ``n`` entries with ``k`` to send, on ``P = N x L`` ranks (N nodes,
 model predicts compute + link time of
 
 * ``dense``: ring all-reduce of the fp32 accumulator, ``2(P-1) alpha + 2(P-1)/P 4n / beta``;
-* ``dense_bf16``: the same in bf16 (half the bytes; the cast error stays in the residual);
+* ``dense_bf16``: the same in bf16 (half the bytes; the cast error stays in the residual), its time the
+  fp32 one's times the measured bf16/fp32 ratio (0.5 where the link limits; gloo sums bf16 slowly on CPU);
 * ``allgather``: selection + ring all-gather of k entries, ``(P-1)(alpha + k b / beta)``;
 * ``hierarchical``: intra-node reduce-scatter and all-gather of the fp32 shard, selection on ``n/L``, an
   inter-node all-gather of ``k/L`` entries per rank that all L ranks of a node run at once;
@@ -61,7 +62,8 @@ REFRESH_STEPS = 100
 SWITCH_GAIN = 0.9
 SCATTER_TIE = 0.1
 _PROBE_BYTES = (1024, 1 << 20, 8 << 20)  # the largest only where 1 MiB takes < 50 ms (beats a shaper's burst)
-_PROBE_NUMELS = (1 << 17, 1 << 20)
+_PROBE_NUMELS = (1 << 18, 1 << 22)  # the larger beyond CPU caches, as real buckets are
+BOOKKEEPING_PASSES = 4  # every exchange: accumulate, feedback/finite check, rebuild or scale, copy back
 
 
 @dataclass
@@ -102,6 +104,7 @@ class CostModel:
     select_fixed: float
     pass_per_elem: float
     add_per_entry: float  # index_add_ of one entry at a random place (rebuilds, owner sums)
+    bf16_factor: float = 0.5  # a bf16 all-reduce's time / an fp32 one's of the same entries (gloo: CPU sums)
     comm_scale: float = 1.0
 
     @property
@@ -118,12 +121,13 @@ class CostModel:
         """(compute seconds, link seconds) of one bucket."""
         P, N, L = self.world, self.nodes, self.local
         eb = value_bytes + 4
-        dense_pass = self.pass_per_elem * n
+        dense_pass = BOOKKEEPING_PASSES * self.pass_per_elem * n
         flat = self._flat()
         if choice == "dense":
             comp, comm = dense_pass, flat.allreduce(4 * n, P)
         elif choice == "dense_bf16":
-            comp, comm = 2 * dense_pass, flat.allreduce(2 * n, P)
+            comp = dense_pass + 3 * self.pass_per_elem * n  # casts and the cast error into the residual
+            comm = self.bf16_factor * flat.allreduce(4 * n, P)
         elif choice == "allgather":
             comp = self.select(n) + dense_pass + self.add_per_entry * P * k
             comm = flat.allgather(k * eb, P)
@@ -193,18 +197,19 @@ def _timed(fn: Callable[[], None], device: torch.device, reps: int = 3) -> float
     return best
 
 
-def _link_times(group, device: torch.device) -> Tuple[float, float, int]:
-    """(small all-reduce seconds, large all-reduce seconds, large size); the same size on every rank."""
-    def timed(nbytes: int) -> float:
-        x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+def _link_times(group, device: torch.device) -> Tuple[float, float, int, float]:
+    """(small all-reduce seconds, large all-reduce seconds, large size, bf16/fp32 time of the large one);
+    the same sizes on every rank of the group."""
+    def timed(nbytes: int, dtype: torch.dtype = torch.float32) -> float:
+        x = torch.ones(nbytes // 4, dtype=dtype, device=device)
         return _timed(lambda: dist.all_reduce(x, group=group), device)
 
     small, mid = timed(_PROBE_BYTES[0]), timed(_PROBE_BYTES[1])
     t = torch.tensor([mid], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)  # one decision for the group
-    if float(t) < 0.05:
-        return small, timed(_PROBE_BYTES[2]), _PROBE_BYTES[2]
-    return small, mid, _PROBE_BYTES[1]
+    size = _PROBE_BYTES[2] if float(t) < 0.05 else _PROBE_BYTES[1]
+    large = timed(size) if size != _PROBE_BYTES[1] else mid
+    return small, large, size, timed(size, torch.bfloat16) / large
 
 
 def _compute_times(density: float, selector: str, device: torch.device) -> List[float]:
@@ -231,13 +236,15 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
     tier (the others would share its link); the intra-node groups probe at the same time.
     """
     local_rank = rank % local
-    vec = torch.zeros(10, dtype=torch.float64)
+    vec = torch.zeros(12, dtype=torch.float64)
     if nodes > 1 and local_rank == 0:
         group = inter_group if local > 1 else None
-        vec[3:6] = torch.tensor(_link_times(group, device), dtype=torch.float64)
+        t = _link_times(group, device)
+        vec[3:6], vec[11] = torch.tensor(t[:3], dtype=torch.float64), t[3]
     if local > 1:
         dist.barrier()
-        vec[0:3] = torch.tensor(_link_times(intra_group if nodes > 1 else None, device), dtype=torch.float64)
+        t = _link_times(intra_group if nodes > 1 else None, device)
+        vec[0:3], vec[10] = torch.tensor(t[:3], dtype=torch.float64), t[3]
     vec[6:10] = torch.tensor(_compute_times(density, selector, device), dtype=torch.float64)
     vec = vec.to(device)
     dist.all_reduce(vec, op=dist.ReduceOp.MAX)  # the slowest rank's figures, identical everywhere
@@ -246,7 +253,8 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
     inter = Link.fit((v[3], v[4]), (_PROBE_BYTES[0], int(v[5])), nodes) if nodes > 1 else None
     per = max(0.0, (v[7] - v[6]) / (_PROBE_NUMELS[1] - _PROBE_NUMELS[0]))
     fixed = max(0.0, v[6] - per * _PROBE_NUMELS[0])
-    return CostModel(nodes, local, intra, inter, per, fixed, v[8], v[9])
+    bf16 = v[11] if nodes > 1 else v[10]  # the tier flat collectives are limited by
+    return CostModel(nodes, local, intra, inter, per, fixed, v[8], v[9], bf16_factor=bf16)
 
 
 # ---- the dense transports -------------------------------------------------------------------------

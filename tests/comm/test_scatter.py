@@ -72,6 +72,7 @@ def _scenarios(rank, world):
         "bf16": _train(rank, world, dict(base, value_dtype="bf16"), ScatterOptions()),
         "overflow": _train(rank, world, base, ScatterOptions(capacity=1.0, margin=0.0)),
         "resume": _resume(rank, world),
+        "nonfinite": _nonfinite(rank, world),
     }
 
 
@@ -257,6 +258,37 @@ def test_bad_options_name_the_option():
         TopKConfig(exchange="scatter", hierarchical=True)
     with pytest.raises(ValueError, match="contradicts"):
         TopKConfig(exchange="hierarchical", hierarchical=False)
+
+
+def _nonfinite(rank, world):
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    st = TopKState(TopKConfig(density=0.05, min_sparse_numel=0, dense_steps=0))
+    st.bind(m.named_parameters())
+    ddp.register_comm_hook(st, scatter_topk_hook)
+    x, y = _batches(rank, 1)[0]
+    nn.functional.cross_entropy(ddp(x), y).backward()
+    before, owner_before = _snap(st.residuals()), _snap(st.owner_residuals)
+    for p in m.parameters():
+        p.grad = None
+    loss = nn.functional.cross_entropy(ddp(x), y)
+    if rank == 1:
+        loss = loss * float("inf")
+    loss.backward()
+    grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    return (before, _snap(st.residuals()), owner_before, _snap(st.owner_residuals), grads_finite,
+            list(st.nonfinite_params), st.nonfinite_seen)
+
+
+def test_nonfinite_on_one_rank_leaves_owner_residuals_and_its_residual_untouched(runs):
+    res = runs["nonfinite"]
+    for _b, after, owner_before, owner_after, grads_finite, _names, seen in res:
+        assert not grads_finite and seen  # every rank sees it: identical skip decisions
+        assert all(torch.isfinite(v).all() for v in after.values())
+        assert owner_before and all(torch.equal(owner_before[k], owner_after[k]) for k in owner_before)
+    before, after, _, _, _, names, _ = res[1]
+    assert names
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def _resume(rank, world):
