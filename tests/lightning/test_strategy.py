@@ -44,6 +44,8 @@ def test_ddp_kwargs_pass_through():
         (dict(density="a"), "density"),
         (dict(selector="sort"), "selector"),
         (dict(value_dtype="int8"), "value_dtype"),
+        (dict(exchange="ring"), "exchange"),
+        (dict(exchange="scatter", hierarchical=True), "contradicts"),
         (dict(hierarchical="yes"), "hierarchical"),
         (dict(nonfinite="ignore"), "nonfinite"),
         (dict(min_sparse_numel=-1), "min_sparse_numel"),
