@@ -44,6 +44,8 @@ def test_ddp_kwargs_pass_through():
         (dict(density="a"), "density"),
         (dict(selector="sort"), "selector"),
         (dict(value_dtype="int8"), "value_dtype"),
+        (dict(exchange="ring"), "exchange"),
+        (dict(exchange="scatter", hierarchical=True), "contradicts"),
         (dict(hierarchical="yes"), "hierarchical"),
         (dict(nonfinite="ignore"), "nonfinite"),
         (dict(min_sparse_numel=-1), "min_sparse_numel"),
@@ -71,7 +73,7 @@ def digits_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("digits")
     runs = {
         "ddp": ["--strategy", "ddp", "--epochs", "6"],
-        "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01
+        "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01, flat all-gather (train_probe default)
         # the sync-free path (default on CUDA), forced on CPU by the environment
         "topk_sync_free": (["--strategy", "topk_ddp", "--epochs", "6"], {"LIGHTNING_TOPK_SYNC_FREE": "1"}),
         "dense": ["--strategy", "topk", "--density", "1.0", "--epochs", "2"],
