@@ -371,16 +371,22 @@ def summarize(res: RunResult) -> Dict[str, object]:
         sps = len(ranks) * batch * (n_steps - warm) / max(span(r, n_steps) for r in ranks)
     step_time = len(ranks) * batch / sps
     # Ground truth from the interface counters of each node (local rank 0 reads them every step).
-    inter = None
+    inter = per_node = None
     counters = [r["if_bytes"] for r in ranks if r["local_rank"] == 0]
     if counters and all(c and all(x is not None for x in c) for c in counters):
         tx = [c[-1][0] - c[warm][0] for c in counters]
         steps_counted = [len(c) - 1 - warm for c in counters]
-        inter = sum(t / s for t, s in zip(tx, steps_counted))
+        per_node = [t / s for t, s in zip(tx, steps_counted)]
+        inter = sum(per_node)
+    # the strategy's own wire figure per rank and step (topk_ddp), same steps as the counters
+    wire = [sum(t.get("bytes_wire", 0) for t in r.get("telemetry_steps", [])[warm:])
+            / max(1, len(r.get("telemetry_steps", [])) - warm) for r in ranks] if r0.get("telemetry_steps") else None
     tta = next((e["time"] for e in r0["evals"] if e["acc"] >= r0["target_acc"]), None)
     tta_step = next((e["step"] for e in r0["evals"] if e["acc"] >= r0["target_acc"]), None)
     return {
         "strategy": r0["strategy"], "density": r0["density"], "hierarchical": r0["hierarchical"],
+        "exchange": r0.get("exchange"), "plan": r0.get("plan"), "inter_node_bytes_per_node": per_node,
+        "wire_bytes_per_rank": wire, "cost_model": r0.get("cost_model"),
         "mode": res.mode, "world_size": len(ranks), "n_params": r0["n_params"], "steps": n_steps,
         "samples_per_s": sps, "step_time_s": step_time, "inter_node_bytes_per_step": inter,
         "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None, "target_acc": r0["target_acc"],

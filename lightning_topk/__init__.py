@@ -24,6 +24,7 @@ _EXPORTS = {
     "TopKConfig": "lightning_topk.comm",
     "TopKState": "lightning_topk.comm",
     "hierarchical_topk_hook": "lightning_topk.comm",
+    "scatter_topk_hook": "lightning_topk.comm",
     "topk_allgather_hook": "lightning_topk.comm",
     "topk_select": "lightning_topk.comm",
     "TopKDDPStrategy": "lightning_topk.lightning.strategy",
@@ -49,6 +50,7 @@ __all__ = [
     "WebDataModule",
     "hierarchical_topk_hook",
     "register_strategies",
+    "scatter_topk_hook",
     "topk_allgather_hook",
     "topk_select",
     "write_shards",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
         TopKConfig,
         TopKState,
         hierarchical_topk_hook,
+        scatter_topk_hook,
         topk_allgather_hook,
         topk_select,
     )

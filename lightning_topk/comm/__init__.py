@@ -3,11 +3,12 @@
 from lightning_topk.comm.allgather import topk_allgather_hook
 from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from lightning_topk.comm.scatter import scatter_topk_hook
 from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
 
 __all__ = [
     "Decision", "DensitySchedule", "StepController", "StepStats", "TopKConfig", "TopKState",
-    "hierarchical_topk_hook", "make_groups", "topk_allgather_hook", "topk_select",
+    "hierarchical_topk_hook", "make_groups", "scatter_topk_hook", "topk_allgather_hook", "topk_select",
 ]

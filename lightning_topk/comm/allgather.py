@@ -29,7 +29,15 @@ from torch import Tensor
 
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
 from lightning_topk.comm.state import Scale, TopKState, _BucketBuffers, clock
-from lightning_topk.comm.wire import index_dtype_for, pack, packed_nbytes, to_wire, unpack
+from lightning_topk.comm.wire import (
+    index_dtype_for,
+    pack,
+    packed_nbytes,
+    ring_allgather_wire,
+    ring_allreduce_wire,
+    to_wire,
+    unpack,
+)
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -197,7 +205,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         k = sum(ks)
     else:
         k = bucket_k(state, n)
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size())
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t0 = clock(device)
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
@@ -218,7 +227,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
                 vel.zero_()
         if state.debug.enabled:
             record_sent(state, names, [p.numel() for p in params], out)
-        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4))
+        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4),
+                        bytes_wire=ring_allreduce_wire(4 * n, world))
         t_launch = clock(device)
         fut = dist.all_reduce(out, group=group, async_op=True).get_future()
 
@@ -239,7 +249,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     idt = index_dtype_for(n)
     packed = pack(wire, idx, idt)
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()))
+    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
+                    bytes_wire=ring_allgather_wire(packed.numel(), world), allgather_buckets=1)
     state.add_time(stats, "select_time_s", t0)
     t_launch = clock(device)
     fut = _all_gather(out, packed, group=group, async_op=True).get_future()

@@ -35,7 +35,14 @@ from lightning_topk.comm.allgather import (
     topk_allgather_hook,
 )
 from lightning_topk.comm.state import HierExchange, Scale, StepStats, TopKState, clock
-from lightning_topk.comm.wire import index_dtype_for, pack, unpack
+from lightning_topk.comm.wire import (
+    index_dtype_for,
+    pack,
+    ring_allgather_wire,
+    ring_allreduce_wire,
+    ring_reduce_scatter_wire,
+    unpack,
+)
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -115,7 +122,8 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     device = grad.device
     stats = state.current
     world = L * h.num_nodes
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=s * L * 4)
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=s * L * 4,
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world), hierarchical_buckets=1)
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, device, multiple=L) if cfg.error_feedback else None
@@ -146,7 +154,8 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     packed = pack(wire, idx, idt)
     out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=device)
     state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel() + s * 4, bytes_inter=packed.numel(),
-                    bytes_intra=s * 4)
+                    bytes_intra=s * 4, bytes_wire=ring_reduce_scatter_wire(4 * s * L, L)
+                    + ring_allgather_wire(packed.numel(), h.num_nodes) + ring_allgather_wire(4 * s, L))
     # Every collective is issued from this (backward) thread, in bucket order, so all ranks issue the
     # same sequence on each group. The previous bucket's intra-node all-gather goes out now, after
     # its inter-node all-gather had the time between two hooks to run.

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
+# How entries travel: chosen per bucket by a cost model ("auto"), or one algorithm for every bucket.
+EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "scatter")
 Scale = Union[float, Tensor]
 
 
@@ -61,11 +63,12 @@ class TopKConfig:
         warmup_start: density at the start of the warm-up, in (0, 1].
         min_sparse_numel: buckets with fewer entries go dense (int >= 0); so does any bucket whose
             packed sparse buffer would not be smaller than the dense one.
-        hierarchical: ``"auto"``, ``True`` or ``False``: intra-node reduce-scatter, top-k on the owned
-            shard, inter-node all-gather. ``"auto"`` uses it with more than one node and more than one
-            process per node, unless ``momentum_correction`` or ``selection_scope="parameter"`` ask for
-            the flat exchange. ``True`` with either of those is an error, and so is ``True`` with one
-            process per node (checked when the strategy knows the layout).
+        hierarchical: ``"auto"``, ``True`` or ``False``, the older switch of the hierarchical exchange
+            (intra-node reduce-scatter, top-k on the owned shard, inter-node all-gather): ``True`` means
+            ``exchange="hierarchical"`` (with another pinned exchange, ``momentum_correction`` or
+            ``selection_scope="parameter"`` it is an error, and so is one process per node, checked when
+            the strategy knows the layout); ``False`` keeps ``exchange="auto"`` from choosing it; ``"auto"``
+            leaves it to ``exchange``.
         nonfinite: a NaN/inf gradient on any rank (seen in what entered or what came out of the
             exchange): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips the
             optimizer step on every rank and rolls the residuals back, ``"propagate"`` passes it through
@@ -74,6 +77,10 @@ class TopKConfig:
             its layers). ``"parameter"``: a top-k of each parameter (k_p = ceil(ρ·n_p); parameters below
             ``min_sparse_numel`` are sent whole); independent of DDP's bucket layout, which makes resume
             bit-exact with several buckets. Flat exchange only.
+        exchange: how entries travel: ``"auto"`` (a cost model probed at setup picks per bucket), ``"dense"``
+            (all-reduce), ``"allgather"`` (flat top-k all-gather), ``"hierarchical"`` (as ``hierarchical=True``)
+            or ``"scatter"`` (scale-free sparse reduce-scatter + all-gather, :mod:`lightning_topk.comm.scatter`;
+            no ``momentum_correction``).
         log_telemetry: log ``topk/*`` metrics to the Trainer's loggers every ``log_every_n_steps``.
     """
 
@@ -91,6 +98,7 @@ class TopKConfig:
     nonfinite: str = "raise"
     selection_scope: str = "bucket"
     log_telemetry: bool = True
+    exchange: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -131,6 +139,20 @@ class TopKConfig:
             raise ValueError("topk_ddp: selection_scope='parameter' is not supported with the hierarchical exchange "
                              "(its shards cut across parameters); set hierarchical=false (or 'auto') or "
                              "selection_scope='bucket'")
+        if self.exchange not in EXCHANGE_CHOICES:
+            raise bad("exchange", f"one of {list(EXCHANGE_CHOICES)}")
+        if self.hierarchical is True and self.exchange not in ("auto", "hierarchical"):
+            raise ValueError(f"topk_ddp: hierarchical=true contradicts exchange={self.exchange!r}; set "
+                             "exchange='hierarchical' (or 'auto') or leave hierarchical='auto'")
+        if self.hierarchical is False and self.exchange == "hierarchical":
+            raise ValueError("topk_ddp: hierarchical=false contradicts exchange='hierarchical'; leave "
+                             "hierarchical='auto'")
+        if self.exchange == "hierarchical" and (self.momentum_correction or self.selection_scope != "bucket"):
+            raise ValueError("topk_ddp: exchange='hierarchical' supports neither momentum_correction nor "
+                             "selection_scope='parameter'; use exchange='allgather' (or 'auto')")
+        if self.exchange == "scatter" and self.momentum_correction:
+            raise ValueError("topk_ddp: momentum_correction is not supported with exchange='scatter'; "
+                             "use exchange='allgather' or momentum_correction=false")
 
     @classmethod
     def option_names(cls) -> Tuple[str, ...]:
@@ -145,14 +167,16 @@ class TopKConfig:
         return value_dtype_of(self.value_dtype)
 
     def use_hierarchical(self, num_nodes: int, procs_per_node: int) -> bool:
-        """Whether the hierarchical exchange runs on this layout (raises for ``True`` on one process per node)."""
-        if self.hierarchical == "auto":
-            return (num_nodes > 1 and procs_per_node > 1 and not self.momentum_correction
-                    and self.selection_scope == "bucket")
-        if self.hierarchical and procs_per_node < 2:
-            raise ValueError("topk_ddp: hierarchical=True needs more than one process per node "
-                             f"(devices={procs_per_node}); use hierarchical='auto' or false")
-        return bool(self.hierarchical)
+        """Whether every bucket takes the hierarchical exchange (``hierarchical=True`` or
+        ``exchange='hierarchical'``; raises on one process per node). With ``exchange='auto'`` the cost model
+        may still pick it per bucket."""
+        pinned = self.hierarchical is True or self.exchange == "hierarchical"
+        if pinned and procs_per_node < 2:
+            raise ValueError(
+                "topk_ddp: hierarchical=True / exchange='hierarchical' needs more than one process per node "
+                f"(devices={procs_per_node}); use exchange='auto' or 'scatter' (and hierarchical='auto')"
+            )
+        return pinned
 
 
 # ---- telemetry -------------------------------------------------------------------------------------
@@ -167,7 +191,13 @@ def clock(device: torch.device) -> Any:
 
 @dataclass
 class StepStats:
-    """Telemetry of one exchange step on this rank (bytes are what this rank put on the wire).
+    """Telemetry of one exchange step on this rank.
+
+    Payload (what this rank hands to the collectives): ``bytes_sent``, ``bytes_dense`` (the all-reduce
+    payload it replaced), ``bytes_intra`` / ``bytes_inter``. Wire (what leaves this rank for the algorithm
+    actually used: ring all-reduce ``2(P-1)/P`` x payload, ring all-gather ``(P-1)`` x payload,
+    all-to-all ``(P-1)`` blocks): ``bytes_wire``, and ``bytes_dense_wire`` for a dense fp32 ring all-reduce
+    of the same buckets (a bf16 one sends half of that).
 
     On CUDA the times are CUDA-event pairs that are read only by :meth:`resolve` (called by
     :meth:`as_metrics`, at logging time), never in the hot path.
@@ -178,12 +208,19 @@ class StepStats:
     bytes_dense: int = 0
     bytes_intra: int = 0
     bytes_inter: int = 0
+    bytes_wire: int = 0
+    bytes_dense_wire: int = 0
     numel: int = 0
     numel_sent: int = 0
     select_time_s: float = 0.0
     comm_time_s: float = 0.0
+    predicted_s: float = 0.0  # exchange="auto": the cost model's select + comm time for this step's buckets
     buckets: int = 0
     dense_buckets: int = 0
+    dense_bf16_buckets: int = 0
+    allgather_buckets: int = 0
+    hierarchical_buckets: int = 0
+    scatter_buckets: int = 0
     nonfinite_buckets: int = 0
     _events: List[Tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
 
@@ -193,6 +230,17 @@ class StepStats:
 
     @property
     def compression(self) -> float:
+        """Wire bytes of a dense fp32 ring all-reduce / wire bytes actually sent."""
+        return self.bytes_dense_wire / self.bytes_wire if self.bytes_wire else 0.0
+
+    @property
+    def compression_bf16(self) -> float:
+        """Wire bytes of a dense bf16 ring all-reduce / wire bytes actually sent."""
+        return 0.5 * self.compression
+
+    @property
+    def payload_compression(self) -> float:
+        """All-reduce payload / payload handed to the collectives (not what the wire carries)."""
         return self.bytes_dense / self.bytes_sent if self.bytes_sent else 0.0
 
     def resolve(self, ready_only: bool = False) -> "StepStats":
@@ -215,10 +263,21 @@ class StepStats:
             "topk/bytes_dense": float(self.bytes_dense),
             "topk/bytes_intra": float(self.bytes_intra),
             "topk/bytes_inter": float(self.bytes_inter),
+            "topk/bytes_wire": float(self.bytes_wire),
+            "topk/bytes_dense_wire": float(self.bytes_dense_wire),
             "topk/density": self.density,
             "topk/compression": self.compression,
+            "topk/compression_bf16": self.compression_bf16,
+            "topk/payload_compression": self.payload_compression,
             "topk/select_ms": 1e3 * self.select_time_s,
             "topk/comm_ms": 1e3 * self.comm_time_s,
+            "topk/predicted_ms": 1e3 * self.predicted_s,
+            "topk/measured_ms": 1e3 * (self.select_time_s + self.comm_time_s),
+            "topk/buckets_dense": float(self.dense_buckets - self.dense_bf16_buckets),
+            "topk/buckets_dense_bf16": float(self.dense_bf16_buckets),
+            "topk/buckets_allgather": float(self.allgather_buckets),
+            "topk/buckets_hierarchical": float(self.hierarchical_buckets),
+            "topk/buckets_scatter": float(self.scatter_buckets),
         }
 
 
@@ -286,6 +345,19 @@ class UndoLog:
         self.enabled = False
         self._copies: Dict[Tuple[str, ...], Tuple[Tensor, Optional[Tensor]]] = {}
         self._saved: Dict[int, _BucketBuffers] = {}
+        # Other per-rank state updated in place during a step (the scale-free exchange's owner residuals).
+        self._tensor_copies: Dict[str, Tensor] = {}
+        self._saved_tensors: Dict[str, Tensor] = {}
+
+    def save_tensor(self, key: str, t: Tensor) -> None:
+        """Copy ``t`` before the step's first in-place update of it (restored by :meth:`rollback`)."""
+        if not self.enabled or key in self._saved_tensors:
+            return
+        copy = self._tensor_copies.get(key)
+        if copy is None or copy.shape != t.shape or copy.device != t.device:
+            copy = self._tensor_copies[key] = torch.empty_like(t)
+        copy.copy_(t)
+        self._saved_tensors[key] = t
 
     def save(self, b: _BucketBuffers) -> None:
         if not self.enabled or id(b) in self._saved:
@@ -307,9 +379,13 @@ class UndoLog:
             if vel is not None and b.velocity is not None:
                 b.velocity.copy_(vel)
         self._saved.clear()
+        for key, t in self._saved_tensors.items():
+            t.copy_(self._tensor_copies[key])
+        self._saved_tensors.clear()
 
     def commit(self, live: Iterable[Tuple[str, ...]]) -> None:
         self._saved.clear()
+        self._saved_tensors.clear()
         keep = set(live)
         for names in [n for n in self._copies if n not in keep]:  # buckets DDP rebuilt away
             del self._copies[names]
@@ -317,6 +393,8 @@ class UndoLog:
     def clear(self) -> None:
         self._saved.clear()
         self._copies.clear()
+        self._saved_tensors.clear()
+        self._tensor_copies.clear()
 
 
 @dataclass
@@ -355,6 +433,15 @@ class TopKState:
         self.process_group = process_group
         self.hier: Optional[HierExchange] = HierExchange(hier) if hier is not None else None
         self.num_nodes = num_nodes
+        # Scale-free exchange (comm/scatter.py): options, the bucket waiting for its owner step, and the
+        # owner-side residuals (this rank's region sums not yet forwarded), keyed by bucket.
+        self.scatter: Any = None
+        self.scatter_pending: Any = None
+        self.owner_residuals: Dict[str, Tensor] = {}
+        self._pending_owner: Dict[str, Tensor] = {}
+        # exchange="auto": the cost model (comm/cost.py) and its choice per bucket.
+        self.auto: Any = None
+        self.plan: Dict[str, str] = {}
         self.step = 0
         # Loss scale of the current backward: a float, or the scaler's scale as a device tensor (no host read).
         self.grad_scale: Scale = 1.0
@@ -515,6 +602,10 @@ class TopKState:
             d = {n: t.clone() for (k, n), t in pending.items() if k == kind}
             d.update({n: t.detach().cpu().clone() for n, t in live.items()})
             out[kind] = d
+        owner = {k: t.clone() for k, t in self._pending_owner.items()}
+        owner.update({k: t.detach().cpu().clone() for k, t in self.owner_residuals.items()})
+        out["owner_residual"] = owner
+        out["plan"] = dict(self.plan)
         return out
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -528,3 +619,6 @@ class TopKState:
         self._owner.clear()
         self.undo.clear()
         self._pending_load = pending
+        self.owner_residuals.clear()
+        self._pending_owner = dict(sd.get("owner_residual", {}))
+        self.plan = dict(sd.get("plan", {}))

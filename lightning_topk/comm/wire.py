@@ -41,8 +41,13 @@ def to_wire(values: Tensor, value_dtype: torch.dtype) -> Tensor:
 
 
 def pack(values: Tensor, indices: Tensor, index_dtype: torch.dtype = torch.int32) -> Tensor:
-    """values (already in the wire dtype) and indices -> one contiguous uint8 buffer."""
-    return torch.cat([values.contiguous().view(torch.uint8), indices.to(index_dtype).view(torch.uint8)])
+    """values (already in the wire dtype) and indices -> one contiguous uint8 buffer.
+
+    2-D ``[rows, k]`` inputs give one ``[k values][k indices]`` row per destination (what :func:`unpack`
+    reads back with ``world=rows``)."""
+    v = values.contiguous().view(torch.uint8)
+    i = indices.to(index_dtype).contiguous().view(torch.uint8)
+    return torch.cat([v, i], dim=-1).reshape(-1)
 
 
 def unpack(buf: Tensor, k: int, value_dtype: torch.dtype, world: int,
@@ -60,3 +65,24 @@ def _view_as(part: Tensor, dtype: torch.dtype) -> Tensor:
     if flat.storage_offset() % dtype.itemsize:  # one row's slice may start where the wider dtype cannot view
         flat = flat.clone()
     return flat.view(dtype)
+
+
+# ---- bytes on the wire per rank (what leaves this rank), by collective algorithm -----------------------
+def ring_allreduce_wire(nbytes: int, world: int) -> int:
+    """Ring all-reduce (reduce-scatter + all-gather) of ``nbytes``: ``2 (P-1)/P * nbytes``."""
+    return 2 * (world - 1) * nbytes // world
+
+
+def ring_allgather_wire(nbytes: int, world: int) -> int:
+    """Ring all-gather of ``nbytes`` per rank: every rank forwards ``P-1`` blocks."""
+    return (world - 1) * nbytes
+
+
+def all_to_all_wire(nbytes_per_peer: int, world: int) -> int:
+    """Direct all-to-all with ``nbytes_per_peer`` per destination (the block to itself stays local)."""
+    return (world - 1) * nbytes_per_peer
+
+
+def ring_reduce_scatter_wire(nbytes: int, world: int) -> int:
+    """Ring reduce-scatter of ``nbytes`` into ``P`` shards: ``(P-1)/P * nbytes``."""
+    return (world - 1) * nbytes // world

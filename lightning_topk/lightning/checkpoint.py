@@ -5,7 +5,8 @@ Layout, next to the Lightning checkpoint ``<ckpt>`` (which rank 0 writes)::
     <ckpt>                    Lightning's file; ``checkpoint["lightning_topk"]`` holds metadata only
                               (format version, save key, world size, node layout, step, config,
                               parameter name -> numel)
-    <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name (plain CPU
+    <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name, its owner
+                              residuals (scale-free exchange) and exchange="auto"'s choices (plain CPU
                               tensors and JSON types: loaded with ``torch.load(weights_only=True)``)
 
 Every rank writes its own shard atomically (:mod:`lightning_topk.files`) before rank 0 writes the
@@ -20,7 +21,8 @@ warning (from rank 0) that says what was redistributed or reset:
 * same world size: rank r gets shard r exactly (also when the node layout or the flat/hierarchical
   exchange changed: both apply ``(1/W) * sum_r residual_r`` as the pending update);
 * different world size W -> W': every new rank gets the average ``(1/W) * sum_r residual_r`` (and the
-  same for velocities). The pending update of error feedback is ``(1/W) * sum_r residual_r``; with
+  same for velocities), after each shard's owner residuals were folded into its residuals (same
+  pending update, see :mod:`lightning_topk.comm.scatter`); the choices of exchange="auto" are dropped. The pending update of error feedback is ``(1/W) * sum_r residual_r``; with
   W' copies of the average it is ``(1/W') * W' * avg``, i.e. unchanged;
 * a checkpoint without top-k state (plain ``ddp``, weights-only) or with missing/corrupt/stale shards:
   the affected residuals start at zero; the density schedule continues at the saved step (or the
@@ -95,7 +97,8 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
     )
     checkpoint[META_KEY] = meta
     shard = dict(format=FORMAT, version=VERSION, save_key=key, rank=int(strategy.global_rank),
-                 world_size=meta["world_size"], residual=sd["residual"], velocity=sd["velocity"])
+                 world_size=meta["world_size"], residual=sd["residual"], velocity=sd["velocity"],
+                 owner_residual=sd["owner_residual"], plan=sd["plan"])
     atomic_torch_save(shard, shard_path(filepath, strategy.global_rank))
 
 
@@ -146,6 +149,10 @@ def read_shard(path: str, meta: Dict[str, Any], rank: int, mmap: bool = False) -
         d = shard.get(kind, {})
         if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in d.items()):
             return None, f"malformed {kind} entries"
+    for kind, typ in (("owner_residual", Tensor), ("plan", str)):
+        d = shard.get(kind, {})
+        if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, typ) for k, v in d.items()):
+            return None, f"malformed {kind} entries"
     return shard, ""
 
 
@@ -183,12 +190,15 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
     empty = {kind: {} for kind in KINDS}
     gstep = int(checkpoint.get("global_step", 0) or 0)
 
-    def done(step: int, tensors: Dict[str, Dict[str, Tensor]]) -> Dict[str, Any]:
+    def done(step: int, tensors: Dict[str, Dict[str, Tensor]], extra: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         tensors = _fit_to_model(strategy, tensors, notes)
         if notes:
             _rank_zero_warn("lightning_topk: restoring top-k compression state from "
                             f"{os.fspath(ckpt_path)!r}: " + "; ".join(notes))
-        return {"step": step, **tensors}
+        extra = dict(extra or {})
+        if not cfg.error_feedback:
+            extra.pop("owner_residual", None)
+        return {"step": step, **tensors, **extra}
 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         if not cfg.error_feedback:
@@ -218,7 +228,8 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
             return done(step, empty)
         shard, _ = read_shard(join(sdir, f"rank{rank}.pt"), meta, rank)
         # Same world size: per-rank residuals stay valid for any node layout (see module docstring).
-        return done(step, {kind: dict(shard[kind]) for kind in KINDS})
+        return done(step, {kind: dict(shard[kind]) for kind in KINDS},
+                    {k: dict(shard.get(k, {})) for k in ("owner_residual", "plan")})
     shards, bad = [], {}
     for r in range(old_world):
         s, why = read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
@@ -231,11 +242,23 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
                      + ", ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
                      + "); residuals of all ranks reset to zero")
         return done(step, empty)
+    for s in shards:
+        _fold_owner(s)
     tensors = {kind: _average(shards, kind, old_world) for kind in KINDS}
     notes.append(f"world size changed from {old_world} to {world}: every rank starts from the average of "
                  f"the {old_world} saved ranks' residuals" + (" and velocities" if tensors["velocity"] else "")
                  + ", which keeps the pending update (1/W)*sum(residuals) unchanged")
     return done(step, tensors)
+
+
+def _fold_owner(shard: dict) -> None:
+    """Owner residuals (scale-free exchange) into the shard's own residuals: same pending update."""
+    from lightning_topk.comm.scatter import fold_owner_residual
+
+    res = shard["residual"] = dict(shard["residual"])
+    for key, t in shard.get("owner_residual", {}).items():
+        for name, v in fold_owner_residual(key, t).items():
+            res[name] = v if name not in res else res[name].float() + v
 
 
 def _fit_to_model(strategy, tensors: Dict[str, Dict[str, Tensor]], notes: List[str]) -> Dict[str, Dict[str, Tensor]]:

@@ -51,7 +51,7 @@ def check_before_setup(strategy) -> None:
     cap = getattr(strategy, "_ddp_kwargs", {}).get("bucket_cap_mb")
     if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap > 0):
         raise ValueError(f"topk_ddp: bucket_cap_mb must be a number > 0, got {cap!r}")
-    strategy._use_hierarchical()  # raises for hierarchical=True with one process per node
+    strategy._use_hierarchical()  # raises for a hierarchical exchange with one process per node
     cfg = strategy.topk_config
     if cfg.value_dtype == "fp16" and _is_bf16_model(strategy):
         raise ValueError(

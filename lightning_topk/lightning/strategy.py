@@ -17,7 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
+from lightning_topk.comm.state import HierExchange, StepStats, TopKConfig, TopKState
 from lightning_topk.lightning.faults import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -62,27 +62,57 @@ class TopKStrategyMixin:
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
-        from lightning_topk.comm.allgather import topk_allgather_hook
-
-        hook: Callable = topk_allgather_hook
-        hier = None
-        if self._use_hierarchical():
-            from lightning_topk.comm.hierarchical import build_groups, hierarchical_topk_hook
-
-            hier = build_groups(self)
-            hook = hierarchical_topk_hook
-        state = TopKState(self.topk_config, hier=hier, num_nodes=self.num_nodes)
+        state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
+        hook = self._exchange_hook(state)
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
             state.load_state_dict(self._pending_topk_state)
             self._pending_topk_state = None
+        from lightning_topk.comm.scatter import fold_pending_owner
+
+        if self._exchange() not in ("auto", "scatter"):
+            fold_pending_owner(state)  # owner residuals of a scale-free run resumed with another exchange
         self.model.register_comm_hook(state, hook)
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
 
+    def _exchange(self) -> str:
+        """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
+        return "hierarchical" if self._use_hierarchical() else self.topk_config.exchange
+
+    def _exchange_hook(self, state: TopKState) -> Callable:
+        """The comm hook for the chosen exchange; ``auto`` probes links and selection first (collective)."""
+        from lightning_topk.comm import cost, hierarchical
+        from lightning_topk.comm.allgather import topk_allgather_hook
+        from lightning_topk.comm.scatter import scatter_topk_hook
+
+        ex = self._exchange()
+        if ex == "hierarchical":
+            state.hier = HierExchange(hierarchical.build_groups(self))
+            return hierarchical.hierarchical_topk_hook
+        if ex == "dense":
+            return cost.dense_topk_hook
+        if ex == "scatter":
+            return scatter_topk_hook
+        if ex == "allgather" or self.world_size < 2:
+            return topk_allgather_hook
+        cfg, nodes, local = self.topk_config, self.num_nodes, self.num_processes
+        groups = None
+        if nodes > 1 and local > 1:
+            hier_ok = cfg.hierarchical is not False and not cfg.momentum_correction and cfg.selection_scope == "bucket"
+            groups = hierarchical.build_groups(self) if hier_ok else hierarchical.make_groups(
+                nodes, local, self.global_rank, timeout=getattr(self, "_timeout", None))
+            state.hier = HierExchange(groups)
+        model = cost.probe(nodes, local, self.global_rank, cfg.density, cfg.selector, self.root_device,
+                           None if groups is None else groups.intra, None if groups is None else groups.inter)
+        state.auto = cost.AutoExchange(model, cost.candidates_for(cfg, nodes, local, groups is not None),
+                                       self.global_rank)
+        return cost.auto_topk_hook
+
     def _use_hierarchical(self) -> bool:
+        """Whether every bucket takes the hierarchical exchange (see :meth:`TopKConfig.use_hierarchical`)."""
         return self.topk_config.use_hierarchical(self.num_nodes, self.num_processes)
 
     # ---- telemetry ----------------------------------------------------------------------------

@@ -7,13 +7,15 @@ issued on every rank at the same step, and logs the result with ``LightningModul
 are in ``trainer.callback_metrics`` on every rank, go to every logger, and ``topk/compression`` and
 ``topk/density`` are on the progress bar.
 
-Reduced values: bytes and times are means per rank; ``topk/density`` and ``topk/compression`` are ratios of
-the sums (all ranks' entries sent / entries, dense bytes / bytes sent).
+Reduced values: bytes, times and bucket counts are means per rank; ``topk/density`` and the compression
+figures are ratios of the sums (all ranks' entries sent / entries; wire bytes of a dense fp32 ring
+all-reduce / wire bytes actually sent).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Dict, Tuple
+from typing import Dict
 
 import torch
 
@@ -22,34 +24,23 @@ from lightning_topk.comm.state import StepStats
 PROG_BAR = ("topk/compression", "topk/density")
 
 
-def compression_bytes(stats: StepStats) -> Tuple[float, float]:
-    """(bytes this rank sent, bytes a dense exchange would have sent): the source of ``topk/compression``.
-
-    Payload bytes for now (wire-level counts would replace them here).
-    """
-    return float(stats.bytes_sent), float(stats.bytes_dense)
+_RATIOS = ("topk/density", "topk/compression", "topk/compression_bf16", "topk/payload_compression")
 
 
 def reduced_metrics(stats: StepStats, strategy) -> Dict[str, float]:
-    """``topk/*`` of ``stats`` reduced over all ranks (a collective: call on every rank, in the same order)."""
-    sent, dense = compression_bytes(stats)
-    local = [sent, dense, stats.bytes_intra, stats.bytes_inter, stats.numel_sent, stats.numel,
-             stats.select_time_s, stats.comm_time_s]
+    """``topk/*`` of ``stats`` reduced over all ranks (a collective: call on every rank, in the same order).
+
+    Every counter of :class:`StepStats` is summed over the ranks in one all-reduce; bytes, times and bucket
+    counts are then reported as means per rank, and the ratios (density, compression) as ratios of the sums.
+    """
+    stats.resolve()
+    names = [f.name for f in dataclasses.fields(StepStats) if not f.name.startswith("_") and f.name != "step"]
     world = max(1, int(strategy.world_size))
-    t = torch.tensor(local, dtype=torch.float64, device=strategy.root_device)
+    t = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64, device=strategy.root_device)
     if world > 1:
         t = strategy.reduce(t, reduce_op="sum")
-    sent, dense, intra, inter, numel_sent, numel, select_s, comm_s = t.tolist()
-    return {
-        "topk/bytes_sent": sent / world,
-        "topk/bytes_dense": dense / world,
-        "topk/bytes_intra": intra / world,
-        "topk/bytes_inter": inter / world,
-        "topk/density": numel_sent / numel if numel else 0.0,
-        "topk/compression": dense / sent if sent else 0.0,
-        "topk/select_ms": 1e3 * select_s / world,
-        "topk/comm_ms": 1e3 * comm_s / world,
-    }
+    summed = StepStats(step=stats.step, **{n: v for n, v in zip(names, t.tolist())})
+    return {k: (v if k in _RATIOS else v / world) for k, v in summed.as_metrics().items()}
 
 
 @functools.lru_cache(maxsize=None)

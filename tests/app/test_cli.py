@@ -40,7 +40,8 @@ def test_default_run_short_end_to_end(tmp_path):
     s = json.loads((run / "summary.json").read_text())
     assert s["strategy"] == "topk_ddp" and s["world_size"] == 2
     assert s["metrics"]["test/acc"] > 0.5  # chance is 0.1
-    assert s["bytes"]["ratio"] > 5 and s["bytes"]["sent"] < s["bytes"]["dense"]
+    # exchange="auto" picks per bucket (dense bf16 is likely on loopback): never more wire bytes than dense fp32
+    assert 0 < s["bytes"]["wire"] <= s["bytes"]["dense_wire"] and s["bytes"]["ratio"] >= 1
     assert s["samples"] > 0 and s["samples_per_second"] > 0 and s["global_step"] == 3 * 23
     assert Path(s["checkpoint"]).is_file() and Path(s["checkpoint"]).parent == run / "checkpoints"
     assert (Path(s["log_dirs"][0]) / "metrics.csv").is_file()

@@ -94,15 +94,15 @@ import os  # noqa: E402
 from tests.helpers.procs import run_nodes  # noqa: E402
 
 
-def _two_nodes(out, hierarchical, epochs=3):
+def _two_nodes(out, exchange, epochs=3):
     run_nodes(["tests/scripts/train_probe.py", "--strategy", "topk", "--density", "0.01", "--num-nodes", "2",
-               "--hierarchical", hierarchical, "--epochs", str(epochs), "--out", str(out)])
+               "--exchange", exchange, "--epochs", str(epochs), "--out", str(out)])
     return json.loads((out / "result.json").read_text()), [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
 def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
-    hier, hranks = _two_nodes(tmp_path / "hier", "auto")
-    flat, franks = _two_nodes(tmp_path / "flat", "false")
+    hier, hranks = _two_nodes(tmp_path / "hier", "hierarchical")
+    flat, franks = _two_nodes(tmp_path / "flat", "allgather")
     assert hranks[0]["hier"] == [[0, 1], [0, 2]] and hranks[1]["hier"] == [[0, 1], [1, 3]]
     assert franks[0]["hier"] is None
     for k in hranks[0]["params"]:
@@ -140,7 +140,8 @@ def test_slurm_environment_gives_ranks_and_groups(monkeypatch, procid):
     from pytorch_lightning.plugins.environments import SLURMEnvironment
 
     _slurm_env(monkeypatch, procid)
-    t = pl.Trainer(strategy=TopKDDPStrategy(density=0.01), accelerator="cpu", devices=2, num_nodes=2, logger=False)
+    t = pl.Trainer(strategy=TopKDDPStrategy(density=0.01, exchange="hierarchical"), accelerator="cpu", devices=2,
+                   num_nodes=2, logger=False)
     s = t.strategy
     assert isinstance(s.cluster_environment, SLURMEnvironment)
     assert (s.node_rank, s.local_rank, s.global_rank, s.world_size) == (procid // 2, procid % 2, procid, 4)

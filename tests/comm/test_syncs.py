@@ -1,5 +1,5 @@
 """Host syncs of the exchange on the sync-free path (LIGHTNING_TOPK_SYNC_FREE=1 forces it on CPU): none inside the
-hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat and hierarchical; at most one
+hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat, hierarchical and scale-free; at most one
 per step outside them (the step controller's). Real gloo processes; counter in tests/helpers/syncs.py."""
 import os
 
@@ -12,6 +12,7 @@ from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm.allgather import topk_allgather_hook
 from lightning_topk.comm.controller import StepController
 from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from lightning_topk.comm.scatter import scatter_topk_hook
 from tests.helpers.dist import run_distributed
 from tests.helpers.syncs import SyncCounter
 
@@ -19,8 +20,12 @@ STEPS = 3
 COMBOS = [(sel, wire) for sel in ("exact", "mstopk") for wire in ("fp32", "bf16")]
 
 
-def _count(rank, world, hier, sync_free):
+HOOKS = {"flat": topk_allgather_hook, "hierarchical": hierarchical_topk_hook, "scatter": scatter_topk_hook}
+
+
+def _count(rank, world, mode, sync_free):
     os.environ["LIGHTNING_TOPK_SYNC_FREE"] = "1" if sync_free else "0"
+    hier = mode == "hierarchical"
     groups = make_groups(2, 2, rank) if hier else None
     out = {}
     for selector, wire in COMBOS:
@@ -29,11 +34,11 @@ def _count(rank, world, hier, sync_free):
         m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
         ddp = DDP(m, bucket_cap_mb=0.6)
         cfg = TopKConfig(density=0.01, selector=selector, value_dtype=wire, min_sparse_numel=1000, dense_steps=1,
-                         nonfinite="skip", hierarchical=hier)
+                         nonfinite="skip", hierarchical=hier, exchange="scatter" if mode == "scatter" else "auto")
         st = TopKState(cfg, hier=groups)
         st.bind(m.named_parameters())
         counter = SyncCounter()
-        ddp.register_comm_hook(st, counter.wrap_hook(hierarchical_topk_hook if hier else topk_allgather_hook))
+        ddp.register_comm_hook(st, counter.wrap_hook(HOOKS[mode]))
         ctl = StepController(st)
         opt = torch.optim.SGD(m.parameters(), lr=0.01)
         g = torch.Generator().manual_seed(rank)
@@ -49,10 +54,10 @@ def _count(rank, world, hier, sync_free):
     return out
 
 
-@pytest.mark.parametrize("hier", [False, True], ids=["flat", "hierarchical"])
-def test_sync_free_hooks_make_no_host_sync(hier):
-    world = 4 if hier else 2
-    for per_rank in run_distributed(_count, world, (hier, True)):
+@pytest.mark.parametrize("mode", ["flat", "hierarchical", "scatter"])
+def test_sync_free_hooks_make_no_host_sync(mode):
+    world = {"flat": 2, "hierarchical": 4, "scatter": 3}[mode]
+    for per_rank in run_distributed(_count, world, (mode, True)):
         for combo, (inside, outside, calls, sparse) in per_rank.items():
             assert sparse and calls > STEPS, combo  # sparse steps; several buckets after DDP's rebuild
             assert inside == {}, (combo, inside)
@@ -61,5 +66,5 @@ def test_sync_free_hooks_make_no_host_sync(hier):
 
 def test_the_counter_sees_the_cpu_fast_path():
     """Without the sync-free path the CPU selection makes host syncs: the counter must see them."""
-    inside, _outside, _calls, _ = run_distributed(_count, 2, (False, False))[0][("exact", "fp32")]
+    inside, _outside, _calls, _ = run_distributed(_count, 2, ("flat", False))[0][("exact", "fp32")]
     assert any("nonzero" in op for op in inside) and sum(inside.values()) >= STEPS, inside

@@ -25,7 +25,7 @@ def fp32_accuracy():
 
 def _topk():
     return TopKDDPStrategy(start_method="spawn", process_group_backend="gloo", density=0.1, min_sparse_numel=0,
-                           dense_steps=1)
+                           dense_steps=1, exchange="allgather")
 
 
 def _run(tmp_path, strategy, precision="16-mixed", inject_step=INJECT, **model_kw):

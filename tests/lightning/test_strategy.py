@@ -62,6 +62,8 @@ def test_ddp_kwargs_pass_through():
         (dict(density="a"), "density"),
         (dict(selector="sort"), "selector"),
         (dict(value_dtype="int8"), "value_dtype"),
+        (dict(exchange="ring"), "exchange"),
+        (dict(exchange="scatter", hierarchical=True), "contradicts"),
         (dict(hierarchical="yes"), "hierarchical"),
         (dict(nonfinite="ignore"), "nonfinite"),
         (dict(min_sparse_numel=-1), "min_sparse_numel"),
@@ -89,7 +91,7 @@ def digits_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("digits")
     runs = {
         "ddp": ["--strategy", "ddp", "--epochs", "6"],
-        "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01
+        "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01, flat all-gather (train_probe default)
         # the sync-free path (default on CUDA), forced on CPU by the environment
         "topk_sync_free": (["--strategy", "topk_ddp", "--epochs", "6"], {"LIGHTNING_TOPK_SYNC_FREE": "1"}),
         "dense": ["--strategy", "topk", "--density", "1.0", "--epochs", "2"],
@@ -139,6 +141,9 @@ def test_telemetry_through_lightning_logging_on_every_rank(digits_runs):
         cm = r["callback_metrics"]
         assert {"topk/compression", "topk/density", "topk/bytes_sent", "topk/comm_ms"} <= set(cm)
         assert cm["topk/compression"] > 5 and 0 < cm["topk/density"] < 0.1
+        # compression is on the wire: a dense fp32 ring all-reduce's bytes over the bytes that left the rank
+        assert cm["topk/compression"] == pytest.approx(cm["topk/bytes_dense_wire"] / cm["topk/bytes_wire"], rel=1e-4)
+        assert cm["topk/buckets_allgather"] >= 1 and cm["topk/buckets_scatter"] == 0
         assert {"topk/compression", "topk/density"} <= set(r["progress_bar"])
         assert "topk/bytes_sent" not in r["progress_bar"]
     assert {k: v for k, v in r0["callback_metrics"].items() if k.startswith("topk/")} == \

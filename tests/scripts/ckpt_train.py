@@ -86,7 +86,8 @@ EXTRA = {}  # --bucket-cap-mb / --scope
 def topk(**kw):
     # Default bucket cap: the model's gradients form one DDP bucket (see docs/faults.md on exactness);
     # with --bucket-cap-mb small and --scope parameter they span several buckets.
-    return TopKDDPStrategy(density=0.01, min_sparse_numel=1024, momentum_correction=True, **EXTRA, **kw)
+    return TopKDDPStrategy(density=0.01, min_sparse_numel=1024, momentum_correction=True, exchange="allgather",
+                           **EXTRA, **kw)
 
 
 def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None, seed=0):

@@ -82,7 +82,7 @@ def nonfinite(out):
         pl.seed_everything(0)
         model = ImageClassifier(SmallCNN(width=16), lr=0.05)
         poison = Poison(step, value)
-        trainer = trainer_for(TopKDDPStrategy(density=0.01, nonfinite=mode), [poison], 8)
+        trainer = trainer_for(TopKDDPStrategy(density=0.01, nonfinite=mode, exchange="allgather"), [poison], 8)
         try:
             trainer.fit(model, DataLoader(train, batch_size=32, shuffle=True))
             error = None
@@ -98,7 +98,7 @@ def long(out, timeout):
     train, _ = digits()
     pl.seed_everything(0)
     model = ImageClassifier(SmallCNN(width=16), lr=0.05)
-    strategy = TopKDDPStrategy(density=0.01, timeout=timedelta(seconds=timeout))
+    strategy = TopKDDPStrategy(density=0.01, timeout=timedelta(seconds=timeout), exchange="allgather")
     trainer = trainer_for(strategy, [Progress(out)], 100000)
     trainer.fit(model, DataLoader(train, batch_size=32, shuffle=True))
 

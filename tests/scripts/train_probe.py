@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--num-nodes", type=int, default=1)
     ap.add_argument("--hierarchical", default="auto")
+    ap.add_argument("--exchange", default="allgather")  # auto may send dense on loopback
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -73,12 +74,13 @@ def main():
     ddp_kw = dict(static_graph=a.static_graph, find_unused_parameters=a.unused)
     if a.strategy == "ddp":
         strategy = pl.strategies.DDPStrategy(**ddp_kw)
-    elif a.strategy == "topk_ddp" and not any(ddp_kw.values()) and a.density == 0.01 and a.error_feedback:
+    elif a.strategy == "topk_ddp" and not any(ddp_kw.values()) and a.density == 0.01 and a.error_feedback \
+            and a.exchange == "auto":
         strategy = "topk_ddp"  # by registered name
     else:
         hier = {"true": True, "false": False}.get(a.hierarchical, a.hierarchical)
         strategy = TopKDDPStrategy(density=a.density, selector=a.selector, error_feedback=bool(a.error_feedback),
-                                   hierarchical=hier, **ddp_kw)
+                                   hierarchical=hier, exchange=a.exchange, **ddp_kw)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, num_nodes=a.num_nodes, strategy=strategy, max_epochs=a.epochs, max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate, logger=pl.loggers.CSVLogger(a.out, name="logs"),

@@ -1,0 +1,371 @@
+"""Scale simulator: the exchanges' alpha-beta cost model (lightning_topk.comm.cost) from 2 to 1024 ranks.
+
+    python benchmarks/scale_sim.py             # table -> benchmarks/results/scale_sim.md, plot -> docs/scale_sim.png
+    python benchmarks/scale_sim.py --validate  # the model against the namespace cluster, 2 and 4 nodes x 1 process
+
+Simulation: 8 ranks per node (fewer ranks: one node), inter-node links of 10, 25 and 100 Gbit/s per
+node, ResNet-50 (25.6M parameters) and a 1B-parameter transformer, DDP's 25 MB buckets, density 0.01
+with fp32 values + int32 indices (8 B per entry). Methods: dense fp16 ring all-reduce, PowerSGD rank 4
+(P and Q all-reduced in fp32, vectors dense), flat top-k all-gather, hierarchical top-k (intra-node
+reduce-scatter, inter-node all-gather of k/L per rank), the scale-free exchange (flat), and what
+``exchange="auto"`` picks among dense fp32/bf16, all-gather, hierarchical and scale-free.
+
+The link and compute constants are stated in ``ASSUMED`` (no GPU cluster was measured here): the
+simulation is the cost model's arithmetic, not a measurement. ``--validate`` checks that arithmetic
+where it can be checked: on the namespace cluster (benchmarks/cluster.py, 1 Gbit/s tbf links, one
+process per node), with the model probed by ``exchange="auto"`` in the same layout, against measured
+step time (compute from a ``local`` run plus the predicted exchange) and veth bytes per node.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, HERE)
+
+from lightning_topk.comm.cost import CostModel, Link
+from lightning_topk.comm.scatter import slot_plan
+
+DATE = "2026-11-23"
+MACHINE = "2-core x86_64, no GPU, torch 2.13.0 CPU"
+RANKS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+PER_NODE = 8
+RATES_GBIT = (10, 25, 100)
+DENSITY = 0.01
+BUCKET = 25 * 2**20 // 4  # DDP's bucket_cap_mb=25 in fp32 entries
+ASSUMED = dict(
+    inter_alpha=15e-6,      # s per message across nodes
+    intra_alpha=5e-6,       # s per message inside a node
+    intra_beta=100e9,       # B/s per rank inside a node (NVLink class)
+    select_per_elem=3e-11,  # ~6 passes over fp32 at ~1.5 TB/s (a sampled-threshold selector)
+    select_fixed=50e-6,     # kernel launches per selection
+    pass_per_elem=5e-12,    # one read + one write of fp32 at ~1.5 TB/s
+    add_per_entry=2e-10,    # one index_add_ at a random place (atomics)
+)
+METHODS = ("dense fp16", "PowerSGD r4", "all-gather", "hierarchical", "scale-free")
+_CHOICE = {"dense fp16": "dense_bf16", "all-gather": "allgather", "hierarchical": "hierarchical",
+           "scale-free": "scatter"}
+
+
+# ---- models: parameter counts and PowerSGD's matrices ------------------------------------------
+def resnet50_shapes() -> List[Tuple[int, ...]]:
+    """Weight and vector shapes of torchvision's ResNet-50 (25,557,032 parameters)."""
+    shapes: List[Tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
+    c_in = 64
+    for blocks, width in ((3, 64), (4, 128), (6, 256), (3, 512)):
+        for b in range(blocks):
+            shapes += [(width, c_in, 1, 1), (width,), (width,), (width, width, 3, 3), (width,), (width,),
+                       (4 * width, width, 1, 1), (4 * width,), (4 * width,)]
+            if b == 0:
+                shapes += [(4 * width, c_in, 1, 1), (4 * width,), (4 * width,)]
+            c_in = 4 * width
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def transformer_1b_shapes(d: int = 2048, layers: int = 18, vocab: int = 50304) -> List[Tuple[int, ...]]:
+    """A GPT-style decoder with tied embeddings: about 1.01B parameters."""
+    shapes: List[Tuple[int, ...]] = [(vocab, d), (2048, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+MODELS = {"ResNet-50": resnet50_shapes, "Transformer-1B": transformer_1b_shapes}
+
+
+def numel(shape: Tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def powersgd_bytes(shapes: List[Tuple[int, ...]], rank: int = 4) -> int:
+    """fp32 bytes PowerSGD all-reduces per step: r (m + n) per matrix (P and Q), vectors whole."""
+    total = 0
+    for s in shapes:
+        if len(s) == 1:
+            total += 4 * s[0]
+        else:
+            m, n = s[0], numel(s) // s[0]
+            total += 4 * min(m * n, rank * (m + n))
+    return total
+
+
+def buckets(n: int) -> List[int]:
+    full, rest = divmod(n, BUCKET)
+    return [BUCKET] * full + ([rest] if rest else [])
+
+
+# ---- simulation --------------------------------------------------------------------------------
+def layout(p: int) -> Tuple[int, int]:
+    return (1, p) if p <= PER_NODE else (p // PER_NODE, PER_NODE)
+
+
+def sim_model(p: int, gbit: float) -> CostModel:
+    nodes, local = layout(p)
+    a = ASSUMED
+    intra = Link(a["intra_alpha"], a["intra_beta"]) if local > 1 else None
+    inter = Link(a["inter_alpha"], gbit * 1e9 / 8) if nodes > 1 else None
+    return CostModel(nodes, local, intra, inter, a["select_per_elem"], a["select_fixed"], a["pass_per_elem"],
+                     a["add_per_entry"])
+
+
+def node_inter_bytes(method: str, p: int, n: int, k: int, psgd: int) -> float:
+    """Bytes one node puts on its inter-node link per bucket (node-major rings cross each node once per step)."""
+    nodes, local = layout(p)
+    if nodes == 1:
+        return 0.0
+    if method == "dense fp16":
+        return 2 * (p - 1) / p * 2 * n
+    if method == "PowerSGD r4":
+        return 2 * (p - 1) / p * psgd
+    if method == "all-gather":
+        return (p - 1) * k * 8
+    if method == "hierarchical":
+        return (nodes - 1) * k * 8
+    plan = slot_plan(n, k, p)
+    return local * (p - local) * plan.slot * 8 + (p - 1) * plan.out * 8
+
+
+def rank_wire_bytes(method: str, p: int, n: int, k: int, psgd: int) -> float:
+    """Bytes one rank puts on any link per bucket."""
+    nodes, local = layout(p)
+    m = sim_model(p, 10)
+    if method == "PowerSGD r4":
+        return 2 * (p - 1) / p * psgd
+    if method == "hierarchical":
+        if local < 2 or nodes < 2:
+            return float("nan")
+        s = 4 * n / local
+        return 2 * (local - 1) * s + (nodes - 1) * math.ceil(k / local) * 8
+    return m.wire(_CHOICE[method], n, k)
+
+
+def simulate() -> Dict[str, dict]:
+    out: Dict[str, dict] = {}
+    for name, shapes_fn in MODELS.items():
+        shapes = shapes_fn()
+        n_total = sum(numel(s) for s in shapes)
+        bks = buckets(n_total)
+        psgd_total = powersgd_bytes(shapes)
+        rows = []
+        for p in RANKS:
+            nodes, local = layout(p)
+            row = {"P": p, "nodes": nodes, "bytes_rank": {}, "bytes_node": {}, "time": {}, "auto": {}}
+            for meth in METHODS:
+                br = bn = 0.0
+                for b in bks:
+                    k = max(1, math.ceil(DENSITY * b))
+                    ps = psgd_total * b / n_total
+                    br += rank_wire_bytes(meth, p, b, k, ps)
+                    bn += node_inter_bytes(meth, p, b, k, ps)
+                row["bytes_rank"][meth], row["bytes_node"][meth] = br, bn
+            for gbit in RATES_GBIT:
+                m = sim_model(p, gbit)
+                times, chosen = {}, {}
+                for meth in METHODS:
+                    t = 0.0
+                    for b in bks:
+                        k = max(1, math.ceil(DENSITY * b))
+                        if meth == "PowerSGD r4":
+                            flat = m.inter if nodes > 1 else m.intra
+                            t += 2 * flat.allreduce(psgd_total * b / n_total / 2, p)  # P and Q: two all-reduces
+                        elif meth == "hierarchical" and (nodes < 2 or local < 2):
+                            t = float("nan")
+                        else:
+                            t += m.total(_CHOICE[meth], b, k)
+                    times[meth] = t
+                cands = ["dense", "dense_bf16", "allgather", "scatter"] + (["hierarchical"] if nodes > 1 and local > 1 else [])
+                t_auto = 0.0
+                for b in bks:
+                    k = max(1, math.ceil(DENSITY * b))
+                    c, pred = m.choose(b, k, cands)
+                    chosen[c] = chosen.get(c, 0) + 1
+                    t_auto += pred[c]
+                times["auto"] = t_auto
+                row["time"][gbit] = times
+                row["auto"][gbit] = chosen
+            rows.append(row)
+        out[name] = {"params": n_total, "buckets": len(bks), "powersgd_bytes": psgd_total, "rows": rows}
+    return out
+
+
+def _mb(x: float) -> str:
+    return "–" if x != x else (f"{x / 1e6:.1f}" if x >= 1e5 else f"{x / 1e6:.3f}")
+
+
+def _ms(x: float) -> str:
+    return "–" if x != x else f"{1e3 * x:.1f}"
+
+
+def render(sim: Dict[str, dict]) -> str:
+    a = ASSUMED
+    lines = [
+        "# Scale simulation: per-rank wire bytes and exchange time from 2 to 1024 ranks",
+        "",
+        f"`python benchmarks/scale_sim.py` ({DATE}). The cost model of `lightning_topk.comm.cost` evaluated, not "
+        "measured: 8 ranks per node, DDP's 25 MB buckets, density 0.01, 8 B per sparse entry (fp32 value + "
+        "int32 index). Assumed constants (no GPU cluster was available): inter-node "
+        f"alpha {1e6 * a['inter_alpha']:.0f} us and the link rate per node; intra-node alpha "
+        f"{1e6 * a['intra_alpha']:.0f} us, {a['intra_beta'] / 1e9:.0f} GB/s; selection "
+        f"{1e12 * a['select_per_elem']:.0f} ps/entry + {1e6 * a['select_fixed']:.0f} us; dense pass "
+        f"{1e12 * a['pass_per_elem']:.0f} ps/entry; random index_add {1e12 * a['add_per_entry']:.0f} ps/entry. "
+        "PowerSGD's time is its two all-reduces only (its matmuls and the top-k methods' other kernels on a "
+        "GPU are small next to these links). Flat collectives over several nodes are limited by the "
+        "inter-node link (a node-major ring crosses each node's link once per step). The model's own check "
+        "against measured runs is in the validation section.",
+        "",
+    ]
+    for name, s in sim.items():
+        lines += [f"## {name} ({s['params']:,} parameters, {s['buckets']} buckets)", "",
+                  "Wire bytes per step, MB: per rank on any link / per node on its inter-node link.", "",
+                  "| P | nodes | " + " | ".join(METHODS) + " |", "|---:|---:|" + "---:|" * len(METHODS)]
+        for r in s["rows"]:
+            lines.append(f"| {r['P']} | {r['nodes']} | " + " | ".join(
+                f"{_mb(r['bytes_rank'][m])} / {_mb(r['bytes_node'][m])}" for m in METHODS) + " |")
+        for gbit in RATES_GBIT:
+            lines += ["", f"Exchange time per step at {gbit} Gbit/s per node, ms (auto: the model's choice per "
+                      "bucket, never predicted slower than a dense all-reduce).", "",
+                      "| P | " + " | ".join(METHODS) + " | auto | auto picks |", "|---:|" + "---:|" * (len(METHODS) + 1)
+                      + "---|"]
+            for r in s["rows"]:
+                t = r["time"][gbit]
+                picks = ", ".join(f"{c} x{v}" for c, v in sorted(r["auto"][gbit].items()))
+                lines.append(f"| {r['P']} | " + " | ".join(_ms(t[m]) for m in METHODS) + f" | {_ms(t['auto'])} | "
+                             f"{picks} |")
+        lines.append("")
+    lines += ["![per-rank and per-node wire bytes vs ranks](../../docs/scale_sim.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(sim: Dict[str, dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(sim), figsize=(6 * len(sim), 8.5), squeeze=False)
+    for j, (name, s) in enumerate(sim.items()):
+        ps = [r["P"] for r in s["rows"]]
+        for i, (key, label) in enumerate((("bytes_rank", "per rank, any link"), ("bytes_node", "per node, inter-node link"))):
+            ax = axes[i][j]
+            for m in METHODS:
+                ys = [r[key][m] / 1e6 for r in s["rows"]]
+                pts = [(p, y) for p, y in zip(ps, ys) if y == y and y > 0]
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", ms=3, label=m)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("ranks P (8 per node)")
+            ax.set_ylabel("MB per step")
+            ax.set_title(f"{name}: wire bytes {label}")
+            ax.grid(True, which="both", lw=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(f"Cost model, density 0.01, 25 MB buckets ({DATE})")
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    os.replace(path + ".tmp.png", path)
+
+
+# ---- validation against the namespace cluster ---------------------------------------------------
+def validate(a: argparse.Namespace) -> str:
+    import cluster
+
+    ok, reason = cluster.namespaces_available()
+    if not ok:
+        return f"Validation skipped: {reason}."
+    common = ["--hidden", str(a.hidden), "--steps", str(a.steps), "--warmup-steps", "3", "--eval-every", "0",
+              "--density", str(DENSITY)]
+    results: Dict[int, Dict[str, dict]] = {}
+    t0 = time.perf_counter()
+    for nodes in (2, 4):
+        results[nodes] = {}
+        for entry in ("local", "auto", "dense", "allgather", "scatter"):
+            args = ["--strategy", "local"] if entry == "local" else ["--strategy", "topk_ddp", "--exchange", entry]
+            res = cluster.run_cluster(args + common, nodes, 1, a.rate, timeout=600,
+                                      run_dir=os.path.join(a.run_dir, f"{nodes}n", entry))
+            s = cluster.summarize(res)
+            s["loadavg"] = os.getloadavg()[0]
+            results[nodes][entry] = s
+            print(f"[validate] {nodes} nodes {entry:<9} step {s['step_time_s']:.3f} s  veth/node "
+                  f"{_mb(sum(s['inter_node_bytes_per_node'] or [0]) / nodes)} MB", flush=True)
+    total = time.perf_counter() - t0
+    lines = [
+        "## Validation against the namespace cluster",
+        "",
+        f"`python benchmarks/scale_sim.py --validate` ({DATE}, {MACHINE}; {total:.0f} s; 1-minute load average "
+        f"{min(r['loadavg'] for d in results.values() for r in d.values()):.1f}-"
+        f"{max(r['loadavg'] for d in results.values() for r in d.values()):.1f} during the runs, the machine "
+        f"shared with other jobs). benchmarks/cluster.py, one process per node, {a.rate} tbf links, "
+        f"cluster_worker.py `--hidden {a.hidden}` ({results[2]['local']['n_params']:,} parameters), density "
+        f"{DENSITY}, {a.steps} steps (3 warm-up steps excluded). Model: the one `exchange=\"auto\"` probed at "
+        "setup in the same layout (links, selection, passes), with the buckets and k of that run. Predicted "
+        "step = the `local` step (the same processes computing without communication) + the predicted "
+        "exchange of every bucket (no overlap with backward assumed). Bytes: veth tx per node per step "
+        "(headers and ACKs included) vs the model's wire bytes per rank (one rank per node).",
+        "",
+        "| nodes | exchange | step s measured | predicted | error | veth MB/node | model MB | error | within ±25% / ±10% |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for nodes, d in results.items():
+        model = d["auto"].get("cost_model")
+        plan = d["auto"].get("plan") or {}
+        cm = CostModel(**{**model, "intra": _link(model["intra"]), "inter": _link(model["inter"])})
+        shapes = [tuple(int(x) for x in key.rsplit("#", 2)[1:]) for key in plan]
+        for entry, choice in (("dense", "dense"), ("allgather", "allgather"), ("scatter", "scatter")):
+            s = d[entry]
+            pred_step = d["local"]["step_time_s"] + sum(cm.total(choice, n, k) for n, k in shapes)
+            pred_bytes = sum(cm.wire(choice, n, k) for n, k in shapes)
+            veth = sum(s["inter_node_bytes_per_node"]) / nodes
+            e_t = pred_step / s["step_time_s"] - 1
+            e_b = pred_bytes / veth - 1
+            lines.append(f"| {nodes} | {entry} | {s['step_time_s']:.3f} | {pred_step:.3f} | {100 * e_t:+.0f}% | "
+                         f"{veth / 1e6:.3f} | {pred_bytes / 1e6:.3f} | {100 * e_b:+.1f}% | "
+                         f"{'yes' if abs(e_t) <= 0.25 else 'no'} / {'yes' if abs(e_b) <= 0.10 else 'no'} |")
+        auto = d["auto"]
+        lines.append(f"| {nodes} | auto (picked {', '.join(sorted(set(plan.values())))}) | {auto['step_time_s']:.3f} | "
+                     f"| | {sum(auto['inter_node_bytes_per_node']) / nodes / 1e6:.3f} | | | |")
+    b2 = {e: sum(results[2][e]["inter_node_bytes_per_node"]) / 2 for e in ("auto", "allgather", "scatter")}
+    b4 = {e: sum(results[4][e]["inter_node_bytes_per_node"]) / 4 for e in ("auto", "allgather", "scatter")}
+    lines += ["", "Real wire bytes per node per step, 4 nodes / 2 nodes (veth counters): "
+              + ", ".join(f"{e} {b4[e] / b2[e]:.2f}x" for e in b2) + ".", ""]
+    with open(os.path.join(a.run_dir, "validate.json"), "w") as f:
+        json.dump({str(k): v for k, v in results.items()}, f, indent=1)
+    return "\n".join(lines)
+
+
+def _link(d: Optional[dict]) -> Optional[Link]:
+    return None if d is None else Link(d["alpha"], d["beta"])
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--validate", action="store_true", help="also run the namespace-cluster validation (minutes)")
+    p.add_argument("--rate", default="1gbit", help="validation link rate (tc syntax)")
+    p.add_argument("--hidden", type=int, default=2048, help="validation model width (2048: 8.5M parameters)")
+    p.add_argument("--steps", type=int, default=15, help="validation steps per run")
+    p.add_argument("--run-dir", default="/tmp/ltk_scale_sim", help="validation logs and JSON")
+    p.add_argument("--md", default=os.path.join(HERE, "results", "scale_sim.md"))
+    p.add_argument("--png", default=os.path.join(ROOT, "docs", "scale_sim.png"))
+    a = p.parse_args(argv)
+    sim = simulate()
+    text = render(sim)
+    if a.validate:
+        os.makedirs(a.run_dir, exist_ok=True)
+        text += "\n" + validate(a)
+    os.makedirs(os.path.dirname(a.md), exist_ok=True)
+    with open(a.md + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(a.md + ".tmp", a.md)
+    plot(sim, a.png)
+    print(f"[scale_sim] wrote {a.md} and {a.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

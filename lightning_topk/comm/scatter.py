@@ -1,0 +1,366 @@
+"""Scale-free top-k exchange as a DDP communication hook: a sparse reduce-scatter (one all-to-all into
+fixed-capacity slots) followed by a fixed-size all-gather.
+
+A flat top-k all-gather makes every rank receive ``(P-1) k`` entries. Here, per bucket of ``n`` entries
+on ``P`` ranks with ``k = ceil(density n)``:
+
+1. ``acc = residual + grad/scale``; select the top k of acc (error feedback as in the flat exchange).
+2. Coordinates are split into ``P`` regions of ``s = ceil(n/P)`` *permuted* positions: ``pi(i) = a i mod
+   n`` with ``a`` about ``0.618 n`` and coprime with ``n`` (a golden-ratio stride). Neighbouring
+   coordinates (a row, a bias) land in different regions, so each region gets about ``k/P`` of a rank's
+   entries with no rebalancing round. Region ``r`` is owned by rank ``r``.
+3. Each rank puts each region's entries, largest first, into a slot of ``c = k/P + 4 sqrt(k/P)``
+   entries (a region's share of a rank's k entries is about binomial; see :class:`ScatterOptions`);
+   what does not fit goes back into the sender's residual. One ``all_to_all_single`` moves the ``P``
+   slots (values + int32 positions in the region): fixed shapes, no size exchange.
+4. The owner adds what it received to its *owner residual* (region sums not forwarded yet) and sends
+   its top ``c_out = k/P`` (``owner="select"``, the default; the rest stays in the owner residual), or
+   everything (``owner="forward"``: ``c_out = min(s, P c)``, nothing kept, but ``O(P k)`` bytes).
+5. One ``all_gather`` of ``c_out`` entries per rank; every rank rebuilds the sum with ``index_add_``
+   and divides by ``P``. Like gTop-k and Ok-Topk, about k entries of the summed gradient are applied
+   per step (a flat all-gather applies up to ``P k``); the rest waits in the residuals.
+
+Wire bytes per rank: ``(P-1) c b + (P-1) c_out b``, about ``2 k b (P-1)/P (1 + 2/sqrt(k/P))`` with
+the defaults: independent of ``P`` but for the slots' margin (``b`` = bytes per entry). Conservation is exact: what a rank selected is
+either in a slot or back in its residual; what an owner received is either forwarded or in its owner
+residual, which is updated in place (the undo log copies it first when the step may be skipped, so the
+step controller's rollback covers it as it covers the rank residuals) and is saved with
+:meth:`TopKState.state_dict`. Non-finite values reach the controller through the same device flags as
+in the flat exchange (``state.flags``: the input, and the whole rebuilt result). An owner residual that no longer has its bucket (DDP rebuilt its
+buckets, the world size or the exchange changed) is folded into this rank's per-parameter residual:
+``M`` in the owner residual and ``M`` in a rank residual both reach the average as ``M/P``.
+
+The sender's slot assignment, the owner step and the rebuild use fixed shapes and no host reads (with
+the sync-free selection, the whole hook only queues device work).
+Collectives are issued from the backward thread in bucket order: a bucket's all-to-all runs while
+backward computes the next bucket, whose hook then finishes the previous one (owner step, all-gather).
+"""
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
+import math
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_topk.comm.allgather import (
+    _all_gather,
+    _link,
+    accumulate,
+    bucket_k,
+    deliver,
+    factor,
+    fp32_view,
+    param_ks,
+    rebuild,
+    record_grads,
+    record_sent,
+    select,
+    send_values,
+    topk_allgather_hook,
+)
+from lightning_topk.comm.hierarchical import future_on
+from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
+from lightning_topk.comm.wire import (
+    all_to_all_wire,
+    pack,
+    packed_nbytes,
+    ring_allgather_wire,
+    ring_allreduce_wire,
+    to_wire,
+    unpack,
+)
+
+OWNER_MODES = ("select", "forward")
+_GOLDEN = (math.sqrt(5.0) - 1.0) / 2.0
+
+
+@dataclass(frozen=True)
+class ScatterOptions:
+    """Slot size ``c = capacity k/P + margin sqrt(k/P)`` (a region's count of a rank's k entries is about
+    binomial: ``margin`` standard deviations of room); owners forward ``out k/P`` entries (``owner=
+    "select"``) or everything they received (``owner="forward"``)."""
+
+    capacity: float = 1.0
+    margin: float = 4.0
+    out: float = 1.0
+    owner: str = "select"
+
+    def __post_init__(self) -> None:
+        for name, lo in (("capacity", 1.0), ("margin", 0.0), ("out", 1.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= lo:
+                raise ValueError(f"scatter exchange: {name} must be a number >= {lo}, got {v!r}")
+        if self.owner not in OWNER_MODES:
+            raise ValueError(f"scatter exchange: owner must be one of {list(OWNER_MODES)}, got {self.owner!r}")
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Fixed shapes of one bucket's exchange: every field depends only on (n, k, P, options)."""
+
+    n: int
+    world: int
+    k: int
+    region: int  # s: permuted positions per region
+    slot: int  # c: entries per (sender, owner) slot
+    out: int  # c_out: entries each owner forwards
+    mult: int  # a: pi(i) = a*i mod n
+    inv: int  # a^-1 mod n
+
+
+def _multiplier(n: int) -> int:
+    if n <= 2:
+        return 1
+    a = max(1, round(_GOLDEN * n))
+    while math.gcd(a, n) != 1:
+        a += 1
+    return a
+
+
+def slot_plan(n: int, k: int, world: int, options: Optional[ScatterOptions] = None) -> SlotPlan:
+    """Region size, slot capacity and forward count for a bucket of n entries, k selected, P ranks."""
+    o = options or ScatterOptions()
+    if n < 1 or world < 1 or not 1 <= k <= n:
+        raise ValueError(f"scatter exchange: need n >= 1, world >= 1 and 1 <= k <= n, got n={n}, k={k}, world={world}")
+    s = math.ceil(n / world)
+    share = k / world
+    c = min(s, k, max(1, math.ceil(o.capacity * share + o.margin * math.sqrt(share))))
+    out = min(s, max(1, math.ceil(o.out * share))) if o.owner == "select" else min(s, world * c)
+    a = _multiplier(n)
+    return SlotPlan(n, world, k, s, c, out, a, pow(a, -1, n) if n > 1 else 0)
+
+
+def regions(idx: Tensor, plan: SlotPlan) -> Tuple[Tensor, Tensor]:
+    """(owner region, position in the region) of bucket indices."""
+    p = idx.long() * plan.mult % plan.n
+    r = torch.div(p, plan.region, rounding_mode="floor")
+    return r, p - r * plan.region
+
+
+def global_index(owner: int, pos: Tensor, plan: SlotPlan) -> Tensor:
+    """Bucket index of position ``pos`` of region ``owner`` (positions past n map to some index; their
+    value is always 0)."""
+    return (pos.long() + owner * plan.region) * plan.inv % plan.n
+
+
+def fill_slots(values: Tensor, idx: Tensor, plan: SlotPlan) -> Tuple[Tensor, Tensor, Tensor]:
+    """Put selected entries into ``P`` slots of ``c`` (in the selection's order within a region).
+
+    Returns (slot values ``[P, c]`` in the values' dtype, slot positions ``[P, c]`` int32, ``fits``: fp32
+    ``[k]``, 1 where the entry got a slot and 0 where it must go back to the residual). Empty slot
+    places hold (0, position 0): adding them changes nothing. Fixed shapes, no host reads. (Ordering
+    by magnitude first would cost more than the rest of the exchange's bookkeeping, for the rare entries
+    past a margin of 4 standard deviations.)
+    """
+    P, c, k = plan.world, plan.slot, idx.numel()
+    region, pos = regions(idx, plan)
+    rs, order = torch.sort(region.to(torch.int32), stable=True)
+    rs = rs.long()
+    counts = torch.zeros(P, dtype=torch.long, device=idx.device).index_add_(0, rs, torch.ones_like(rs))
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in = torch.arange(k, device=idx.device) - starts.index_select(0, rs)
+    fit = rank_in < c
+    # Entries that do not fit go to distinct places past the slots (deterministic, then dropped).
+    dest = torch.where(fit, rs * c + rank_in, P * c + torch.arange(k, device=idx.device))
+    slot_v = values.new_zeros(P * c + k).index_copy_(0, dest, values.index_select(0, order))
+    slot_p = torch.zeros(P * c + k, dtype=torch.int32, device=idx.device)
+    slot_p.index_copy_(0, dest, pos.index_select(0, order).to(torch.int32))
+    fits = torch.zeros(k, dtype=torch.float32, device=idx.device).index_copy_(0, order, fit.float())
+    return slot_v[: P * c].view(P, c), slot_p[: P * c].view(P, c), fits
+
+
+def owner_step(state: TopKState, received: Tensor, positions: Tensor, owner_residual: Optional[Tensor],
+               plan: SlotPlan) -> Tuple[Tensor, Tensor]:
+    """Add what this owner received to its owner residual (in place), pick what it forwards, keep the rest.
+
+    Returns (wire values ``[c_out]``, their positions in the region). Without an owner residual (no error
+    feedback) the region is summed in a fresh buffer and the rest is dropped, as senders drop what they
+    do not send.
+    """
+    region = torch.zeros(plan.region, dtype=torch.float32, device=received.device) if owner_residual is None \
+        else owner_residual
+    region.index_add_(0, positions.long(), received.float())
+    q = select(state, region, plan.out)
+    values = region.index_select(0, q)
+    wire = to_wire(values, state.config.wire_dtype)
+    region.index_copy_(0, q, values - wire.float())  # fp32: zero; fp16/bf16: the rounding error stays
+    return wire, q
+
+
+def bucket_key(world: int, rank: int, names: Sequence[str], numels: Sequence[int]) -> str:
+    """Owner residual key: world, rank and the bucket's parameters (enough to fold it back, see below)."""
+    return f"{world}/{rank}/" + "|".join(f"{nm}={n}" for nm, n in zip(names, numels))
+
+
+def _parse_key(key: str) -> Tuple[int, int, List[str], List[int]]:
+    world, rank, rest = key.split("/", 2)
+    names, numels = [], []
+    for part in rest.split("|"):
+        nm, _, n = part.rpartition("=")
+        names.append(nm)
+        numels.append(int(n))
+    return int(world), int(rank), names, numels
+
+
+def fold_owner_residual(key: str, owner_residual: Tensor) -> Dict[str, Tensor]:
+    """Per-parameter dense fp32 tensors holding an owner residual's entries at their bucket coordinates.
+
+    Adding them to this rank's residuals keeps the pending update unchanged (``M`` there reaches the
+    average as ``M/P``, exactly as when the owner forwards it)."""
+    world, rank, names, numels = _parse_key(key)
+    n = sum(numels)
+    # k only sizes the slots, which folding does not use
+    plan = slot_plan(n, 1, world)
+    valid = max(0, min(plan.region, n - rank * plan.region))
+    dense = torch.zeros(n, dtype=torch.float32)
+    pos = torch.arange(valid)
+    dense.index_add_(0, global_index(rank, pos, plan), owner_residual[:valid].float().cpu())
+    return dict(zip(names, dense.split(numels)))
+
+
+def fold_pending_owner(state: TopKState) -> None:
+    """Fold every owner residual not claimed by a bucket into this rank's per-parameter residuals."""
+    pending, state._pending_owner = state._pending_owner, {}
+    for key, t in pending.items():
+        _add_to_residuals(state, fold_owner_residual(key, t))
+
+
+def fold_live_owner(state: TopKState, key: str) -> None:
+    """Fold a live owner residual into the residuals (its bucket now travels another way)."""
+    t = state.owner_residuals.pop(key, None)
+    if t is not None:
+        _add_to_residuals(state, fold_owner_residual(key, t))
+
+
+def _add_to_residuals(state: TopKState, per_param: Dict[str, Tensor]) -> None:
+    if not state.config.error_feedback:
+        return
+    pending = state._pending_load if state._pending_load is not None else {}
+    for name, t in per_param.items():
+        live = state._param_view(name, "residual")
+        if live is not None:
+            live.add_(t.to(live.device))
+        else:
+            old = pending.get(("residual", name))
+            pending[("residual", name)] = t if old is None else old.float() + t
+    if pending and state._pending_load is None:
+        state._pending_load = pending
+
+
+@dataclass
+class _Pending:
+    result: torch.futures.Future
+    work: Any
+    recv: Tensor
+    plan: SlotPlan
+    key: Optional[str]
+    grad: Tensor
+    factor: Scale
+    stats: StepStats
+    t_launch: Any
+
+
+def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: scale-free top-k exchange (see the module docstring)."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    grad = bucket.buffer()
+    n = grad.numel()
+    cfg = state.config
+    params = bucket.parameters()
+    names = state.names_of(params)
+    device = grad.device
+    ks = numels = None
+    if cfg.selection_scope == "parameter" and state.density_now() < 1.0:
+        numels = [p.numel() for p in params]
+        ks = param_ks(state, numels)
+        k = sum(ks)
+    else:
+        k = bucket_k(state, n)
+    if k == 0 or world == 1:
+        flush_scatter(state)
+        return topk_allgather_hook(state, bucket)  # dense (ring all-reduce) or nothing to spread
+    plan = slot_plan(n, k, world, state.scatter)
+    stats = state.current
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), scatter_buckets=1)
+    t0 = clock(device)
+    if state.debug.enabled:
+        record_grads(state, names, [p.numel() for p in params], grad)
+    b = state.buffers(params, device) if cfg.error_feedback else None
+    acc, _ = accumulate(state, b, grad)
+    acc = acc[:n]
+    state.flags.note_input(names, acc)
+    idx = select(state, acc, k, ks, numels)
+    wire = send_values(state, acc, idx, None)
+    slot_v, slot_p, fits = fill_slots(wire, idx, plan)
+    if b is not None:
+        # What did not fit its slot goes back into the residual: it was not sent.
+        acc.index_add_(0, idx, wire.float() * (1.0 - fits))
+    if state.debug.enabled:
+        sent = torch.zeros(n, dtype=torch.float32, device=device)
+        sent.index_copy_(0, idx, wire.float() * fits)
+        record_sent(state, names, [p.numel() for p in params], sent)
+    state.add_time(stats, "select_time_s", t0)
+    packed = pack(slot_v, slot_p)
+    recv = torch.empty_like(packed)
+    eb = packed_nbytes(1, cfg.wire_dtype)
+    payload = packed.numel() + plan.out * eb
+    state.add_stats(stats, numel_sent=k, bytes_sent=payload, **_link(state, payload),
+                    bytes_wire=all_to_all_wire(plan.slot * eb, world) + ring_allgather_wire(plan.out * eb, world),
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world))
+    key = None
+    if b is not None:
+        key = bucket_key(world, rank, b.names, b.numels)
+        if key not in state.owner_residuals:
+            got = state._pending_owner.pop(key, None)
+            state.owner_residuals[key] = torch.zeros(plan.region, dtype=torch.float32, device=device) \
+                if got is None else got.to(device, torch.float32)
+    flush_scatter(state)
+    result = future_on(device)
+    t_launch = clock(device)
+    work = dist.all_to_all_single(recv, packed, group=group, async_op=True)
+    state.scatter_pending = _Pending(result, work, recv, plan, key, grad, factor(state.grad_scale, world), stats,
+                                     t_launch)
+    if bucket.is_last():
+        flush_scatter(state)
+        fold_pending_owner(state)  # anything the buckets of this exchange did not claim
+        state.end_exchange()
+    return result
+
+
+def flush_scatter(state: TopKState) -> None:
+    """Finish the pending bucket: wait for its all-to-all, run the owner step, launch the all-gather, and
+    complete the bucket's future when that arrives. Only device work is queued."""
+    p: Optional[_Pending] = state.scatter_pending
+    if p is None:
+        return
+    state.scatter_pending = None
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    wire_dtype = state.config.wire_dtype
+    p.work.wait()
+    t0 = clock(p.grad.device)
+    vals, pos = unpack(p.recv, p.plan.slot, wire_dtype, p.plan.world)
+    ores = state.owner_residuals.get(p.key) if p.key is not None else None
+    if ores is not None:
+        state.undo.save_tensor(f"owner:{p.key}", ores)
+    wire, q = owner_step(state, vals, pos, ores, p.plan)
+    packed = pack(wire, global_index(rank, q, p.plan))
+    out = torch.empty(p.plan.world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    state.add_time(p.stats, "select_time_s", t0)
+    fut = _all_gather(out, packed, group=group, async_op=True).get_future()
+
+    def done(_f: torch.futures.Future) -> None:
+        try:
+            # On gloo the future's value is not the gathered tensor: read `out`.
+            values, indices = unpack(out, p.plan.out, wire_dtype, p.plan.world)
+            dense = rebuild(fp32_view(p.grad), values.mul_(p.factor), indices)
+            state.add_time(p.stats, "comm_time_s", p.t_launch)
+            p.result.set_result(deliver(state, p.grad, dense))
+        except Exception as e:  # surface comm errors to DDP rather than hanging
+            p.result.set_exception(e)
+
+    fut.then(done)

@@ -1,0 +1,192 @@
+"""The alpha-beta cost model, the probe, the dense transports and exchange="auto" (real gloo processes)."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_topk import TopKConfig, TopKState
+from lightning_topk.comm import cost
+from lightning_topk.comm.cost import AutoExchange, CostModel, Link, auto_topk_hook, dense_topk_hook
+from lightning_topk.comm.scatter import slot_plan
+from tests.helpers.dist import run_distributed
+
+
+def _model(nodes, local, beta_inter=12.5e6, beta_intra=10e9, select_per_elem=2e-9):
+    return CostModel(nodes, local, Link(5e-6, beta_intra) if local > 1 else None,
+                     Link(50e-6, beta_inter) if nodes > 1 else None, select_per_elem, 1e-4, 0.5e-9, 20e-9)
+
+
+def test_link_fit_recovers_alpha_and_beta():
+    true = Link(30e-6, 1.25e8)
+    sizes = (1024, 1 << 20)
+    times = tuple(true.allreduce(s, 4) for s in sizes)
+    got = Link.fit(times, sizes, 4)
+    assert math.isclose(got.alpha, true.alpha, rel_tol=1e-6) and math.isclose(got.beta, true.beta, rel_tol=1e-6)
+
+
+def test_scatter_link_time_does_not_grow_with_ranks_but_allgather_does():
+    n, k = 25_600_000, 256_000  # ResNet-50 at density 0.01
+    m = {p: _model(p, 1, beta_inter=1.25e9) for p in (4, 16, 64, 256)}
+    for x in m.values():
+        x.inter.alpha = 0.0  # bandwidth terms only: latency grows with P for every ring
+    sc = [m[p].predict("scatter", n, k)[1] for p in m]
+    ag = [m[p].predict("allgather", n, k)[1] for p in m]
+    assert max(sc) < 1.5 * min(sc)
+    assert ag[-1] > 50 * ag[0]
+    # and the bytes behind it: about 2 k x 8 B x (P-1)/P, plus the slots' margin 4 sqrt(k/P)
+    for p in m:
+        plan = slot_plan(n, k, p)
+        assert (p - 1) * (plan.slot + plan.out) * 8 <= (2 + 4 / math.sqrt(k / p)) * k * 8
+
+
+def test_choice_follows_the_link():
+    n, k = 4_000_000, 40_000
+    slow, fast = _model(2, 1, beta_inter=12.5e6), _model(2, 1, beta_inter=50e9)
+    c_slow, pred_slow = slow.choose(n, k, ["dense", "dense_bf16", "allgather", "scatter"])
+    c_fast, pred_fast = fast.choose(n, k, ["dense", "dense_bf16", "allgather", "scatter"])
+    assert c_slow in ("allgather", "scatter") and c_fast in ("dense", "dense_bf16")
+    for pred in (pred_slow, pred_fast):  # the choice is never predicted slower than a dense all-reduce
+        assert min(pred.values()) <= min(pred["dense"], pred["dense_bf16"])
+    # 2 nodes x 8: hierarchical is a candidate and cuts inter-node bytes by L
+    m = _model(2, 8, beta_inter=1.25e9)
+    assert m.predict("hierarchical", n, k)[1] < m.predict("allgather", n, k)[1]
+    assert m.predict("hierarchical", n, k) != (math.inf, math.inf)
+    assert _model(2, 1).predict("hierarchical", n, k) == (math.inf, math.inf)
+    with pytest.raises(ValueError, match="unknown exchange"):
+        m.predict("ring", n, k)
+
+
+def test_candidates_follow_the_options():
+    assert cost.candidates_for(TopKConfig(), 2, 2, True) == ["dense", "dense_bf16", "allgather", "hierarchical",
+                                                             "scatter"]
+    assert "hierarchical" not in cost.candidates_for(TopKConfig(hierarchical=False), 2, 2, True)
+    assert cost.candidates_for(TopKConfig(momentum_correction=True), 2, 2, True) == ["dense", "dense_bf16",
+                                                                                    "allgather"]
+
+
+# ---- real processes -------------------------------------------------------------------------------
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def _batch(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+
+
+def _dense(rank, world, value_dtype):
+    """Two steps with the dense transport: what each rank sent, its residuals and the result."""
+    m = _net()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    st = TopKState(TopKConfig(density=0.01, min_sparse_numel=0, dense_steps=0, value_dtype=value_dtype))
+    st.bind(m.named_parameters())
+    st.debug.enabled = True
+    ddp.register_comm_hook(st, dense_topk_hook)
+    out = []
+    for _ in range(2):
+        old = {k: v.clone() for k, v in st.residuals().items()}
+        m.zero_grad()
+        x, y = _batch(rank)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        out.append(dict(old=old, new={k: v.clone() for k, v in st.residuals().items()},
+                        sent={k: v.clone() for k, v in st.debug.sent.items()},
+                        grad={k: v.clone() for k, v in st.debug.grads_in.items()},
+                        after={n: p.grad.reshape(-1).clone() for n, p in m.named_parameters()}))
+    return out, st.last
+
+
+def _auto(rank, world):
+    """exchange="auto" with hand-made models: a slow link picks a sparse exchange, a fast one dense; a
+    probe gives every rank the same model; a refresh from (different) telemetry gives the same switch."""
+    out = {}
+    for label, beta in (("slow", 1e6), ("fast", 1e12)):
+        m = _net()
+        ddp = DDP(m, bucket_cap_mb=0.05)
+        st = TopKState(TopKConfig(density=0.01, min_sparse_numel=0, dense_steps=1))
+        st.bind(m.named_parameters())
+        st.auto = AutoExchange(_model(world, 1, beta_inter=beta), cost.candidates_for(st.config, world, 1, False), rank)
+        ddp.register_comm_hook(st, auto_topk_hook)
+        for _ in range(3):
+            m.zero_grad()
+            x, y = _batch(rank)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        out[label] = (dict(st.plan), st.last, {n: p.grad.clone() for n, p in m.named_parameters()})
+    out["probe"] = cost.probe(world, 1, rank, 0.01, "exact", torch.device("cpu"))
+    # refresh: each rank reports different telemetry; the slowest figures win on every rank
+    a = AutoExchange(_model(world, 1, beta_inter=1e9), ["dense", "allgather"], rank)
+    st = TopKState(TopKConfig(density=0.01))
+    n, k = 200_000, 2_000
+    key = cost.plan_key(["w"], n, k)
+    before = a.decide(st, key, n, k)[0]
+    predicted = a.model.predict(before, n, k)[1]
+    a._window = [1e-3 * (rank + 1), 1e6, 0.5 * predicted * (rank + 1) / world, predicted]
+    a.refresh(st, torch.device("cpu"))
+    out["refresh"] = (before, a.choices[key][0], a.model.comm_scale, a.model.select_per_elem)
+    return out
+
+
+def _scenarios(rank, world):
+    return {"auto": _auto(rank, world), "fp32": _dense(rank, world, "fp32"), "bf16": _dense(rank, world, "bf16")}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    res = run_distributed(_scenarios, 2)
+    return {key: [r[key] for r in res] for key in res[0]}
+
+
+def test_auto_picks_sparse_on_a_slow_link_and_dense_on_a_fast_one(runs):
+    for r in runs["auto"]:
+        slow_plan, slow_stats, _ = r["slow"]
+        fast_plan, fast_stats, _ = r["fast"]
+        assert slow_plan and set(slow_plan.values()) <= {"allgather", "scatter"}
+        assert fast_plan and set(fast_plan.values()) <= {"dense", "dense_bf16"}
+        assert slow_stats.allgather_buckets + slow_stats.scatter_buckets == slow_stats.buckets
+        assert slow_stats.bytes_wire < 0.2 * slow_stats.bytes_dense_wire
+        assert fast_stats.dense_buckets == fast_stats.buckets
+        for s in (slow_stats, fast_stats):
+            m = s.as_metrics()
+            assert m["topk/predicted_ms"] > 0 and m["topk/measured_ms"] > 0
+    a, b = runs["auto"]
+    assert a["slow"][0] == b["slow"][0] and a["fast"][0] == b["fast"][0]  # same decisions on every rank
+    for k in a["slow"][2]:
+        assert torch.equal(a["slow"][2][k], b["slow"][2][k]) and torch.equal(a["fast"][2][k], b["fast"][2][k])
+
+
+def test_probe_gives_every_rank_the_same_model(runs):
+    a, b = (r["probe"] for r in runs["auto"])
+    assert a == b
+    assert a.inter is not None and a.inter.beta > 0 and a.inter.alpha > 0 and a.select_per_elem > 0
+
+
+def test_refresh_uses_the_slowest_telemetry_and_switches_with_the_scale(runs):
+    r0, r1 = (r["refresh"] for r in runs["auto"])
+    assert r0 == r1
+    before, after, scale, per = r0
+    assert before == "allgather" and after == "dense"  # measured links 2x faster than predicted: dense wins
+    assert scale == pytest.approx(0.5)
+    assert per == pytest.approx(0.5 * (2e-9 + 2e-9))
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_dense_transport_conserves_and_averages(runs, kind):
+    a, b = runs[kind]
+    for t in range(2):
+        for name in a[0][t]["sent"]:
+            want = (a[0][t]["sent"][name] + b[0][t]["sent"][name]) / 2
+            tol = 1e-6 if kind == "fp32" else 1e-2 * want.abs().max().item()
+            for r in (a, b):
+                h = r[0][t]
+                assert torch.allclose(h["after"][name], want, atol=tol), (t, name)
+                o = h["old"].get(name, torch.zeros_like(h["grad"][name]))
+                assert torch.allclose(h["sent"][name] + h["new"][name], o + h["grad"][name], atol=1e-6), (t, name)
+        if kind == "fp32":
+            assert all(not v.any() for v in a[0][t]["new"].values())  # everything sent
+        else:
+            assert any(v.any() for v in a[0][t]["new"].values())  # the bf16 cast error stays behind
+    last = a[1]
+    assert last.dense_buckets == last.buckets and last.dense_bf16_buckets == (last.buckets if kind == "bf16" else 0)
+    assert last.bytes_wire == last.bytes_dense_wire // (2 if kind == "bf16" else 1)
