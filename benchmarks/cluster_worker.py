@@ -32,6 +32,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="topk_ddp: the older hierarchical switch (true = exchange hierarchical, false = never)")
     p.add_argument("--scatter-owner", default="select", choices=("select", "forward"),
                    help="topk_ddp scale-free exchange: owners forward their top c (select) or everything (forward)")
+    p.add_argument("--scatter-out", type=float, default=1.0,
+                   help="topk_ddp scale-free exchange (select): owners forward OUT x k/P entries (>= 1)")
+    p.add_argument("--dense-steps", type=int, default=None, help="topk_ddp: dense steps at the start (default: the strategy's)")
     p.add_argument("--selector", default="exact", choices=("exact", "mstopk", "torch"),
                    help="topk_ddp: top-k selection method")
     p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
@@ -138,8 +141,9 @@ def make_strategy(args: argparse.Namespace):
         except ImportError as e:  # the strategy is written separately; say so rather than fake it
             raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})") from e
         hier = {"true": True, "false": False, "auto": "auto"}[args.hierarchical]
+        extra = {} if args.dense_steps is None else {"dense_steps": args.dense_steps}
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
-                               log_telemetry=False, process_group_backend="gloo")
+                               log_telemetry=False, process_group_backend="gloo", **extra)
 
     class HookDDPStrategy(DDPStrategy):
         """DDPStrategy that registers its comm hook on CPU too (Lightning only does it on CUDA)."""
@@ -254,10 +258,10 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         def on_train_start(self, trainer, pl_module) -> None:
             state = getattr(trainer.strategy, "topk_state", None)
-            if state is not None and args.scatter_owner != "select":
+            if state is not None and (args.scatter_owner != "select" or args.scatter_out != 1.0):
                 from lightning_topk.comm.scatter import ScatterOptions
 
-                state.scatter = ScatterOptions(owner=args.scatter_owner)
+                state.scatter = ScatterOptions(owner=args.scatter_owner, out=args.scatter_out)
             if distributed:
                 torch.distributed.barrier()
             self.t0 = time.perf_counter()

@@ -33,6 +33,9 @@ sys.path.insert(0, HERE)
 
 from lightning_topk.comm.cost import CostModel, Link
 from lightning_topk.comm.scatter import slot_plan
+from lightning_topk.comm.state import TopKConfig
+
+PENALTY = TopKConfig().auto_sparse_penalty  # exchange='auto' as shipped
 
 DATE = "2026-11-23"
 MACHINE = "2-core x86_64, no GPU, torch 2.13.0 CPU"
@@ -185,7 +188,7 @@ def simulate() -> Dict[str, dict]:
                 t_auto = 0.0
                 for b in bks:
                     k = max(1, math.ceil(DENSITY * b))
-                    c, pred = m.choose(b, k, cands)
+                    c, pred = m.choose(b, k, cands, sparse_penalty=PENALTY)
                     chosen[c] = chosen.get(c, 0) + 1
                     t_auto += pred[c]
                 times["auto"] = t_auto

@@ -62,6 +62,7 @@ from lightning_topk.comm.wire import packed_nbytes, ring_allreduce_wire, to_wire
 log = logging.getLogger(__name__)
 
 CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "scatter")
+SPARSE = ("allgather", "hierarchical", "scatter")
 REFRESH_STEPS = 100
 SWITCH_GAIN = 0.9
 SCATTER_TIE = 0.1
@@ -169,15 +170,21 @@ class CostModel:
     def total(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
         return sum(self.predict(choice, n, k, value_bytes))
 
-    def choose(self, n: int, k: int, candidates: List[str], value_bytes: int = 4) -> Tuple[str, Dict[str, float]]:
-        """The fastest candidate and every candidate's predicted seconds.
+    def choose(self, n: int, k: int, candidates: List[str], value_bytes: int = 4,
+               sparse_penalty: float = 1.0) -> Tuple[str, Dict[str, float]]:
+        """The candidate with the lowest score and every candidate's predicted seconds.
 
-        Ties go to the scale-free exchange: within ``SCATTER_TIE`` of the fastest, never slower than a
-        dense transport, and with fewer wire bytes, it is chosen (its bytes do not grow with P)."""
+        A sparse candidate's score is its prediction times ``sparse_penalty`` (top-k needs more steps than
+        a dense all-reduce for the same accuracy; see ``TopKConfig.auto_sparse_penalty``), a dense one's is
+        its prediction. Ties go to the scale-free exchange: within ``SCATTER_TIE`` of the best sparse
+        score, never behind a dense transport, and with fewer wire bytes, it is chosen (its bytes do not
+        grow with P)."""
         pred = {c: self.total(c, n, k, value_bytes) for c in candidates}
-        best = min(pred, key=lambda c: pred[c])
-        if "scatter" in pred and best != "scatter" and pred["scatter"] <= (1 + SCATTER_TIE) * pred[best] \
-                and all(pred["scatter"] <= pred[d] for d in ("dense", "dense_bf16") if d in pred) \
+        score = {c: p * (sparse_penalty if c in SPARSE else 1.0) for c, p in pred.items()}
+        best = min(score, key=lambda c: score[c])
+        if "scatter" in score and best in SPARSE and best != "scatter" \
+                and score["scatter"] <= (1 + SCATTER_TIE) * score[best] \
+                and all(score["scatter"] <= score[d] for d in ("dense", "dense_bf16") if d in score) \
                 and self.wire("scatter", n, k, value_bytes) < self.wire(best, n, k, value_bytes):
             best = "scatter"
         return best, pred
@@ -346,7 +353,7 @@ class AutoExchange:
         hit = self.choices.get(key)
         if hit is None:
             saved = state.plan.get(key)
-            best, pred = self.model.choose(n, k, self.candidates, vb)
+            best, pred = self.model.choose(n, k, self.candidates, vb, state.config.auto_sparse_penalty)
             if saved in self.candidates:
                 best = saved  # restored from a checkpoint: same choice as the interrupted run
             self.choices[key] = (best, pred[best])
@@ -375,8 +382,10 @@ class AutoExchange:
         vb = packed_nbytes(1, state.config.wire_dtype) - 4
         for key, (old, _) in list(self.choices.items()):
             n, k = (int(x) for x in key.rsplit("#", 2)[1:])
-            best, pred = m.choose(n, k, self.candidates, vb)
-            if best != old and pred[best] < SWITCH_GAIN * pred[old]:
+            penalty = state.config.auto_sparse_penalty
+            best, pred = m.choose(n, k, self.candidates, vb, penalty)
+            score = {c: t * (penalty if c in SPARSE else 1.0) for c, t in pred.items()}
+            if best != old and score[best] < SWITCH_GAIN * score[old]:
                 self.choices[key] = (best, pred[best])
                 state.plan[key] = best
                 if self.rank == 0:

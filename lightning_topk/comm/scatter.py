@@ -221,8 +221,13 @@ def fold_owner_residual(key: str, owner_residual: Tensor) -> Dict[str, Tensor]:
 
 
 def fold_pending_owner(state: TopKState) -> None:
-    """Fold every owner residual not claimed by a bucket into this rank's per-parameter residuals."""
+    """Fold every owner residual not claimed by a bucket of this exchange into this rank's per-parameter
+    residuals: ones loaded from a checkpoint, and live ones whose bucket is gone (DDP rebuilt its buckets
+    after the first iteration). Called once the last bucket has been launched."""
     pending, state._pending_owner = state._pending_owner, {}
+    for key in [k for k in state.owner_residuals if k not in state.owner_seen]:
+        pending[key] = state.owner_residuals.pop(key)
+    state.owner_seen = set()
     for key, t in pending.items():
         _add_to_residuals(state, fold_owner_residual(key, t))
 
@@ -314,6 +319,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     key = None
     if b is not None:
         key = bucket_key(world, rank, b.names, b.numels)
+        state.owner_seen.add(key)
         if key not in state.owner_residuals:
             got = state._pending_owner.pop(key, None)
             state.owner_residuals[key] = torch.zeros(plan.region, dtype=torch.float32, device=device) \

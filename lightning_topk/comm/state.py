@@ -82,6 +82,12 @@ class TopKConfig:
             or ``"scatter"`` (scale-free sparse reduce-scatter + all-gather, :mod:`lightning_topk.comm.scatter`;
             no ``momentum_correction``).
         log_telemetry: log ``topk/*`` metrics to the Trainer's loggers every ``log_every_n_steps``.
+        auto_sparse_penalty: ``exchange="auto"`` picks a sparse exchange for a bucket only where its
+            predicted time times this factor (a number >= 1) beats the dense transports'. Top-k needs
+            more steps than a dense all-reduce to reach the same accuracy (1.6x on MNIST-5k at density
+            0.01, ``benchmarks/results/cluster.md``) and forward/backward time is common to both, so a
+            sparse exchange must be well ahead on the link to be ahead in time to accuracy. 1 compares
+            exchange times alone.
     """
 
     density: float = 0.01
@@ -90,7 +96,7 @@ class TopKConfig:
     error_feedback: bool = True
     momentum_correction: bool = False
     momentum: float = 0.9
-    dense_steps: int = 1
+    dense_steps: int = 0
     warmup_steps: int = 0
     warmup_start: float = 0.25
     min_sparse_numel: int = 16384
@@ -99,6 +105,7 @@ class TopKConfig:
     selection_scope: str = "bucket"
     log_telemetry: bool = True
     exchange: str = "auto"
+    auto_sparse_penalty: float = 3.0
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -123,6 +130,9 @@ class TopKConfig:
         for name in ("dense_steps", "warmup_steps", "min_sparse_numel"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "an int >= 0")
+        if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
+            raise bad("auto_sparse_penalty", "a number >= 1")
+        self.auto_sparse_penalty = float(self.auto_sparse_penalty)
         if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
             raise bad("hierarchical", "'auto', true or false")
         if self.nonfinite not in NONFINITE_CHOICES:
@@ -439,6 +449,7 @@ class TopKState:
         self.scatter_pending: Any = None
         self.owner_residuals: Dict[str, Tensor] = {}
         self._pending_owner: Dict[str, Tensor] = {}
+        self.owner_seen: set = set()  # owner residual keys used by this exchange's buckets
         # exchange="auto": the cost model (comm/cost.py) and its choice per bucket.
         self.auto: Any = None
         self.plan: Dict[str, str] = {}

@@ -58,6 +58,28 @@ def test_choice_follows_the_link():
         m.predict("ring", n, k)
 
 
+def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
+    """Time to accuracy, not time per exchange: a sparse exchange predicted 2x faster than dense bf16 is
+    not worth the extra steps under the default penalty (3); at 1 it wins; far ahead it wins either way."""
+    n, k, cands = 4_000_000, 40_000, ["dense", "dense_bf16", "allgather", "scatter"]
+    penalty = TopKConfig().auto_sparse_penalty
+    for beta in (1e8, 1e9, 3e9, 1e10):
+        m = _model(4, 1, beta_inter=beta)
+        best1, pred = m.choose(n, k, cands, sparse_penalty=1.0)
+        best3, _ = m.choose(n, k, cands, sparse_penalty=penalty)
+        sparse = min(pred["allgather"], pred["scatter"])
+        dense = min(pred["dense"], pred["dense_bf16"])
+        assert (best1 in ("allgather", "scatter")) == (sparse < dense), (beta, pred)
+        assert (best3 in ("allgather", "scatter")) == (penalty * sparse < dense), (beta, pred)
+    # the threshold moves: some link has sparse ahead by less than the penalty (dense under the default)
+    m = _model(4, 1, beta_inter=1e9)
+    _, pred = m.choose(n, k, cands)
+    ratio = min(pred["dense"], pred["dense_bf16"]) / min(pred["allgather"], pred["scatter"])
+    assert 1 < ratio < penalty and m.choose(n, k, cands, sparse_penalty=penalty)[0] == "dense_bf16"
+    with pytest.raises(ValueError, match="auto_sparse_penalty"):
+        TopKConfig(auto_sparse_penalty=0.5)
+
+
 def test_candidates_follow_the_options():
     assert cost.candidates_for(TopKConfig(), 2, 2, True) == ["dense", "dense_bf16", "allgather", "hierarchical",
                                                              "scatter"]
@@ -117,7 +139,7 @@ def _auto(rank, world):
     out["probe"] = cost.probe(world, 1, rank, 0.01, "exact", torch.device("cpu"))
     # refresh: each rank reports different telemetry; the slowest figures win on every rank
     a = AutoExchange(_model(world, 1, beta_inter=1e9), ["dense", "allgather"], rank)
-    st = TopKState(TopKConfig(density=0.01))
+    st = TopKState(TopKConfig(density=0.01, auto_sparse_penalty=1.0))  # exchange times alone
     n, k = 200_000, 2_000
     key = cost.plan_key(["w"], n, k)
     before = a.decide(st, key, n, k)[0]
