@@ -57,6 +57,8 @@ class StepController:
         self._scaler = False
         self._step_at_start = state.step
         state.undo.enabled = state.config.nonfinite == "skip"
+        if state.auto is not None:
+            state.auto.controlled = True
 
     @property
     def group(self) -> Any:
@@ -78,13 +80,22 @@ class StepController:
         ``named_parameters`` only names parameters in the ``FloatingPointError`` message.
         """
         st = self.state
-        if st.config.nonfinite == "propagate" and not self._scaler and not found_inf:
+        auto = st.auto
+        if auto is not None:
+            auto.controlled = True
+        refresh = auto is not None and auto.refresh_due(st)
+        if st.config.nonfinite == "propagate" and not self._scaler and not found_inf and not refresh:
             return self._end(commit=True)  # nothing could change the outcome: no collective, no sync
         vec = self._local_vector(found_inf)
         world = self._world()
+        if refresh:  # exchange="auto": this rank's telemetry window rides on the same all-reduce
+            vec = torch.cat([vec, torch.tensor(auto.take_window(), dtype=vec.dtype, device=vec.device)])
         if world > 1:
             dist.all_reduce(vec, group=self.group)
         host = vec.tolist()  # the one host sync of the step
+        if refresh:
+            auto.apply_refresh(st, [v / world for v in host[-2:]])  # the mean over ranks
+            host = host[:-2]
         fault = any(v > 0 for v in host)
         for t in found_inf:
             t.fill_(float(fault))

@@ -18,12 +18,15 @@ model predicts compute + link time of
   and a ring all-gather of the owners' forwards (:mod:`lightning_topk.comm.scatter`).
 
 Flat collectives across nodes are limited by the inter-node tier (a node-major ring crosses each
-node's link once per step). The choice is the fastest prediction; ``density`` stays the user's: only
-how the entries travel changes (``dense`` sends them all). Predictions and measured times are logged as
+node's link once per step). The choice is the lowest prediction, a sparse one's times
+``auto_sparse_penalty`` (top-k needs more steps to an accuracy); ``density`` stays the user's: only how
+the entries travel changes (``dense`` sends them all). Predictions and measured times are logged as
 ``topk/predicted_ms`` and ``topk/measured_ms``. Every ``REFRESH_STEPS`` exchanges the model is refreshed
-from telemetry (one small all-reduce): selection cost per entry from the measured selection time,
-and a link-time scale from measured over predicted exchange time; a bucket switches algorithm only
-when the new choice is predicted at least ``SWITCH_GAIN`` faster.
+from telemetry: selection cost per entry from the measured selection time, and a link-time scale from
+measured over predicted exchange time (the mean over ranks, carried by the step controller's one
+all-reduce per step, so the hooks read nothing on the host; without a controller, the slowest rank's,
+by an all-reduce of its own); a bucket switches algorithm only when the new choice's score is at least
+``SWITCH_GAIN`` better.
 """
 import functools
 import logging
@@ -346,6 +349,9 @@ class AutoExchange:
     _window: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
     # the step being exchanged: predicted link seconds and entries of sparse buckets
     _step: List[float] = field(default_factory=lambda: [0.0, 0.0])
+    # a StepController carries the refresh on its per-step all-reduce (no host read in the hooks)
+    controlled: bool = False
+    refreshes: int = 0
 
     def decide(self, state: TopKState, key: str, n: int, k: int) -> Tuple[str, float, float]:
         """(choice, predicted seconds, predicted link seconds) for a bucket, cached per key."""
@@ -365,20 +371,33 @@ class AutoExchange:
         comp, comm = self.model.predict(choice, n, k, vb)
         return choice, comp + comm, comm
 
-    def refresh(self, state: TopKState, device: torch.device) -> None:
-        """Re-fit selection cost and link-time scale from the window's telemetry; re-decide every bucket."""
+    def take_window(self) -> List[float]:
+        """This rank's telemetry since the last refresh: [selection seconds per entry, measured / predicted
+        link time] (0 where unknown); the window starts anew."""
         sel_s, sel_n, meas_comm, pred_comm = self._window
         self._window = [0.0, 0.0, 0.0, 0.0]
-        per = sel_s / sel_n if sel_n else 0.0
-        ratio = meas_comm / pred_comm if pred_comm > 0 else 0.0
-        vec = torch.tensor([per, ratio], dtype=torch.float64, device=device)
+        return [sel_s / sel_n if sel_n else 0.0, meas_comm / pred_comm if pred_comm > 0 else 0.0]
+
+    def refresh_due(self, state: TopKState) -> bool:
+        return bool(state.step) and state.step % REFRESH_STEPS == 0
+
+    def refresh(self, state: TopKState, device: torch.device) -> None:
+        """Refresh on its own (no step controller): the slowest rank's window, by one all-reduce read on the
+        host inside the hook. With a controller the window rides on its per-step all-reduce instead."""
+        vec = torch.tensor(self.take_window(), dtype=torch.float64, device=device)
         dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=state.process_group)
-        per, ratio = vec.cpu().tolist()
+        self.apply_refresh(state, vec.cpu().tolist())
+
+    def apply_refresh(self, state: TopKState, window: List[float]) -> None:
+        """Re-fit selection cost and link-time scale from ``window`` (the same on every rank, see
+        :meth:`take_window`); re-decide every bucket."""
+        per, ratio = window
         m = self.model
         if per > 0:
             m.select_per_elem = 0.5 * (m.select_per_elem + per)
         if ratio > 0:
             m.comm_scale = min(4.0, max(0.25, m.comm_scale * ratio))
+        self.refreshes += 1
         vb = packed_nbytes(1, state.config.wire_dtype) - 4
         for key, (old, _) in list(self.choices.items()):
             n, k = (int(x) for x in key.rsplit("#", 2)[1:])
@@ -393,7 +412,8 @@ class AutoExchange:
                              n, old, best, ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
 
     def begin_step(self, state: TopKState, device: torch.device) -> None:
-        """First bucket of an exchange: account the previous one (complete by now), refresh when due."""
+        """First bucket of an exchange: account the previous one (complete by now); without a step
+        controller, refresh here when due."""
         if state.step:
             last = state.last.resolve(ready_only=True)  # CUDA: only the event pairs already done, no wait
             w = self._window
@@ -402,7 +422,7 @@ class AutoExchange:
             w[2] += last.comm_time_s
             w[3] += self._step[0]
         self._step = [0.0, 0.0]
-        if state.step and state.step % REFRESH_STEPS == 0:
+        if not self.controlled and self.refresh_due(state):
             self.refresh(state, device)
 
 

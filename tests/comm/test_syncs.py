@@ -1,5 +1,5 @@
 """Host syncs of the exchange on the sync-free path (LIGHTNING_TOPK_SYNC_FREE=1 forces it on CPU): none inside the
-hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat, hierarchical and scale-free; at most one
+hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat, hierarchical, scale-free and auto; at most one
 per step outside them (the step controller's). Real gloo processes; counter in tests/helpers/syncs.py."""
 import os
 
@@ -9,6 +9,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
+from lightning_topk.comm import cost
 from lightning_topk.comm.allgather import topk_allgather_hook
 from lightning_topk.comm.controller import StepController
 from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
@@ -20,7 +21,15 @@ STEPS = 3
 COMBOS = [(sel, wire) for sel in ("exact", "mstopk") for wire in ("fp32", "bf16")]
 
 
-HOOKS = {"flat": topk_allgather_hook, "hierarchical": hierarchical_topk_hook, "scatter": scatter_topk_hook}
+HOOKS = {"flat": topk_allgather_hook, "hierarchical": hierarchical_topk_hook, "scatter": scatter_topk_hook,
+         "auto": cost.auto_topk_hook}
+
+
+def _slow_link_auto(cfg, world, rank):
+    """exchange="auto" with a model of a 1 MB/s link (sparse wins) that refreshes every 2 exchanges."""
+    cost.REFRESH_STEPS = 2
+    model = cost.CostModel(world, 1, None, cost.Link(50e-6, 1e6), 2e-9, 1e-4, 0.5e-9, 20e-9)
+    return cost.AutoExchange(model, cost.candidates_for(cfg, world, 1, False), rank)
 
 
 def _count(rank, world, mode, sync_free):
@@ -37,6 +46,8 @@ def _count(rank, world, mode, sync_free):
                          nonfinite="skip", hierarchical=hier, exchange="scatter" if mode == "scatter" else "auto")
         st = TopKState(cfg, hier=groups)
         st.bind(m.named_parameters())
+        if mode == "auto":
+            st.auto = _slow_link_auto(cfg, world, rank)
         counter = SyncCounter()
         ddp.register_comm_hook(st, counter.wrap_hook(HOOKS[mode]))
         ctl = StepController(st)
@@ -50,21 +61,23 @@ def _count(rank, world, mode, sync_free):
                 ctl.finish_step()
                 opt.step()
         out[(selector, wire)] = (dict(counter.inside), dict(counter.outside), counter.hook_calls,
-                                 st.totals.numel_sent < st.totals.numel)
+                                 st.totals.numel_sent < st.totals.numel, st.auto.refreshes if st.auto else None)
     return out
 
 
-@pytest.mark.parametrize("mode", ["flat", "hierarchical", "scatter"])
+@pytest.mark.parametrize("mode", ["flat", "hierarchical", "scatter", "auto"])
 def test_sync_free_hooks_make_no_host_sync(mode):
-    world = {"flat": 2, "hierarchical": 4, "scatter": 3}[mode]
+    """auto: its cost-model refresh (at step 2) rides on the controller's all-reduce, not in a hook."""
+    world = {"flat": 2, "hierarchical": 4, "scatter": 3, "auto": 2}[mode]
     for per_rank in run_distributed(_count, world, (mode, True)):
-        for combo, (inside, outside, calls, sparse) in per_rank.items():
+        for combo, (inside, outside, calls, sparse, refreshes) in per_rank.items():
             assert sparse and calls > STEPS, combo  # sparse steps; several buckets after DDP's rebuild
+            assert refreshes == (1 if mode == "auto" else None), combo
             assert inside == {}, (combo, inside)
             assert sum(outside.values()) <= STEPS, (combo, outside)  # the controller's one read per step
 
 
 def test_the_counter_sees_the_cpu_fast_path():
     """Without the sync-free path the CPU selection makes host syncs: the counter must see them."""
-    inside, _outside, _calls, _ = run_distributed(_count, 2, ("flat", False))[0][("exact", "fp32")]
+    inside, _outside, _calls, _, _ = run_distributed(_count, 2, ("flat", False))[0][("exact", "fp32")]
     assert any("nonzero" in op for op in inside) and sum(inside.values()) >= STEPS, inside
