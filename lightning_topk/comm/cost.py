@@ -283,8 +283,10 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
 
 # ---- the dense transports -------------------------------------------------------------------------
 def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
-    """Dense all-reduce of ``residual + grad/scale`` in ``wire_dtype``; with fp16/bf16 the cast error
-    stays in the residual (error feedback) and values are divided by the world size before the cast."""
+    """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
+    low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
+    added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); otherwise no
+    buffer is made and the cost is a cast and a copy, as DDP's own compression hooks."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     grad = bucket.buffer()
@@ -295,15 +297,16 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     stats = state.current
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if state.config.error_feedback else None
+    b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
     acc, vel = accumulate(state, b, grad)
     acc = acc[:n]
     state.flags.note_input(names, acc)
     low = wire_dtype != torch.float32
-    if low:
+    if low and b is None:
+        wire = to_wire(acc.div_(world), wire_dtype)  # acc is the bucket buffer: the result overwrites it
+    elif low:
         wire = to_wire(acc / world, wire_dtype)
-        if b is not None:
-            acc.sub_(wire.float(), alpha=world)  # the residual keeps the cast error
+        acc.sub_(wire.float(), alpha=world)  # the residual keeps the cast error
     else:
         wire = fp32_view(grad)
         if wire.data_ptr() != acc.data_ptr():
@@ -324,7 +327,13 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
 
     def finish(_f: torch.futures.Future) -> torch.Tensor:
         state.add_time(stats, "comm_time_s", t_launch)
-        return deliver(state, grad, wire.float().mul_(f) if low else wire.mul_(f))
+        if low:
+            out = fp32_view(grad)
+            out.copy_(wire)  # widen while copying: one pass
+            if isinstance(f, torch.Tensor) or f != 1.0:
+                out.mul_(f)
+            return deliver(state, grad, out)
+        return deliver(state, grad, wire.mul_(f))
 
     if bucket.is_last():
         state.end_exchange()

@@ -36,6 +36,8 @@ def to_wire(values: Tensor, value_dtype: torch.dtype) -> Tensor:
     1e6 must not become inf in fp16); inf/NaN stay what they are, so a real fault is still seen."""
     if value_dtype == values.dtype:
         return values
+    if value_dtype == torch.bfloat16:
+        return values.to(value_dtype)  # fp32's exponent range: only values within 0.4% of fp32's max round to inf
     big = torch.finfo(value_dtype).max
     return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(value_dtype)
 

@@ -3,11 +3,13 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
+from lightning_topk.comm.allgather import topk_allgather_hook
 from lightning_topk.comm.cost import AutoExchange, CostModel, Link, auto_topk_hook, dense_topk_hook
 from lightning_topk.comm.scatter import slot_plan
 from tests.helpers.dist import run_distributed
@@ -100,15 +102,22 @@ def _batch(rank):
 
 
 def _dense(rank, world, value_dtype):
-    """Two steps with the dense transport: what each rank sent, its residuals and the result."""
+    """The dense transport on fresh parameters (step 0), then after a sparse step left residuals (steps 2, 3):
+    what each rank sent, its residuals and the result."""
     m = _net()
     ddp = DDP(m, bucket_cap_mb=0.05)
     st = TopKState(TopKConfig(density=0.01, min_sparse_numel=0, dense_steps=0, value_dtype=value_dtype))
     st.bind(m.named_parameters())
     st.debug.enabled = True
-    ddp.register_comm_hook(st, dense_topk_hook)
+    sparse = [False]
+
+    def hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return (topk_allgather_hook if sparse[0] else dense_topk_hook)(state, bucket)
+
+    ddp.register_comm_hook(st, hook)
     out = []
-    for _ in range(2):
+    for step in range(4):
+        sparse[0] = step == 1
         old = {k: v.clone() for k, v in st.residuals().items()}
         m.zero_grad()
         x, y = _batch(rank)
@@ -196,15 +205,21 @@ def test_refresh_uses_the_slowest_telemetry_and_switches_with_the_scale(runs):
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
 def test_dense_transport_conserves_and_averages(runs, kind):
     a, b = runs[kind]
-    for t in range(2):
+    for t in (0, 2, 3):
         for name in a[0][t]["sent"]:
             want = (a[0][t]["sent"][name] + b[0][t]["sent"][name]) / 2
             tol = 1e-6 if kind == "fp32" else 1e-2 * want.abs().max().item()
             for r in (a, b):
                 h = r[0][t]
                 assert torch.allclose(h["after"][name], want, atol=tol), (t, name)
+                if t == 0:  # fresh parameters: no residual is made, the cast costs what DDP's hooks cost
+                    assert h["new"] == {} and torch.allclose(h["sent"][name], h["grad"][name], atol=tol)
+                    continue
                 o = h["old"].get(name, torch.zeros_like(h["grad"][name]))
                 assert torch.allclose(h["sent"][name] + h["new"][name], o + h["grad"][name], atol=1e-6), (t, name)
+        if t == 0:
+            continue
+        assert a[0][t]["old"]  # the sparse step left residuals: they are sent with the dense one
         if kind == "fp32":
             assert all(not v.any() for v in a[0][t]["new"].values())  # everything sent
         else:
