@@ -300,14 +300,16 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
     acc, vel = accumulate(state, b, grad)
     acc = acc[:n]
-    # No input check: a NaN/inf entering a dense sum is in every rank's result, which is checked.
     low = wire_dtype != torch.float32
     if low and b is None:
         wire = to_wire(acc.div_(world), wire_dtype)  # acc is the bucket buffer: the result overwrites it
     elif low:
         wire = to_wire(acc / world, wire_dtype)
         acc.sub_(wire.float(), alpha=world)  # the residual keeps the cast error
-    else:
+    # The input check reads the low-precision wire where there is one (half the bytes; the cast keeps
+    # NaN/inf, and to_wire clamps finite values, so a non-finite wire value is a non-finite input).
+    state.flags.note_input(names, wire if low else acc)
+    if not low:
         wire = fp32_view(grad)
         if wire.data_ptr() != acc.data_ptr():
             wire.copy_(acc)
