@@ -41,3 +41,21 @@ def test_wire_bytes_match_the_veth_counters(tmp_path, exchange):
         assert last["scatter_buckets"] > 0
     if exchange == "auto":
         assert s["plan"]  # the choices made, per bucket
+
+
+@needs_netns
+@pytest.mark.slow
+def test_hierarchical_inter_node_wire_matches_the_veth_counters(tmp_path):
+    """2 nodes x 2 processes: the intra-node tier stays on each node's loopback, so a node's veth carries
+    its L ranks' inter-node all-gathers: L x (N-1) x the inter-node payload (``bytes_inter``) per step."""
+    res = cluster.run_cluster(["--strategy", "topk_ddp", "--exchange", "hierarchical", "--density", "0.01", *SMALL],
+                              nodes=2, procs_per_node=2, rate="1gbit", timeout=300, run_dir=str(tmp_path / "hier"))
+    assert res.mode == "netns"
+    s = cluster.summarize(res)
+    warm = res.ranks[0]["warmup_steps"]
+    inter = [sum(t["bytes_inter"] for t in r["telemetry_steps"][warm:]) / (len(r["telemetry_steps"]) - warm)
+             for r in res.ranks]
+    assert all(t["hierarchical_buckets"] > 0 for t in (r["telemetry_steps"][-1] for r in res.ranks))
+    for node, v in enumerate(s["inter_node_bytes_per_node"]):
+        w = sum(inter[r["rank"]] for r in res.ranks if r["node_rank"] == node) * (2 - 1)
+        assert w > 0 and abs(v - w) <= 0.10 * w, (node, v, w)
