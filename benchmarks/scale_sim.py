@@ -284,6 +284,10 @@ def validate(a: argparse.Namespace) -> str:
         return f"Validation skipped: {reason}."
     common = ["--hidden", str(a.hidden), "--steps", str(a.steps), "--warmup-steps", "3", "--eval-every", "0",
               "--density", str(DENSITY)]
+    if a.validate_from:
+        with open(a.validate_from) as f:
+            saved = json.load(f)
+        return render_validation({int(k): v for k, v in saved["results"].items()}, saved["seconds"], a)
     results: Dict[int, Dict[str, dict]] = {}
     t0 = time.perf_counter()
     for nodes in (2, 4):
@@ -298,6 +302,26 @@ def validate(a: argparse.Namespace) -> str:
             print(f"[validate] {nodes} nodes {entry:<9} step {s['step_time_s']:.3f} s  veth/node "
                   f"{_mb(sum(s['inter_node_bytes_per_node'] or [0]) / nodes)} MB", flush=True)
     total = time.perf_counter() - t0
+    with open(os.path.join(a.run_dir, "validate.json"), "w") as f:
+        json.dump({"results": {str(k): v for k, v in results.items()}, "seconds": total}, f, indent=1)
+    return render_validation(results, total, a)
+
+
+def final_buckets(plan: Dict[str, str]) -> List[Tuple[int, int]]:
+    """(n, k) of the buckets in DDP's final layout: the plan also holds the first iteration's buckets,
+    which DDP rebuilt after step 1 (later keys win; a key sharing a parameter with a later one is gone)."""
+    seen: set = set()
+    out = []
+    for key in reversed(list(plan)):
+        names = set(key.rsplit("#", 2)[0].split("|"))
+        if names & seen:
+            continue
+        seen |= names
+        out.append(tuple(int(x) for x in key.rsplit("#", 2)[1:]))
+    return out
+
+
+def render_validation(results: Dict[int, Dict[str, dict]], total: float, a: argparse.Namespace) -> str:
     lines = [
         "## Validation against the namespace cluster",
         "",
@@ -319,7 +343,7 @@ def validate(a: argparse.Namespace) -> str:
         model = d["auto"].get("cost_model")
         plan = d["auto"].get("plan") or {}
         cm = CostModel(**{**model, "intra": _link(model["intra"]), "inter": _link(model["inter"])})
-        shapes = [tuple(int(x) for x in key.rsplit("#", 2)[1:]) for key in plan]
+        shapes = final_buckets(plan)
         for entry, choice in (("dense", "dense"), ("allgather", "allgather"), ("scatter", "scatter")):
             s = d[entry]
             pred_step = d["local"]["step_time_s"] + sum(cm.total(choice, n, k) for n, k in shapes)
@@ -337,8 +361,6 @@ def validate(a: argparse.Namespace) -> str:
     b4 = {e: sum(results[4][e]["inter_node_bytes_per_node"]) / 4 for e in ("auto", "allgather", "scatter")}
     lines += ["", "Real wire bytes per node per step, 4 nodes / 2 nodes (veth counters): "
               + ", ".join(f"{e} {b4[e] / b2[e]:.2f}x" for e in b2) + ".", ""]
-    with open(os.path.join(a.run_dir, "validate.json"), "w") as f:
-        json.dump({str(k): v for k, v in results.items()}, f, indent=1)
     return "\n".join(lines)
 
 
@@ -349,6 +371,8 @@ def _link(d: Optional[dict]) -> Optional[Link]:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--validate", action="store_true", help="also run the namespace-cluster validation (minutes)")
+    p.add_argument("--validate-from", default=None, help="render the validation from a saved validate.json "
+                   "(written to --run-dir by --validate) instead of running it")
     p.add_argument("--rate", default="1gbit", help="validation link rate (tc syntax)")
     p.add_argument("--hidden", type=int, default=2048, help="validation model width (2048: 8.5M parameters)")
     p.add_argument("--steps", type=int, default=15, help="validation steps per run")
@@ -358,7 +382,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     sim = simulate()
     text = render(sim)
-    if a.validate:
+    if a.validate or a.validate_from:
         os.makedirs(a.run_dir, exist_ok=True)
         text += "\n" + validate(a)
     os.makedirs(os.path.dirname(a.md), exist_ok=True)
