@@ -1,4 +1,5 @@
-"""Hierarchical exchange on 4 real gloo processes laid out as 2 nodes x 2, against its definition."""
+"""Hierarchical exchanges on 4 real gloo processes laid out as 2 nodes x 2, against their definitions: the
+all-gather inter-node tier and the scale-free one (exchange="hierarchical_scatter")."""
 import math
 
 import torch
@@ -34,8 +35,7 @@ def _expected(all_acc, density):
     return out[:n] / (L * N)
 
 
-def _run(rank, world, density):
-    h = make_groups(N, L, rank)
+def _run(rank, world, density, h):
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)  # several buckets: collectives of consecutive buckets interleave
     st = TopKState(TopKConfig(density=density, min_sparse_numel=0, dense_steps=0, hierarchical=True), hier=h)
@@ -76,8 +76,8 @@ def _run(rank, world, density):
     return errors, owned, st.totals, len(layouts)
 
 
-def test_hierarchical_equals_definition_and_sends_fewer_inter_node_bytes():
-    results = run_distributed(_run, L * N, (0.05,))
+def test_hierarchical_equals_definition_and_sends_fewer_inter_node_bytes(hs_runs):
+    results = hs_runs["hier"]
     for errors, _owned, totals, nbuckets in results:
         assert nbuckets >= 2
         assert max(errors) < 1e-5, errors
@@ -183,13 +183,13 @@ def _snap(d):
     return {k: v.detach().clone() for k, v in d.items()}
 
 
-def _hs_state(rank, m, **kw):
-    st = TopKState(TopKConfig(**dict(HS, **kw)), hier=make_groups(N, L, rank))
+def _hs_state(h, m, **kw):
+    st = TopKState(TopKConfig(**dict(HS, **kw)), hier=h)
     st.bind(m.named_parameters())
     return st
 
 
-def _hs_step(ddp, m, st, x, y, rank, scale=1.0):
+def _hs_step(ddp, m, st, x, y, scale=1.0):
     old, old_owner = _snap(st.residuals()), _snap(st.owner_residuals)
     for p in m.parameters():
         p.grad = None
@@ -199,12 +199,12 @@ def _hs_step(ddp, m, st, x, y, rank, scale=1.0):
                 old_owner=old_owner, new_owner=_snap(st.owner_residuals))
 
 
-def _hs_train(rank, world, steps=3):
+def _hs_train(rank, h, steps=3):
     """Pinned hierarchical_scatter: per step, residuals and owner residuals before/after, what this rank
     sent, its gradient, the result, and each bucket's (names, numel)."""
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)
-    st = _hs_state(rank, m)
+    st = _hs_state(h, m)
     st.debug.enabled = True
     layouts = {}
 
@@ -217,44 +217,43 @@ def _hs_train(rank, world, steps=3):
     hist = []
     for _ in range(steps):
         x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
-        h = _hs_step(ddp, m, st, x, y, rank)
-        h["stats"] = st.last
-        hist.append(h)
+        rec = _hs_step(ddp, m, st, x, y)
+        rec["stats"] = st.last
+        hist.append(rec)
         with torch.no_grad():
             for p in m.parameters():
                 p -= 0.1 * p.grad
     return dict(hist=hist, layouts=layouts)
 
 
-def _hs_nonfinite(rank, world):
+def _hs_nonfinite(rank, h):
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)
-    st = _hs_state(rank, m, nonfinite="skip")
+    st = _hs_state(h, m, nonfinite="skip")
     ctl = StepController(st)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
     ddp.register_comm_hook(st, hierarchical_scatter_topk_hook)
     decisions = []
     for _ in range(2):  # DDP rebuilds its buckets after the first iteration: the owner keys settle
-        _hs_step(ddp, m, st, x, y, rank)
+        _hs_step(ddp, m, st, x, y)
         decisions.append(ctl.finish_step())
-    h = _hs_step(ddp, m, st, x, y, rank, scale=float("inf") if rank == 1 else 1.0)
+    rec = _hs_step(ddp, m, st, x, y, scale=float("inf") if rank == 1 else 1.0)
     grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
-    res_changed = any(not torch.equal(h["old"][k], v) for k, v in h["new"].items())
-    owner_changed = any(not torch.equal(h["old_owner"][k], v) for k, v in h["new_owner"].items())
+    res_changed = any(not torch.equal(rec["old"][k], v) for k, v in rec["new"].items())
+    owner_changed = any(not torch.equal(rec["old_owner"][k], v) for k, v in rec["new_owner"].items())
     decisions.append(ctl.finish_step())
-    return dict(h, grads_finite=grads_finite, decisions=decisions, step=st.step, changed=(res_changed, owner_changed),
+    return dict(rec, grads_finite=grads_finite, decisions=decisions, step=st.step, changed=(res_changed, owner_changed),
                 restored=_snap(st.residuals()), restored_owner=_snap(st.owner_residuals))
 
 
-def _hs_resume(rank, world):
+def _hs_resume(rank, h):
     """Save after 3 steps, run 2 more; restore model, optimizer and top-k state into a fresh TopKState and run
     the same 2 steps: bit-identical parameters, residuals and owner residuals."""
     import io
 
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)
-    h = make_groups(N, L, rank)
     holder = [TopKState(TopKConfig(**HS), hier=h)]
     holder[0].bind(m.named_parameters())
 
@@ -295,12 +294,12 @@ def _hs_resume(rank, world):
     return straight, resumed, sd
 
 
-def _hs_auto_switch(rank, world):
+def _hs_auto_switch(rank, h):
     """exchange="auto" running hierarchical_scatter for 3 steps, then every bucket switched to the flat
     all-gather: the owner residuals must come back into the rank residuals."""
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)
-    st = _hs_state(rank, m, exchange="auto")
+    st = _hs_state(h, m, exchange="auto")
     st.debug.enabled = True
     model = cost.CostModel(N, L, cost.Link(5e-6, 1e10), cost.Link(5e-5, 1e6), 2e-9, 1e-4, 0.5e-9, 20e-9)
     st.auto = cost.AutoExchange(model, ["hierarchical_scatter"], rank)
@@ -311,20 +310,21 @@ def _hs_auto_switch(rank, world):
         if t == 3:
             st.auto.candidates, st.auto.choices, st.plan = ["allgather"], {}, {}
         x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
-        h = _hs_step(ddp, m, st, x, y, rank)
-        h["stats"] = st.last
-        hist.append(h)
+        rec = _hs_step(ddp, m, st, x, y)
+        rec["stats"] = st.last
+        hist.append(rec)
     return hist
 
 
-def _hs_scenarios(rank, world):
-    return {"train": _hs_train(rank, world), "nonfinite": _hs_nonfinite(rank, world), "resume": _hs_resume(rank, world),
-            "auto": _hs_auto_switch(rank, world)}
+def _scenarios(rank, world):
+    h = make_groups(N, L, rank)  # one set of groups (and one spawn) for every scenario
+    return {"hier": _run(rank, world, 0.05, h), "train": _hs_train(rank, h), "nonfinite": _hs_nonfinite(rank, h),
+            "resume": _hs_resume(rank, h), "auto": _hs_auto_switch(rank, h)}
 
 
 @pytest.fixture(scope="module")
 def hs_runs():
-    res = run_distributed(_hs_scenarios, L * N)
+    res = run_distributed(_scenarios, L * N)
     return {key: [r[key] for r in res] for key in res[0]}
 
 
