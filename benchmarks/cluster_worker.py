@@ -26,7 +26,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
     p.add_argument("--density", type=float, default=0.01, help="topk_ddp: fraction of entries sent (0 < d <= 1)")
-    p.add_argument("--exchange", default="auto", choices=("auto", "dense", "allgather", "hierarchical", "scatter"),
+    p.add_argument("--exchange", default="auto",
+                   choices=("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter"),
                    help="topk_ddp: how entries travel (auto: per bucket by the cost model)")
     p.add_argument("--hierarchical", default="auto", choices=("true", "false", "auto"),
                    help="topk_ddp: the older hierarchical switch (true = exchange hierarchical, false = never)")

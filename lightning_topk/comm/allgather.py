@@ -21,7 +21,8 @@ on NCCL (whose futures complete when the collective is enqueued) the backward pa
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration
 # and rejects a string "dist.GradBucket".
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -167,6 +168,35 @@ def deliver(state: TopKState, grad: Tensor, result: Tensor) -> Tensor:
         grad.copy_(result[:grad.numel()])
     state.flags.note_result(grad)
     return grad
+
+
+def future_on(device: torch.device) -> torch.futures.Future:
+    """A hand-made future that carries its device, so that DDP waits on the right CUDA stream."""
+    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+
+
+@dataclass
+class Gather:
+    """An all-gather of packed entries in flight: ``count`` entries from each of ``world`` ranks land in
+    ``buf`` (on gloo the future's value is not the gathered tensor: read ``buf``)."""
+
+    work: Any
+    buf: Tensor
+    count: int
+    world: int
+    wire_dtype: torch.dtype
+    index_dtype: torch.dtype = torch.int32
+
+    def entries(self) -> Tuple[Tensor, Tensor]:
+        """(fp32 values, indices) of every rank, once the all-gather has arrived."""
+        return unpack(self.buf, self.count, self.wire_dtype, self.world, self.index_dtype)
+
+
+def gather_entries(packed: Tensor, count: int, world: int, group: Any, wire_dtype: torch.dtype,
+                   index_dtype: torch.dtype = torch.int32) -> Gather:
+    """Launch the all-gather of ``packed`` (``count`` entries) over ``group``."""
+    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    return Gather(_all_gather(out, packed, group=group, async_op=True), out, count, world, wire_dtype, index_dtype)
 
 
 def record_grads(state: TopKState, names: Sequence[str], numels: Sequence[int], grad: Tensor) -> None:

@@ -15,7 +15,9 @@ model predicts compute + link time of
 * ``hierarchical``: intra-node reduce-scatter and all-gather of the fp32 shard, selection on ``n/L``, an
   inter-node all-gather of ``k/L`` entries per rank that all L ranks of a node run at once;
 * ``scatter``: selection, an all-to-all of ``P-1`` slots (a node's link carries ``L (P-L)`` of them)
-  and a ring all-gather of the owners' forwards (:mod:`lightning_topk.comm.scatter`).
+  and a ring all-gather of the owners' forwards (:mod:`lightning_topk.comm.scatter`);
+* ``hierarchical_scatter``: the intra-node part of ``hierarchical``, then the scale-free exchange among
+  the N ranks with the same local rank on ``k/L`` entries (all L ranks of a node at once).
 
 Flat collectives across nodes are limited by the inter-node tier (a node-major ring crosses each
 node's link once per step). The choice is the lowest prediction, a sparse one's times
@@ -49,23 +51,24 @@ from lightning_topk.comm.allgather import (
     record_sent,
     topk_allgather_hook,
 )
-from lightning_topk.comm.hierarchical import flush_pending, hierarchical_topk_hook
+from lightning_topk.comm.hierarchical import flush_pending, hierarchical_scatter_topk_hook, hierarchical_topk_hook
 from lightning_topk.comm.scatter import (
     bucket_key,
     flush_scatter,
     fold_live_owner,
     fold_pending_owner,
     scatter_topk_hook,
+    scatter_wire,
     slot_plan,
 )
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import TopKState, clock
+from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, TopKState, clock
 from lightning_topk.comm.wire import packed_nbytes, ring_allreduce_wire, to_wire
 
 log = logging.getLogger(__name__)
 
-CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "scatter")
-SPARSE = ("allgather", "hierarchical", "scatter")
+CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "hierarchical_scatter", "scatter")
+SPARSE = ("allgather", "hierarchical", "hierarchical_scatter", "scatter")
 REFRESH_STEPS = 100
 SWITCH_GAIN = 0.9
 SCATTER_TIE = 0.1
@@ -158,14 +161,20 @@ class CostModel:
                 intra = self._link(self.intra)
                 a2a = (P - 1) * (intra.alpha + slot / intra.beta)
             comm = a2a + flat.allgather(plan.out * eb, P)
-        elif choice == "hierarchical":
+        elif choice in ("hierarchical", "hierarchical_scatter"):
             if N < 2 or L < 2:
                 return math.inf, math.inf
             ks = math.ceil(k / L)
             intra, inter = self._link(self.intra), self._link(self.inter)
-            comp = self.select(n / L) + dense_pass + self.add_per_entry * N * ks
-            comm = (intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L)
-                    + (N - 1) * (inter.alpha + L * ks * eb / inter.beta))
+            comp = self.select(n / L) + dense_pass
+            comm = intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L)
+            if choice == "hierarchical":
+                comp += self.add_per_entry * N * ks
+                comm += (N - 1) * (inter.alpha + L * ks * eb / inter.beta)
+            else:
+                plan = slot_plan(math.ceil(n / L), ks, N)
+                comp += self.select(plan.region) + self.add_per_entry * (ks + N * plan.slot + N * plan.out)
+                comm += (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * eb / inter.beta)
         else:
             raise ValueError(f"cost model: unknown exchange {choice!r}; allowed: {list(CHOICES)}")
         return comp, comm * self.comm_scale
@@ -193,16 +202,17 @@ class CostModel:
         return best, pred
 
     def wire(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
-        """Bytes one rank puts on the wire (flat collectives; hierarchical: its inter-node part)."""
-        P, eb = self.world, value_bytes + 4
+        """Bytes one rank puts on the wire (flat collectives; hierarchical ones: their inter-node part)."""
+        P, N, L, eb = self.world, self.nodes, self.local, value_bytes + 4
         if choice in ("dense", "dense_bf16"):
             return ring_allreduce_wire((4 if choice == "dense" else 2) * n, P)
         if choice == "allgather":
             return (P - 1) * k * eb
         if choice == "scatter":
-            plan = slot_plan(n, k, P)
-            return (P - 1) * (plan.slot + plan.out) * eb
-        return (self.nodes - 1) * math.ceil(k / self.local) * eb
+            return scatter_wire(slot_plan(n, k, P), eb)
+        if choice == "hierarchical_scatter":
+            return scatter_wire(slot_plan(math.ceil(n / L), math.ceil(k / L), N), eb)
+        return (N - 1) * math.ceil(k / L) * eb
 
 
 # ---- probes ---------------------------------------------------------------------------------------
@@ -462,14 +472,20 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
             a._step[1] += n
     stats.predicted_s += predicted
     a._step[0] += comm
+    # A bucket that leaves an exchange first lets that exchange's collectives finish; its owner residual
+    # (scale-free exchanges) goes back into the rank residuals, never lost.
+    numels = [p.numel() for p in params]
     if choice != "scatter":
         flush_scatter(state)
         if state.owner_residuals:
             group = state.process_group if state.process_group is not None else dist.group.WORLD
-            fold_live_owner(state, bucket_key(dist.get_world_size(group), dist.get_rank(group), names,
-                                              [p.numel() for p in params]))
-    if choice != "hierarchical" and state.hier is not None:
-        flush_pending(state)
+            fold_live_owner(state, bucket_key(dist.get_world_size(group), dist.get_rank(group), names, numels))
+    if state.hier is not None:
+        if choice not in HIERARCHICAL_EXCHANGES:
+            flush_pending(state)
+        if choice != "hierarchical_scatter" and state.owner_residuals:
+            h = state.hier.groups
+            fold_live_owner(state, bucket_key(h.num_nodes, h.node_rank, names, numels, h.local_rank, h.local_world))
     if choice == "dense" and k == 0:
         fut = topk_allgather_hook(state, bucket)  # dense schedule step or small bucket: as ever
     elif choice in ("dense", "dense_bf16"):
@@ -478,10 +494,12 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
         fut = topk_allgather_hook(state, bucket)
     elif choice == "hierarchical":
         fut = hierarchical_topk_hook(state, bucket)
+    elif choice == "hierarchical_scatter":
+        fut = hierarchical_scatter_topk_hook(state, bucket)
     else:
         fut = scatter_topk_hook(state, bucket)
-    if bucket.is_last():
-        fold_pending_owner(state)
+    if bucket.is_last() and choice not in ("scatter", "hierarchical_scatter"):
+        fold_pending_owner(state)  # (the scale-free hooks do it themselves; twice would fold what they claimed)
     return fut
 
 
@@ -490,7 +508,7 @@ def candidates_for(config, nodes: int, local: int, hierarchical_groups: bool) ->
     out = ["dense", "dense_bf16", "allgather"]
     if config.hierarchical is not False and hierarchical_groups and nodes > 1 and local > 1 \
             and not config.momentum_correction and config.selection_scope == "bucket":
-        out.append("hierarchical")
+        out += ["hierarchical", "hierarchical_scatter"]
     if not config.momentum_correction and nodes * local > 1:
         out.append("scatter")
     return out

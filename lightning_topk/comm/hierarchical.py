@@ -12,21 +12,33 @@ Per bucket, with L processes per node and N nodes:
 The slow inter-node links carry k/L entries per rank instead of k per rank (flat), so L times fewer
 bytes cross nodes. Buckets are zero-padded to a multiple of L; buckets below ``min_sparse_numel``
 and dense-schedule steps use a flat all-reduce.
+
+``exchange="hierarchical_scatter"`` replaces step 3 by the scale-free exchange
+(:mod:`lightning_topk.comm.scatter`) among the same N ranks, run on the shard: slots of about
+``k/(L N)`` entries to each node's owner in one all-to-all (what does not fit stays in the shard's
+residual), an owner step on ``s/N`` positions with an owner residual (keyed by bucket and local rank,
+checkpointed, rolled back on a skipped step), an all-gather of ``k/(L N)`` forwards per rank. Inter-node
+wire bytes per rank are then about ``2 (k/L) b (N-1)/N``: independent of N. Its collectives form a
+two-deep pipeline: at a bucket's hook the bucket two back finishes (intra-node all-gather) and the
+previous one moves from its all-to-all to its all-gather.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.allgather import (
+    Gather,
     _all_gather,
     accumulate,
     bucket_k,
     deliver,
     factor,
+    future_on,
+    gather_entries,
     rebuild,
     record_grads,
     record_sent,
@@ -34,14 +46,25 @@ from lightning_topk.comm.allgather import (
     send_values,
     topk_allgather_hook,
 )
+from lightning_topk.comm.scatter import (
+    ScatterJob,
+    bucket_key,
+    claim_owner_residual,
+    fold_pending_owner,
+    scatter_forward,
+    scatter_launch,
+    scatter_send,
+    scatter_wire,
+    slot_plan,
+)
 from lightning_topk.comm.state import HierExchange, Scale, StepStats, TopKState, clock
 from lightning_topk.comm.wire import (
     index_dtype_for,
     pack,
+    packed_nbytes,
     ring_allgather_wire,
     ring_allreduce_wire,
     ring_reduce_scatter_wire,
-    unpack,
 )
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -99,21 +122,29 @@ def build_groups(strategy: Any) -> HierGroups:
     return make_groups(num_nodes, local_world, rank, timeout=getattr(strategy, "_timeout", None))
 
 
-def future_on(device: torch.device) -> torch.futures.Future:
-    """A hand-made future that carries its device, so that DDP waits on the right CUDA stream."""
-    return torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
-
-
 def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: intra-node reduce-scatter, top-k on the shard, inter-node all-gather, rebuild."""
+    return _hook(state, bucket, scatter=False)
+
+
+def hierarchical_scatter_topk_hook(state: TopKState,
+                                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: as :func:`hierarchical_topk_hook`, with the scale-free exchange among the inter-node
+    group (``exchange="hierarchical_scatter"``)."""
+    return _hook(state, bucket, scatter=True)
+
+
+def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.futures.Future[torch.Tensor]:
     hx = _exchange(state)
     h = hx.groups
-    L = h.local_world
+    L, N = h.local_world, h.num_nodes
     grad = bucket.buffer()
     n = grad.numel()
     s = math.ceil(n / L)  # shard size
     if bucket_k(state, n) == 0 or L == 1:
         flush_pending(state)
+        if scatter and bucket.is_last():
+            fold_pending_owner(state)
         return topk_allgather_hook(state, bucket)  # dense (flat all-reduce) or nothing to shard
     k = max(1, math.ceil(state.density_now() * s))
     cfg = state.config
@@ -121,9 +152,10 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     names = state.names_of(params)
     device = grad.device
     stats = state.current
-    world = L * h.num_nodes
+    world = L * N
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=s * L * 4,
-                    bytes_dense_wire=ring_allreduce_wire(4 * n, world), hierarchical_buckets=1)
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world),
+                    **{"hierarchical_scatter_buckets" if scatter else "hierarchical_buckets": 1})
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, device, multiple=L) if cfg.error_feedback else None
@@ -140,33 +172,48 @@ def hierarchical_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.f
     t1 = clock(device)
     idx = select(state, shard, k)
     wire = send_values(state, shard, idx, None)  # shard now holds what this rank did not send
+    plan = slot_plan(s, k, N, state.scatter) if scatter else None
+    if plan is not None:
+        packed, fits = scatter_send(state, shard, idx, wire, plan)  # what does not fit stays in shard
+        eb = packed_nbytes(1, cfg.wire_dtype)
+        inter_payload, inter_wire = packed.numel() + plan.out * eb, scatter_wire(plan, eb)
+    else:
+        packed, fits = pack(wire, idx, index_dtype_for(s)), None
+        inter_payload, inter_wire = packed.numel(), ring_allgather_wire(packed.numel(), N)
     lo = h.local_rank * s
     if b is not None:
         b.residual.zero_()  # what this rank held went into the node sum; it now owns only its shard
         b.residual[lo:lo + s].copy_(shard)
     if state.debug.enabled:
         full = torch.zeros(s * L, dtype=torch.float32, device=device)
-        full[lo:lo + s].index_copy_(0, idx, wire.float())
+        full[lo:lo + s].index_copy_(0, idx, wire.float() if fits is None else wire.float() * fits)
         record_sent(state, names, [p.numel() for p in params], full[:n])
     state.add_time(stats, "select_time_s", t1)
-
-    idt = index_dtype_for(s)
-    packed = pack(wire, idx, idt)
-    out = torch.empty(h.num_nodes * packed.numel(), dtype=torch.uint8, device=device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel() + s * 4, bytes_inter=packed.numel(),
-                    bytes_intra=s * 4, bytes_wire=ring_reduce_scatter_wire(4 * s * L, L)
-                    + ring_allgather_wire(packed.numel(), h.num_nodes) + ring_allgather_wire(4 * s, L))
+    state.add_stats(stats, numel_sent=k, bytes_sent=inter_payload + s * 4, bytes_inter=inter_payload,
+                    bytes_intra=s * 4, bytes_wire=ring_reduce_scatter_wire(4 * s * L, L) + inter_wire
+                    + ring_allgather_wire(4 * s, L))
+    key = None
+    if plan is not None and b is not None:
+        key = bucket_key(N, h.node_rank, b.names, b.numels, h.local_rank, L)
+        claim_owner_residual(state, key, plan.region, device)
     # Every collective is issued from this (backward) thread, in bucket order, so all ranks issue the
     # same sequence on each group. The previous bucket's intra-node all-gather goes out now, after
-    # its inter-node all-gather had the time between two hooks to run.
-    flush_pending(state)
+    # its inter-node exchange had the time between two hooks to run (scatter: the bucket before it
+    # finishes; the previous one moves from its all-to-all to its all-gather).
+    flush_pending(state, drain=not scatter)
     result = future_on(device)
     t_launch = clock(device)
-    work = _all_gather(out, packed, group=h.inter, async_op=True)
-    hx.pending = _Pending(result, work, out, k, s, grad, factor(state.grad_scale, world), stats, t_launch,
-                          cfg.wire_dtype, idt)
+    f = factor(state.grad_scale, world)
+    if plan is not None:
+        job = scatter_launch(packed, plan, h.inter, h.node_rank, key, cfg.wire_dtype)
+        hx.scatter_pending = _Pending(result, job, s, grad, f, stats, t_launch)
+    else:
+        g = gather_entries(packed, k, N, h.inter, cfg.wire_dtype, index_dtype_for(s))
+        hx.pending = _Pending(result, g, s, grad, f, stats, t_launch)
     if bucket.is_last():
         flush_pending(state)
+        if scatter:
+            fold_pending_owner(state)  # anything the buckets of this exchange did not claim
         state.end_exchange()
     return result
 
@@ -181,33 +228,46 @@ def _exchange(state: TopKState) -> HierExchange:
 @dataclass
 class _Pending:
     result: torch.futures.Future
-    work: Any
-    out: Tensor
-    k: int
+    inter: Union[Gather, ScatterJob]  # the inter-node exchange in flight
     s: int
     grad: Tensor
     factor: Scale
     stats: StepStats
     t_launch: Any
-    wire_dtype: torch.dtype
-    index_dtype: torch.dtype
 
 
-def flush_pending(state: TopKState) -> None:
-    """Finish the pending bucket: wait for its inter-node gather, rebuild the shard, launch the intra-node
-    all-gather, and complete the bucket's future when that arrives. Only device work is queued."""
+def flush_pending(state: TopKState, drain: bool = True) -> None:
+    """Finish the bucket whose inter-node all-gather is in flight (rebuild its shard, launch the intra-node
+    all-gather, complete its future when that arrives); move a bucket whose inter-node all-to-all is in
+    flight (``hierarchical_scatter``) on to its owner step and all-gather, and with ``drain`` finish it
+    too. Only device work is queued."""
     hx = _exchange(state)
+    if hx.pending is not None:
+        _finish(state, hx)
+    q = hx.scatter_pending
+    if q is not None:
+        hx.scatter_pending = None
+        assert isinstance(q.inter, ScatterJob)
+        q.inter.work.wait()
+        t0 = clock(q.grad.device)
+        q.inter = scatter_forward(state, q.inter)
+        state.add_time(q.stats, "select_time_s", t0)
+        hx.pending = q
+        if drain:
+            _finish(state, hx)
+
+
+def _finish(state: TopKState, hx: HierExchange) -> None:
     p = hx.pending
-    if p is None:
-        return
+    assert p is not None and isinstance(p.inter, Gather)
     hx.pending = None
     h = hx.groups
-    p.work.wait()
-    vals, ids = unpack(p.out, p.k, p.wire_dtype, h.num_nodes, p.index_dtype)
-    shard_sum = rebuild(torch.empty(p.s, dtype=torch.float32, device=p.out.device), vals.mul_(p.factor), ids)
+    p.inter.work.wait()
+    vals, ids = p.inter.entries()
+    shard_sum = rebuild(torch.empty(p.s, dtype=torch.float32, device=p.grad.device), vals.mul_(p.factor), ids)
     n = p.grad.numel()
     direct = p.grad.dtype == torch.float32 and n == p.s * h.local_world
-    full = p.grad if direct else torch.empty(p.s * h.local_world, dtype=torch.float32, device=p.out.device)
+    full = p.grad if direct else torch.empty(p.s * h.local_world, dtype=torch.float32, device=p.grad.device)
     fut = _all_gather(full, shard_sum, group=h.intra, async_op=True).get_future()
 
     def done(f: torch.futures.Future) -> None:

@@ -34,9 +34,17 @@ The sender's slot assignment, the owner step and the rebuild use fixed shapes an
 the sync-free selection, the whole hook only queues device work).
 Collectives are issued from the backward thread in bucket order: a bucket's all-to-all runs while
 backward computes the next bucket, whose hook then finishes the previous one (owner step, all-gather).
+
+The core runs on any flat fp32 tensor over any process group: :func:`scatter_send` (slots, what does not
+fit back into the tensor), :func:`scatter_launch` (the all-to-all), :func:`scatter_forward` (owner step,
+all-gather of the forwards), with owner residuals from :func:`claim_owner_residual`. The flat hook here
+runs it on each bucket over the world; the hierarchical exchange
+(:func:`~lightning_topk.comm.hierarchical.hierarchical_scatter_topk_hook`) on each rank's node-summed
+shard among the ranks with the same local rank.
 """
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -45,13 +53,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.allgather import (
-    _all_gather,
+    Gather,
     _link,
     accumulate,
     bucket_k,
     deliver,
     factor,
     fp32_view,
+    future_on,
+    gather_entries,
     param_ks,
     rebuild,
     record_grads,
@@ -60,7 +70,6 @@ from lightning_topk.comm.allgather import (
     send_values,
     topk_allgather_hook,
 )
-from lightning_topk.comm.hierarchical import future_on
 from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
 from lightning_topk.comm.wire import (
     all_to_all_wire,
@@ -189,35 +198,44 @@ def owner_step(state: TopKState, received: Tensor, positions: Tensor, owner_resi
     return wire, q
 
 
-def bucket_key(world: int, rank: int, names: Sequence[str], numels: Sequence[int]) -> str:
-    """Owner residual key: world, rank and the bucket's parameters (enough to fold it back, see below)."""
-    return f"{world}/{rank}/" + "|".join(f"{nm}={n}" for nm, n in zip(names, numels))
+def bucket_key(world: int, rank: int, names: Sequence[str], numels: Sequence[int], shard: int = 0,
+               shards: int = 1) -> str:
+    """Owner residual key: world, rank, the shard of the bucket the exchange runs on (hierarchical: this
+    rank's local rank of ``shards`` per node) and the bucket's parameters (enough to fold it back, see below)."""
+    part = f"shard{shard}of{shards}/" if shards > 1 else ""
+    return f"{world}/{rank}/{part}" + "|".join(f"{nm}={n}" for nm, n in zip(names, numels))
 
 
-def _parse_key(key: str) -> Tuple[int, int, List[str], List[int]]:
+def _parse_key(key: str) -> Tuple[int, int, int, int, List[str], List[int]]:
     world, rank, rest = key.split("/", 2)
+    shard, shards = 0, 1
+    m = re.match(r"shard(\d+)of(\d+)/", rest)
+    if m:
+        shard, shards, rest = int(m.group(1)), int(m.group(2)), rest[m.end():]
     names, numels = [], []
     for part in rest.split("|"):
         nm, _, n = part.rpartition("=")
         names.append(nm)
         numels.append(int(n))
-    return int(world), int(rank), names, numels
+    return int(world), int(rank), shard, shards, names, numels
 
 
 def fold_owner_residual(key: str, owner_residual: Tensor) -> Dict[str, Tensor]:
     """Per-parameter dense fp32 tensors holding an owner residual's entries at their bucket coordinates.
 
     Adding them to this rank's residuals keeps the pending update unchanged (``M`` there reaches the
-    average as ``M/P``, exactly as when the owner forwards it)."""
-    world, rank, names, numels = _parse_key(key)
+    average as ``M/P``, exactly as when the owner forwards it; hierarchically, ``M`` in a rank residual
+    enters its node's sum and reaches the average as ``M/(N L)``, as the owner's forward does)."""
+    world, rank, shard, shards, names, numels = _parse_key(key)
     n = sum(numels)
+    s = math.ceil(n / shards)  # the tensor the exchange ran on: the bucket, or its zero-padded shard
     # k only sizes the slots, which folding does not use
-    plan = slot_plan(n, 1, world)
-    valid = max(0, min(plan.region, n - rank * plan.region))
-    dense = torch.zeros(n, dtype=torch.float32)
+    plan = slot_plan(s, 1, world)
+    valid = max(0, min(plan.region, s - rank * plan.region))
+    dense = torch.zeros(s * shards, dtype=torch.float32)
     pos = torch.arange(valid)
-    dense.index_add_(0, global_index(rank, pos, plan), owner_residual[:valid].float().cpu())
-    return dict(zip(names, dense.split(numels)))
+    dense.index_add_(0, shard * s + global_index(rank, pos, plan), owner_residual[:valid].float().cpu())
+    return dict(zip(names, dense[:n].split(numels)))
 
 
 def fold_pending_owner(state: TopKState) -> None:
@@ -254,13 +272,73 @@ def _add_to_residuals(state: TopKState, per_param: Dict[str, Tensor]) -> None:
         state._pending_load = pending
 
 
+def claim_owner_residual(state: TopKState, key: str, region: int, device: torch.device) -> Tensor:
+    """This rank's owner residual for ``key`` (live, loaded from a checkpoint, or new), marked as used by
+    this exchange (see :func:`fold_pending_owner`)."""
+    state.owner_seen.add(key)
+    t = state.owner_residuals.get(key)
+    if t is None:
+        got = state._pending_owner.pop(key, None)
+        t = torch.zeros(region, dtype=torch.float32, device=device) if got is None else got.to(device, torch.float32)
+        state.owner_residuals[key] = t
+    return t
+
+
+def scatter_wire(plan: SlotPlan, value_bytes_per_entry: int) -> int:
+    """Bytes one rank puts on the wire: the all-to-all of its slots and the ring all-gather of the forwards."""
+    return all_to_all_wire(plan.slot * value_bytes_per_entry, plan.world) + \
+        ring_allgather_wire(plan.out * value_bytes_per_entry, plan.world)
+
+
+def scatter_send(state: TopKState, acc: Tensor, idx: Tensor, wire: Tensor, plan: SlotPlan) -> Tuple[Tensor, Tensor]:
+    """Put the selected entries (``wire`` at ``idx`` of the flat fp32 ``acc``) into their owners' slots;
+    with error feedback, what does not fit goes back into ``acc`` (it was not sent). Returns (packed slots
+    for the all-to-all, ``fits``: 1 where an entry got a slot)."""
+    slot_v, slot_p, fits = fill_slots(wire, idx, plan)
+    if state.config.error_feedback:
+        acc.index_add_(0, idx, wire.float() * (1.0 - fits))
+    return pack(slot_v, slot_p), fits
+
+
+@dataclass
+class ScatterJob:
+    """One flat tensor's exchange over ``group``, where this rank owns region ``rank``: its all-to-all in
+    flight (``work`` into ``recv``), and the owner residual's key (None: no error feedback)."""
+
+    plan: SlotPlan
+    group: Any
+    rank: int
+    key: Optional[str]
+    wire_dtype: torch.dtype
+    work: Any
+    recv: Tensor
+
+
+def scatter_launch(packed: Tensor, plan: SlotPlan, group: Any, rank: int, key: Optional[str],
+                   wire_dtype: torch.dtype) -> ScatterJob:
+    """Launch the all-to-all of the packed slots (stage 1)."""
+    recv = torch.empty_like(packed)
+    work = dist.all_to_all_single(recv, packed, group=group, async_op=True)
+    return ScatterJob(plan, group, rank, key, wire_dtype, work, recv)
+
+
+def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
+    """Stage 2, once the all-to-all has arrived (``job.work.wait()``): the owner step (the undo log copies
+    the owner residual first) and the all-gather of the forwards, whose indices address the flat tensor."""
+    plan = job.plan
+    vals, pos = unpack(job.recv, plan.slot, job.wire_dtype, plan.world)
+    ores = state.owner_residuals.get(job.key) if job.key is not None else None
+    if ores is not None:
+        state.undo.save_tensor(f"owner:{job.key}", ores)
+    wire, q = owner_step(state, vals, pos, ores, plan)
+    return gather_entries(pack(wire, global_index(job.rank, q, plan)), plan.out, plan.world, job.group,
+                          job.wire_dtype)
+
+
 @dataclass
 class _Pending:
     result: torch.futures.Future
-    work: Any
-    recv: Tensor
-    plan: SlotPlan
-    key: Optional[str]
+    job: ScatterJob
     grad: Tensor
     factor: Scale
     stats: StepStats
@@ -287,6 +365,8 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
         k = bucket_k(state, n)
     if k == 0 or world == 1:
         flush_scatter(state)
+        if bucket.is_last():
+            fold_pending_owner(state)
         return topk_allgather_hook(state, bucket)  # dense (ring all-reduce) or nothing to spread
     plan = slot_plan(n, k, world, state.scatter)
     stats = state.current
@@ -300,36 +380,25 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     state.flags.note_input(names, acc)
     idx = select(state, acc, k, ks, numels)
     wire = send_values(state, acc, idx, None)
-    slot_v, slot_p, fits = fill_slots(wire, idx, plan)
-    if b is not None:
-        # What did not fit its slot goes back into the residual: it was not sent.
-        acc.index_add_(0, idx, wire.float() * (1.0 - fits))
+    packed, fits = scatter_send(state, acc, idx, wire, plan)
     if state.debug.enabled:
         sent = torch.zeros(n, dtype=torch.float32, device=device)
         sent.index_copy_(0, idx, wire.float() * fits)
         record_sent(state, names, [p.numel() for p in params], sent)
     state.add_time(stats, "select_time_s", t0)
-    packed = pack(slot_v, slot_p)
-    recv = torch.empty_like(packed)
     eb = packed_nbytes(1, cfg.wire_dtype)
     payload = packed.numel() + plan.out * eb
     state.add_stats(stats, numel_sent=k, bytes_sent=payload, **_link(state, payload),
-                    bytes_wire=all_to_all_wire(plan.slot * eb, world) + ring_allgather_wire(plan.out * eb, world),
-                    bytes_dense_wire=ring_allreduce_wire(4 * n, world))
+                    bytes_wire=scatter_wire(plan, eb), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     key = None
     if b is not None:
         key = bucket_key(world, rank, b.names, b.numels)
-        state.owner_seen.add(key)
-        if key not in state.owner_residuals:
-            got = state._pending_owner.pop(key, None)
-            state.owner_residuals[key] = torch.zeros(plan.region, dtype=torch.float32, device=device) \
-                if got is None else got.to(device, torch.float32)
+        claim_owner_residual(state, key, plan.region, device)
     flush_scatter(state)
     result = future_on(device)
     t_launch = clock(device)
-    work = dist.all_to_all_single(recv, packed, group=group, async_op=True)
-    state.scatter_pending = _Pending(result, work, recv, plan, key, grad, factor(state.grad_scale, world), stats,
-                                     t_launch)
+    job = scatter_launch(packed, plan, group, rank, key, cfg.wire_dtype)
+    state.scatter_pending = _Pending(result, job, grad, factor(state.grad_scale, world), stats, t_launch)
     if bucket.is_last():
         flush_scatter(state)
         fold_pending_owner(state)  # anything the buckets of this exchange did not claim
@@ -338,35 +407,24 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
 
 
 def flush_scatter(state: TopKState) -> None:
-    """Finish the pending bucket: wait for its all-to-all, run the owner step, launch the all-gather, and
-    complete the bucket's future when that arrives. Only device work is queued."""
+    """Finish the pending bucket: its owner step and all-gather (:func:`scatter_forward`); the bucket's
+    future completes when the all-gather arrives. Only device work is queued."""
     p: Optional[_Pending] = state.scatter_pending
     if p is None:
         return
     state.scatter_pending = None
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    rank = dist.get_rank(group)
-    wire_dtype = state.config.wire_dtype
-    p.work.wait()
+    p.job.work.wait()
     t0 = clock(p.grad.device)
-    vals, pos = unpack(p.recv, p.plan.slot, wire_dtype, p.plan.world)
-    ores = state.owner_residuals.get(p.key) if p.key is not None else None
-    if ores is not None:
-        state.undo.save_tensor(f"owner:{p.key}", ores)
-    wire, q = owner_step(state, vals, pos, ores, p.plan)
-    packed = pack(wire, global_index(rank, q, p.plan))
-    out = torch.empty(p.plan.world * packed.numel(), dtype=torch.uint8, device=packed.device)
+    g = scatter_forward(state, p.job)
     state.add_time(p.stats, "select_time_s", t0)
-    fut = _all_gather(out, packed, group=group, async_op=True).get_future()
 
     def done(_f: torch.futures.Future) -> None:
         try:
-            # On gloo the future's value is not the gathered tensor: read `out`.
-            values, indices = unpack(out, p.plan.out, wire_dtype, p.plan.world)
+            values, indices = g.entries()
             dense = rebuild(fp32_view(p.grad), values.mul_(p.factor), indices)
             state.add_time(p.stats, "comm_time_s", p.t_launch)
             p.result.set_result(deliver(state, p.grad, dense))
         except Exception as e:  # surface comm errors to DDP rather than hanging
             p.result.set_exception(e)
 
-    fut.then(done)
+    g.work.get_future().then(done)

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
 # How entries travel: chosen per bucket by a cost model ("auto"), or one algorithm for every bucket.
-EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "scatter")
+EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter")
+# Exchanges that shard buckets within a node (intra-node reduce-scatter first).
+HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
 Scale = Union[float, Tensor]
 
 
@@ -67,8 +69,8 @@ class TopKConfig:
             (intra-node reduce-scatter, top-k on the owned shard, inter-node all-gather): ``True`` means
             ``exchange="hierarchical"`` (with another pinned exchange, ``momentum_correction`` or
             ``selection_scope="parameter"`` it is an error, and so is one process per node, checked when
-            the strategy knows the layout); ``False`` keeps ``exchange="auto"`` from choosing it; ``"auto"``
-            leaves it to ``exchange``.
+            the strategy knows the layout); ``False`` keeps ``exchange="auto"`` from choosing it or
+            ``"hierarchical_scatter"``; ``"auto"`` leaves it to ``exchange``.
         nonfinite: a NaN/inf gradient on any rank (seen in what entered or what came out of the
             exchange): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips the
             optimizer step on every rank and rolls the residuals back, ``"propagate"`` passes it through
@@ -79,8 +81,9 @@ class TopKConfig:
             bit-exact with several buckets. Flat exchange only.
         exchange: how entries travel: ``"auto"`` (a cost model probed at setup picks per bucket), ``"dense"``
             (all-reduce), ``"allgather"`` (flat top-k all-gather), ``"hierarchical"`` (as ``hierarchical=True``)
-            or ``"scatter"`` (scale-free sparse reduce-scatter + all-gather, :mod:`lightning_topk.comm.scatter`;
-            no ``momentum_correction``).
+            ``"scatter"`` (scale-free sparse reduce-scatter + all-gather, :mod:`lightning_topk.comm.scatter`;
+            no ``momentum_correction``) or ``"hierarchical_scatter"`` (the hierarchical exchange with the
+            scale-free exchange among the ranks with the same local rank; conditions as ``"hierarchical"``).
         log_telemetry: log ``topk/*`` metrics to the Trainer's loggers every ``log_every_n_steps``.
         auto_sparse_penalty: ``exchange="auto"`` picks a sparse exchange for a bucket only where its
             predicted time times this factor (a number >= 1) beats the dense transports'. Top-k needs
@@ -154,11 +157,11 @@ class TopKConfig:
         if self.hierarchical is True and self.exchange not in ("auto", "hierarchical"):
             raise ValueError(f"topk_ddp: hierarchical=true contradicts exchange={self.exchange!r}; set "
                              "exchange='hierarchical' (or 'auto') or leave hierarchical='auto'")
-        if self.hierarchical is False and self.exchange == "hierarchical":
-            raise ValueError("topk_ddp: hierarchical=false contradicts exchange='hierarchical'; leave "
+        if self.hierarchical is False and self.exchange in HIERARCHICAL_EXCHANGES:
+            raise ValueError(f"topk_ddp: hierarchical=false contradicts exchange={self.exchange!r}; leave "
                              "hierarchical='auto'")
-        if self.exchange == "hierarchical" and (self.momentum_correction or self.selection_scope != "bucket"):
-            raise ValueError("topk_ddp: exchange='hierarchical' supports neither momentum_correction nor "
+        if self.exchange in HIERARCHICAL_EXCHANGES and (self.momentum_correction or self.selection_scope != "bucket"):
+            raise ValueError(f"topk_ddp: exchange={self.exchange!r} supports neither momentum_correction nor "
                              "selection_scope='parameter'; use exchange='allgather' (or 'auto')")
         if self.exchange == "scatter" and self.momentum_correction:
             raise ValueError("topk_ddp: momentum_correction is not supported with exchange='scatter'; "
@@ -177,14 +180,15 @@ class TopKConfig:
         return value_dtype_of(self.value_dtype)
 
     def use_hierarchical(self, num_nodes: int, procs_per_node: int) -> bool:
-        """Whether every bucket takes the hierarchical exchange (``hierarchical=True`` or
-        ``exchange='hierarchical'``; raises on one process per node). With ``exchange='auto'`` the cost model
-        may still pick it per bucket."""
-        pinned = self.hierarchical is True or self.exchange == "hierarchical"
+        """Whether every bucket takes a hierarchical exchange (``hierarchical=True`` or ``exchange=
+        'hierarchical'`` / ``'hierarchical_scatter'``; raises on one process per node). With
+        ``exchange='auto'`` the cost model may still pick one per bucket."""
+        pinned = self.hierarchical is True or self.exchange in HIERARCHICAL_EXCHANGES
         if pinned and procs_per_node < 2:
+            which = "hierarchical=True" if self.hierarchical is True else f"exchange={self.exchange!r}"
             raise ValueError(
-                "topk_ddp: hierarchical=True / exchange='hierarchical' needs more than one process per node "
-                f"(devices={procs_per_node}); use exchange='auto' or 'scatter' (and hierarchical='auto')"
+                f"topk_ddp: {which} needs more than one process per node (devices={procs_per_node}); use "
+                "exchange='auto' or 'scatter' (and hierarchical='auto')"
             )
         return pinned
 
@@ -230,6 +234,7 @@ class StepStats:
     dense_bf16_buckets: int = 0
     allgather_buckets: int = 0
     hierarchical_buckets: int = 0
+    hierarchical_scatter_buckets: int = 0
     scatter_buckets: int = 0
     nonfinite_buckets: int = 0
     _events: List[Tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
@@ -287,6 +292,7 @@ class StepStats:
             "topk/buckets_dense_bf16": float(self.dense_bf16_buckets),
             "topk/buckets_allgather": float(self.allgather_buckets),
             "topk/buckets_hierarchical": float(self.hierarchical_buckets),
+            "topk/buckets_hierarchical_scatter": float(self.hierarchical_scatter_buckets),
             "topk/buckets_scatter": float(self.scatter_buckets),
         }
 
@@ -419,10 +425,13 @@ class DebugRecord:
 
 @dataclass
 class HierExchange:
-    """The hierarchical exchange's process groups and the bucket whose collectives are still in flight."""
+    """The hierarchical exchange's process groups and the buckets whose collectives are still in flight:
+    ``pending`` in its inter-node all-gather, ``scatter_pending`` in its inter-node all-to-all
+    (``hierarchical_scatter``)."""
 
     groups: "HierGroups"
     pending: Optional["_Pending"] = None
+    scatter_pending: Optional["_Pending"] = None
 
 
 class TopKState:

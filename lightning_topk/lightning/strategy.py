@@ -17,7 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.state import HierExchange, StepStats, TopKConfig, TopKState
+from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, HierExchange, StepStats, TopKConfig, TopKState
 from lightning_topk.lightning.faults import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,7 @@ class TopKStrategyMixin:
             self._pending_topk_state = None
         from lightning_topk.comm.scatter import fold_pending_owner
 
-        if self._exchange() not in ("auto", "scatter"):
+        if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
             fold_pending_owner(state)  # owner residuals of a scale-free run resumed with another exchange
         self.model.register_comm_hook(state, hook)
         self.topk_state = state
@@ -80,7 +80,8 @@ class TopKStrategyMixin:
 
     def _exchange(self) -> str:
         """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
-        return "hierarchical" if self._use_hierarchical() else self.topk_config.exchange
+        ex = self.topk_config.exchange
+        return "hierarchical" if self._use_hierarchical() and ex == "auto" else ex
 
     def _exchange_hook(self, state: TopKState) -> Callable:
         """The comm hook for the chosen exchange; ``auto`` probes links and selection first (collective)."""
@@ -89,9 +90,10 @@ class TopKStrategyMixin:
         from lightning_topk.comm.scatter import scatter_topk_hook
 
         ex = self._exchange()
-        if ex == "hierarchical":
+        if ex in HIERARCHICAL_EXCHANGES:
             state.hier = HierExchange(hierarchical.build_groups(self))
-            return hierarchical.hierarchical_topk_hook
+            return hierarchical.hierarchical_topk_hook if ex == "hierarchical" else \
+                hierarchical.hierarchical_scatter_topk_hook
         if ex == "dense":
             return cost.dense_topk_hook
         if ex == "scatter":
@@ -112,7 +114,7 @@ class TopKStrategyMixin:
         return cost.auto_topk_hook
 
     def _use_hierarchical(self) -> bool:
-        """Whether every bucket takes the hierarchical exchange (see :meth:`TopKConfig.use_hierarchical`)."""
+        """Whether every bucket takes a hierarchical exchange (see :meth:`TopKConfig.use_hierarchical`)."""
         return self.topk_config.use_hierarchical(self.num_nodes, self.num_processes)
 
     # ---- telemetry ----------------------------------------------------------------------------

@@ -60,6 +60,39 @@ def test_choice_follows_the_link():
         m.predict("ring", n, k)
 
 
+def test_hierarchical_scatter_prediction_and_wire():
+    """Intra-node part as "hierarchical"; inter-node: the scale-free exchange among N nodes on k/L entries,
+    whose bytes per rank do not grow with N (the hierarchical all-gather's do)."""
+    n, k, L = 25_600_000, 256_000, 8
+    ks, eb = math.ceil(k / L), 8
+    hier_wires = []
+    for N in (2, 8, 32, 128):
+        m = _model(N, L, beta_inter=1.25e9)
+        plan = slot_plan(math.ceil(n / L), ks, N)
+        assert m.wire("hierarchical_scatter", n, k) == (N - 1) * (plan.slot + plan.out) * eb
+        w = m.wire("hierarchical_scatter", n, k)  # about 2 (k/L) b (N-1)/N, plus the slots' margin
+        assert 2 * ks * eb * (N - 1) / N <= w <= (2 + 4 / math.sqrt(ks / N)) * ks * eb * (N - 1) / N + 2 * eb * N
+        assert w < 2.3 * ks * eb  # whatever N is
+        hier_wires.append(m.wire("hierarchical", n, k))
+        intra, inter = m.intra, m.inter
+        comp, comm = m.predict("hierarchical_scatter", n, k)
+        want = (intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L)
+                + (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * eb / inter.beta))
+        assert comm == pytest.approx(want)
+        assert comp == pytest.approx(m.select(n / L) + m.select(plan.region) + 4 * m.pass_per_elem * n
+                                     + m.add_per_entry * (ks + N * plan.slot + N * plan.out))
+        # the intra-node tier is the same as the hierarchical exchange's
+        h_comm = m.predict("hierarchical", n, k)[1]
+        assert h_comm - (N - 1) * (inter.alpha + L * ks * eb / inter.beta) == pytest.approx(
+            intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L))
+    assert hier_wires[-1] > 60 * hier_wires[0]
+    m = _model(128, L, beta_inter=1.25e9)
+    assert m.predict("hierarchical_scatter", n, k)[1] < m.predict("hierarchical", n, k)[1]
+    assert m.choose(n, k, ["hierarchical", "hierarchical_scatter"])[0] == "hierarchical_scatter"
+    for nodes, local in ((1, 8), (4, 1)):
+        assert _model(nodes, local).predict("hierarchical_scatter", n, k) == (math.inf, math.inf)
+
+
 def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
     """Time to accuracy, not time per exchange: a sparse exchange predicted 2x faster than dense bf16 is
     not worth the extra steps under the default penalty (3); at 1 it wins; far ahead it wins either way."""
@@ -84,8 +117,10 @@ def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
 
 def test_candidates_follow_the_options():
     assert cost.candidates_for(TopKConfig(), 2, 2, True) == ["dense", "dense_bf16", "allgather", "hierarchical",
-                                                             "scatter"]
-    assert "hierarchical" not in cost.candidates_for(TopKConfig(hierarchical=False), 2, 2, True)
+                                                             "hierarchical_scatter", "scatter"]
+    for off in (cost.candidates_for(TopKConfig(hierarchical=False), 2, 2, True), cost.candidates_for(TopKConfig(), 2, 1, True),
+                cost.candidates_for(TopKConfig(selection_scope="parameter"), 2, 2, True)):
+        assert "hierarchical" not in off and "hierarchical_scatter" not in off
     assert cost.candidates_for(TopKConfig(momentum_correction=True), 2, 2, True) == ["dense", "dense_bf16",
                                                                                     "allgather"]
 

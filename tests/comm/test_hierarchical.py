@@ -1,4 +1,5 @@
-"""Hierarchical exchange on 4 real gloo processes laid out as 2 nodes x 2, against its definition."""
+"""Hierarchical exchanges on 4 real gloo processes laid out as 2 nodes x 2, against their definitions: the
+all-gather inter-node tier and the scale-free one (exchange="hierarchical_scatter")."""
 import math
 
 import torch
@@ -34,8 +35,7 @@ def _expected(all_acc, density):
     return out[:n] / (L * N)
 
 
-def _run(rank, world, density):
-    h = make_groups(N, L, rank)
+def _run(rank, world, density, h):
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)  # several buckets: collectives of consecutive buckets interleave
     st = TopKState(TopKConfig(density=density, min_sparse_numel=0, dense_steps=0, hierarchical=True), hier=h)
@@ -76,8 +76,8 @@ def _run(rank, world, density):
     return errors, owned, st.totals, len(layouts)
 
 
-def test_hierarchical_equals_definition_and_sends_fewer_inter_node_bytes():
-    results = run_distributed(_run, L * N, (0.05,))
+def test_hierarchical_equals_definition_and_sends_fewer_inter_node_bytes(hs_runs):
+    results = hs_runs["hier"]
     for errors, _owned, totals, nbuckets in results:
         assert nbuckets >= 2
         assert max(errors) < 1e-5, errors
@@ -160,3 +160,325 @@ def test_slurm_allocation_disagreeing_with_devices_fails_before_training(monkeyp
         with pytest.raises(ValueError, match="ntasks-per-node=2"):  # at construction, before any process starts
             t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=4, num_nodes=1, logger=False, max_steps=1)
             t.fit(BoringModel())
+
+
+# ---- exchange="hierarchical_scatter": the scale-free exchange as the inter-node tier ---------------
+from lightning_topk.comm import cost  # noqa: E402
+from lightning_topk.comm.controller import Decision, StepController  # noqa: E402
+from lightning_topk.comm.hierarchical import hierarchical_scatter_topk_hook  # noqa: E402
+from lightning_topk.comm.scatter import (  # noqa: E402
+    bucket_key,
+    fold_owner_residual,
+    global_index,
+    regions,
+    scatter_wire,
+    slot_plan,
+)
+from lightning_topk.comm.wire import packed_nbytes, ring_allgather_wire, ring_reduce_scatter_wire  # noqa: E402
+
+HS = dict(density=0.05, min_sparse_numel=0, exchange="hierarchical_scatter")
+
+
+def _snap(d):
+    return {k: v.detach().clone() for k, v in d.items()}
+
+
+def _hs_state(h, m, **kw):
+    st = TopKState(TopKConfig(**dict(HS, **kw)), hier=h)
+    st.bind(m.named_parameters())
+    return st
+
+
+def _hs_step(ddp, m, st, x, y, scale=1.0):
+    old, old_owner = _snap(st.residuals()), _snap(st.owner_residuals)
+    for p in m.parameters():
+        p.grad = None
+    (nn.functional.cross_entropy(ddp(x), y) * scale).backward()
+    return dict(old=old, new=_snap(st.residuals()), sent=_snap(st.debug.sent), grad=_snap(st.debug.grads_in),
+                after={nm: p.grad.detach().reshape(-1).clone() for nm, p in m.named_parameters()},
+                old_owner=old_owner, new_owner=_snap(st.owner_residuals))
+
+
+def _hs_train(rank, h, steps=3):
+    """Pinned hierarchical_scatter: per step, residuals and owner residuals before/after, what this rank
+    sent, its gradient, the result, and each bucket's (names, numel)."""
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    st = _hs_state(h, m)
+    st.debug.enabled = True
+    layouts = {}
+
+    def hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        layouts.setdefault(state.step, []).append((list(state.names_of(bucket.parameters())), bucket.buffer().numel()))
+        return hierarchical_scatter_topk_hook(state, bucket)
+
+    ddp.register_comm_hook(st, hook)
+    g = torch.Generator().manual_seed(rank)
+    hist = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
+        rec = _hs_step(ddp, m, st, x, y)
+        rec["stats"] = st.last
+        hist.append(rec)
+        with torch.no_grad():
+            for p in m.parameters():
+                p -= 0.1 * p.grad
+    return dict(hist=hist, layouts=layouts)
+
+
+def _hs_nonfinite(rank, h):
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    st = _hs_state(h, m, nonfinite="skip")
+    ctl = StepController(st)
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
+    ddp.register_comm_hook(st, hierarchical_scatter_topk_hook)
+    decisions = []
+    for _ in range(2):  # DDP rebuilds its buckets after the first iteration: the owner keys settle
+        _hs_step(ddp, m, st, x, y)
+        decisions.append(ctl.finish_step())
+    rec = _hs_step(ddp, m, st, x, y, scale=float("inf") if rank == 1 else 1.0)
+    grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
+    res_changed = any(not torch.equal(rec["old"][k], v) for k, v in rec["new"].items())
+    owner_changed = any(not torch.equal(rec["old_owner"][k], v) for k, v in rec["new_owner"].items())
+    decisions.append(ctl.finish_step())
+    return dict(rec, grads_finite=grads_finite, decisions=decisions, step=st.step, changed=(res_changed, owner_changed),
+                restored=_snap(st.residuals()), restored_owner=_snap(st.owner_residuals))
+
+
+def _hs_resume(rank, h):
+    """Save after 3 steps, run 2 more; restore model, optimizer and top-k state into a fresh TopKState and run
+    the same 2 steps: bit-identical parameters, residuals and owner residuals."""
+    import io
+
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    holder = [TopKState(TopKConfig(**HS), hier=h)]
+    holder[0].bind(m.named_parameters())
+
+    def hook(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return hierarchical_scatter_topk_hook(holder[0], bucket)
+
+    ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)) for _ in range(5)]
+
+    def step(x, y):
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    def roundtrip(obj, weights_only):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=weights_only)
+
+    for x, y in batches[:3]:
+        step(x, y)
+    sd = roundtrip(holder[0].state_dict(), True)  # as a checkpoint would: CPU tensors, plain types
+    saved_model, saved_opt = _snap(m.state_dict()), roundtrip(opt.state_dict(), False)
+    for x, y in batches[3:]:
+        step(x, y)
+    straight = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(holder[0].owner_residuals)
+    m.load_state_dict(saved_model)
+    opt.load_state_dict(saved_opt)
+    holder[0] = TopKState(TopKConfig(**HS), hier=h)
+    holder[0].bind(m.named_parameters())
+    holder[0].load_state_dict(sd)
+    for x, y in batches[3:]:
+        step(x, y)
+    resumed = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(holder[0].owner_residuals)
+    return straight, resumed, sd
+
+
+def _hs_auto_switch(rank, h):
+    """exchange="auto" running hierarchical_scatter for 3 steps, then every bucket switched to the flat
+    all-gather: the owner residuals must come back into the rank residuals."""
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.05)
+    st = _hs_state(h, m, exchange="auto")
+    st.debug.enabled = True
+    model = cost.CostModel(N, L, cost.Link(5e-6, 1e10), cost.Link(5e-5, 1e6), 2e-9, 1e-4, 0.5e-9, 20e-9)
+    st.auto = cost.AutoExchange(model, ["hierarchical_scatter"], rank)
+    ddp.register_comm_hook(st, cost.auto_topk_hook)
+    g = torch.Generator().manual_seed(rank)
+    hist = []
+    for t in range(4):
+        if t == 3:
+            st.auto.candidates, st.auto.choices, st.plan = ["allgather"], {}, {}
+        x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
+        rec = _hs_step(ddp, m, st, x, y)
+        rec["stats"] = st.last
+        hist.append(rec)
+    return hist
+
+
+def _scenarios(rank, world):
+    h = make_groups(N, L, rank)  # one set of groups (and one spawn) for every scenario
+    return {"hier": _run(rank, world, 0.05, h), "train": _hs_train(rank, h), "nonfinite": _hs_nonfinite(rank, h),
+            "resume": _hs_resume(rank, h), "auto": _hs_auto_switch(rank, h)}
+
+
+@pytest.fixture(scope="module")
+def hs_runs():
+    res = run_distributed(_scenarios, L * N)
+    return {key: [r[key] for r in res] for key in res[0]}
+
+
+def _hs_reference(ranks, t):
+    """Step t by hand: node sums of (old residual + gradient), exact top-k of each shard, the picks summed per
+    owner region onto the old owner residual, each owner's exact top k/(L N) forwarded, divided by the world."""
+    want = {}
+    for names, n in ranks[0]["layouts"][t]:
+        numels = [ranks[0]["hist"][t]["grad"][nm].numel() for nm in names]
+        s = -(-n // L)
+        k = max(1, math.ceil(0.05 * s))
+        plan = slot_plan(s, k, N)
+        acc = [torch.cat([r["hist"][t]["old"].get(nm, torch.zeros(c)) + r["hist"][t]["grad"][nm]
+                          for nm, c in zip(names, numels)]) for r in ranks]
+        out = torch.zeros(s * L)
+        for li in range(L):
+            owner = [ranks[node * L + li]["hist"][t]["old_owner"].get(
+                bucket_key(N, node, names, numels, li, L), torch.zeros(plan.region)).clone() for node in range(N)]
+            for node in range(N):
+                node_sum = sum(acc[node * L + j] for j in range(L))
+                shard = torch.cat([node_sum, node_sum.new_zeros(s * L - n)])[li * s:(li + 1) * s]
+                v, i = topk_select(shard, k, "exact")
+                r, pos = regions(i, plan)
+                assert int(torch.bincount(r, minlength=N).max()) <= plan.slot  # no slot overflows here
+                for o in range(N):
+                    owner[o].index_add_(0, pos[r == o], v[r == o])
+            for o in range(N):
+                fv, q = topk_select(owner[o], plan.out, "exact")
+                out[li * s:(li + 1) * s].index_add_(0, global_index(o, q, plan), fv)
+        want.update(zip(names, (out[:n] / (L * N)).split(numels)))
+    return want
+
+
+def test_hierarchical_scatter_equals_a_reference_by_hand(hs_runs):
+    ranks = hs_runs["train"]
+    for t in range(len(ranks[0]["hist"])):
+        want = _hs_reference(ranks, t)
+        assert want.keys() == ranks[0]["hist"][t]["after"].keys()
+        for r in ranks:
+            for nm, w in want.items():
+                assert torch.allclose(r["hist"][t]["after"][nm], w, atol=1e-6, rtol=1e-5), (t, nm)
+    assert any(o.any() for r in ranks for o in r["hist"][-1]["new_owner"].values())  # owners kept some
+
+
+def _conserved(ranks_hist, atol=1e-5):
+    """Over all ranks: old residuals + gradients + old owner residuals = world x the applied average + new
+    residuals + new owner residuals (owner residuals at their bucket coordinates)."""
+    world = len(ranks_hist)
+    names = list(ranks_hist[0]["grad"])
+    lhs = {nm: sum(h["old"].get(nm, torch.zeros_like(h["grad"][nm])) + h["grad"][nm] for h in ranks_hist) for nm in names}
+    rhs = {nm: world * ranks_hist[0]["after"][nm] + sum(h["new"][nm] for h in ranks_hist) for nm in names}
+    for h in ranks_hist:
+        for which, side in (("old_owner", lhs), ("new_owner", rhs)):
+            for key, ores in h[which].items():
+                for nm, v in fold_owner_residual(key, ores).items():
+                    side[nm] = side[nm] + v
+    for nm in names:
+        assert torch.allclose(lhs[nm], rhs[nm], atol=atol, rtol=1e-5), nm
+
+
+def test_hierarchical_scatter_conserves_what_ranks_and_owners_hold(hs_runs):
+    ranks = hs_runs["train"]
+    for t in range(len(ranks[0]["hist"])):
+        _conserved([r["hist"][t] for r in ranks])
+    # step 0: residuals live on the shard each rank owns, and what a rank sent comes from it (later, owner
+    # residuals of DDP's first-iteration buckets fold back wherever their coordinates now lie)
+    for t in (0,):
+        for rank, r in enumerate(ranks):
+            h = r["hist"][t]
+            for names, n in r["layouts"][t]:
+                s = -(-n // L)
+                sent = torch.cat([h["sent"][nm] for nm in names])
+                res = torch.cat([h["new"][nm] for nm in names])
+                mine = torch.zeros(n, dtype=torch.bool)
+                mine[(rank % L) * s:(rank % L + 1) * s] = True
+                assert not sent[~mine].any() and not res[~mine].any()
+
+
+def test_hierarchical_scatter_wire_bytes_follow_the_formula(hs_runs):
+    eb = packed_nbytes(1, torch.float32)
+    for r in hs_runs["train"]:
+        stats, layout = r["hist"][-1]["stats"], r["layouts"][len(r["hist"]) - 1]
+        wire = inter = 0
+        for _names, n in layout:
+            s = -(-n // L)
+            plan = slot_plan(s, max(1, math.ceil(0.05 * s)), N)
+            # intra-node reduce-scatter and all-gather of the fp32 shard, the scale-free exchange among N
+            wire += ring_reduce_scatter_wire(4 * s * L, L) + scatter_wire(plan, eb) + ring_allgather_wire(4 * s, L)
+            inter += (N * plan.slot + plan.out) * eb
+            assert scatter_wire(plan, eb) == (N - 1) * (plan.slot + plan.out) * eb
+        assert stats.bytes_wire == wire and stats.bytes_inter == inter
+        assert stats.hierarchical_scatter_buckets == stats.buckets == len(layout)
+        assert stats.as_metrics()["topk/buckets_hierarchical_scatter"] == len(layout)
+    # per-rank inter-node bytes of the scale-free tier do not grow with the node count (the all-gather's do)
+    s, ks = 1_000_000, 10_000
+    for nodes in (2, 4, 16, 64):
+        w = scatter_wire(slot_plan(s, ks, nodes), eb)
+        assert 2 * ks * eb * (nodes - 1) / nodes <= w <= (2 + 4 / math.sqrt(ks / nodes)) * ks * eb < 2.4 * ks * eb
+
+
+def test_hierarchical_scatter_skip_rolls_back_rank_and_owner_residuals_everywhere(hs_runs):
+    for r in hs_runs["nonfinite"]:
+        assert not r["grads_finite"]  # every rank sees the fault in the exchanged result
+        assert r["decisions"] == [Decision.COMMIT, Decision.COMMIT, Decision.SKIP] and r["step"] == 2
+        assert r["changed"] == (True, True)  # the step did update both before the rollback
+        assert r["old"] and all(torch.equal(r["old"][k], r["restored"][k]) for k in r["old"])
+        assert r["old_owner"] and r["old_owner"].keys() == r["restored_owner"].keys()
+        assert all(torch.equal(r["old_owner"][k], r["restored_owner"][k]) for k in r["old_owner"])
+
+
+def test_hierarchical_scatter_state_dict_roundtrip_is_bit_exact(hs_runs):
+    for straight, resumed, sd in hs_runs["resume"]:
+        assert sd["owner_residual"] and any(t.any() for t in sd["owner_residual"].values())
+        assert all("/shard" in key for key in sd["owner_residual"])
+        for a, b in zip(straight, resumed):
+            assert a.keys() == b.keys() and a
+            for k in a:
+                assert torch.equal(a[k], b[k]), k
+
+
+def test_auto_switching_away_from_hierarchical_scatter_keeps_owner_residuals(hs_runs):
+    ranks = hs_runs["auto"]
+    for r in ranks:
+        assert r[2]["stats"].hierarchical_scatter_buckets == r[2]["stats"].buckets > 0
+        assert r[3]["stats"].allgather_buckets == r[3]["stats"].buckets
+        assert any(t.any() for t in r[3]["old_owner"].values()) and not r[3]["new_owner"]
+    for t in range(4):
+        _conserved([r[t] for r in ranks])
+
+
+def test_hierarchical_scatter_options_fail_fast_naming_the_option():
+    for kw, match in ((dict(momentum_correction=True), "exchange='hierarchical_scatter' supports neither"),
+                      (dict(selection_scope="parameter"), "exchange='hierarchical_scatter' supports neither"),
+                      (dict(hierarchical=False), "hierarchical=false contradicts exchange='hierarchical_scatter'"),
+                      (dict(hierarchical=True), "hierarchical=true contradicts exchange='hierarchical_scatter'")):
+        with pytest.raises(ValueError, match=match):
+            TopKConfig(exchange="hierarchical_scatter", **kw)
+    with pytest.raises(ValueError, match="exchange='hierarchical_scatter' needs more than one process per node"):
+        TopKConfig(exchange="hierarchical_scatter").use_hierarchical(2, 1)
+    s = TopKDDPStrategy(exchange="hierarchical_scatter")
+    s._num_nodes = 2
+    s.parallel_devices = [torch.device("cpu")] * 2
+    assert s._exchange() == "hierarchical_scatter"
+    s = TopKDDPStrategy(hierarchical=True)
+    s._num_nodes = 2
+    s.parallel_devices = [torch.device("cpu")] * 2
+    assert s._exchange() == "hierarchical"
+
+
+@pytest.mark.slow
+def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(tmp_path):
+    """Through Lightning's launcher (the strategy picks the hook): digits, 2 nodes x 2, within 1 point."""
+    hs, hsranks = _two_nodes(tmp_path / "hs", "hierarchical_scatter")
+    hier, _ = _two_nodes(tmp_path / "hier", "hierarchical")
+    assert hsranks[0]["hier"] == [[0, 1], [0, 2]] and hsranks[1]["hier"] == [[0, 1], [1, 3]]
+    assert hsranks[0]["last"]["hierarchical_scatter_buckets"] > 0
+    assert hs["val_acc"] > 0.8 and abs(hs["val_acc"] - hier["val_acc"]) <= 0.01, (hs, hier)

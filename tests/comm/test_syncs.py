@@ -1,6 +1,6 @@
 """Host syncs of the exchange on the sync-free path (LIGHTNING_TOPK_SYNC_FREE=1 forces it on CPU): none inside the
-hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat, hierarchical, scale-free and auto; at most one
-per step outside them (the step controller's). Real gloo processes; counter in tests/helpers/syncs.py."""
+hooks and their callbacks, for exact and mstopk, fp32 and bf16 wire values, flat, hierarchical, scale-free, both at
+once and auto; at most one per step outside them (the step controller's). Real gloo processes; counter in tests/helpers/syncs.py."""
 import os
 
 import pytest
@@ -12,7 +12,7 @@ from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
 from lightning_topk.comm.allgather import topk_allgather_hook
 from lightning_topk.comm.controller import StepController
-from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from lightning_topk.comm.hierarchical import hierarchical_scatter_topk_hook, hierarchical_topk_hook, make_groups
 from lightning_topk.comm.scatter import scatter_topk_hook
 from tests.helpers.dist import run_distributed
 from tests.helpers.syncs import SyncCounter
@@ -22,7 +22,7 @@ COMBOS = [(sel, wire) for sel in ("exact", "mstopk") for wire in ("fp32", "bf16"
 
 
 HOOKS = {"flat": topk_allgather_hook, "hierarchical": hierarchical_topk_hook, "scatter": scatter_topk_hook,
-         "auto": cost.auto_topk_hook}
+         "hierarchical_scatter": hierarchical_scatter_topk_hook, "auto": cost.auto_topk_hook}
 
 
 def _slow_link_auto(cfg, world, rank):
@@ -34,8 +34,7 @@ def _slow_link_auto(cfg, world, rank):
 
 def _count(rank, world, mode, sync_free):
     os.environ["LIGHTNING_TOPK_SYNC_FREE"] = "1" if sync_free else "0"
-    hier = mode == "hierarchical"
-    groups = make_groups(2, 2, rank) if hier else None
+    groups = make_groups(2, 2, rank) if mode.startswith("hierarchical") else None
     out = {}
     for selector, wire in COMBOS:
         torch.manual_seed(0)
@@ -43,7 +42,8 @@ def _count(rank, world, mode, sync_free):
         m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
         ddp = DDP(m, bucket_cap_mb=0.6)
         cfg = TopKConfig(density=0.01, selector=selector, value_dtype=wire, min_sparse_numel=1000, dense_steps=1,
-                         nonfinite="skip", hierarchical=hier, exchange="scatter" if mode == "scatter" else "auto")
+                         nonfinite="skip", hierarchical=mode == "hierarchical",
+                         exchange=mode if "scatter" in mode else "auto")
         st = TopKState(cfg, hier=groups)
         st.bind(m.named_parameters())
         if mode == "auto":
@@ -65,10 +65,10 @@ def _count(rank, world, mode, sync_free):
     return out
 
 
-@pytest.mark.parametrize("mode", ["flat", "hierarchical", "scatter", "auto"])
+@pytest.mark.parametrize("mode", ["flat", "hierarchical", "scatter", "hierarchical_scatter", "auto"])
 def test_sync_free_hooks_make_no_host_sync(mode):
     """auto: its cost-model refresh (at step 2) rides on the controller's all-reduce, not in a hook."""
-    world = {"flat": 2, "hierarchical": 4, "scatter": 3, "auto": 2}[mode]
+    world = {"flat": 2, "hierarchical": 4, "scatter": 3, "hierarchical_scatter": 4, "auto": 2}[mode]
     for per_rank in run_distributed(_count, world, (mode, True)):
         for combo, (inside, outside, calls, sparse, refreshes) in per_rank.items():
             assert sparse and calls > STEPS, combo  # sparse steps; several buckets after DDP's rebuild

@@ -64,6 +64,7 @@ def test_ddp_kwargs_pass_through():
         (dict(value_dtype="int8"), "value_dtype"),
         (dict(exchange="ring"), "exchange"),
         (dict(exchange="scatter", hierarchical=True), "contradicts"),
+        (dict(exchange="hierarchical_scatter", selection_scope="parameter"), "exchange='hierarchical_scatter'"),
         (dict(hierarchical="yes"), "hierarchical"),
         (dict(nonfinite="ignore"), "nonfinite"),
         (dict(min_sparse_numel=-1), "min_sparse_numel"),
