@@ -7,8 +7,9 @@ Simulation: 8 ranks per node (fewer ranks: one node), inter-node links of 10, 25
 node, ResNet-50 (25.6M parameters) and a 1B-parameter transformer, DDP's 25 MB buckets, density 0.01
 with fp32 values + int32 indices (8 B per entry). Methods: dense fp16 ring all-reduce, PowerSGD rank 4
 (P and Q all-reduced in fp32, vectors dense), flat top-k all-gather, hierarchical top-k (intra-node
-reduce-scatter, inter-node all-gather of k/L per rank), the scale-free exchange (flat), and what
-``exchange="auto"`` picks among dense fp32/bf16, all-gather, hierarchical and scale-free.
+reduce-scatter, inter-node all-gather of k/L per rank), the scale-free exchange (flat), the two composed
+(``hierarchical_scatter``: the scale-free exchange among the N ranks sharing a local rank), and what
+``exchange="auto"`` picks among all of these (dense fp32/bf16 for the dense ones).
 
 The link and compute constants are stated in ``ASSUMED`` (no GPU cluster was measured here): the
 simulation is the cost model's arithmetic, not a measurement. ``--validate`` checks that arithmetic
@@ -32,7 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from lightning_topk.comm.cost import CostModel, Link
-from lightning_topk.comm.scatter import slot_plan
+from lightning_topk.comm.scatter import scatter_wire, slot_plan
 from lightning_topk.comm.state import TopKConfig
 
 PENALTY = TopKConfig().auto_sparse_penalty  # exchange='auto' as shipped
@@ -53,8 +54,9 @@ ASSUMED = dict(
     pass_per_elem=5e-12,    # one read + one write of fp32 at ~1.5 TB/s
     add_per_entry=2e-10,    # one index_add_ at a random place (atomics)
 )
-METHODS = ("dense fp16", "PowerSGD r4", "all-gather", "hierarchical", "scale-free")
+METHODS = ("dense fp16", "PowerSGD r4", "all-gather", "hierarchical", "scale-free", "hier. + scale-free")
 _CHOICE = {"dense fp16": "dense_bf16", "all-gather": "allgather", "hierarchical": "hierarchical",
+           "hier. + scale-free": "hierarchical_scatter",
            "scale-free": "scatter"}
 
 
@@ -132,6 +134,8 @@ def node_inter_bytes(method: str, p: int, n: int, k: int, psgd: int) -> float:
         return (p - 1) * k * 8
     if method == "hierarchical":
         return (nodes - 1) * k * 8
+    if method == "hier. + scale-free":  # each of the L ranks: the scale-free exchange among N nodes on n/L
+        return local * scatter_wire(slot_plan(math.ceil(n / local), math.ceil(k / local), nodes), 8)
     plan = slot_plan(n, k, p)
     return local * (p - local) * plan.slot * 8 + (p - 1) * plan.out * 8
 
@@ -142,11 +146,13 @@ def rank_wire_bytes(method: str, p: int, n: int, k: int, psgd: int) -> float:
     m = sim_model(p, 10)
     if method == "PowerSGD r4":
         return 2 * (p - 1) / p * psgd
-    if method == "hierarchical":
+    if method in ("hierarchical", "hier. + scale-free"):
         if local < 2 or nodes < 2:
             return float("nan")
         s = 4 * n / local
-        return 2 * (local - 1) * s + (nodes - 1) * math.ceil(k / local) * 8
+        inter = (nodes - 1) * math.ceil(k / local) * 8 if method == "hierarchical" else \
+            scatter_wire(slot_plan(math.ceil(n / local), math.ceil(k / local), nodes), 8)
+        return 2 * (local - 1) * s + inter
     return m.wire(_CHOICE[method], n, k)
 
 
@@ -179,12 +185,13 @@ def simulate() -> Dict[str, dict]:
                         if meth == "PowerSGD r4":
                             flat = m.inter if nodes > 1 else m.intra
                             t += 2 * flat.allreduce(psgd_total * b / n_total / 2, p)  # P and Q: two all-reduces
-                        elif meth == "hierarchical" and (nodes < 2 or local < 2):
+                        elif meth in ("hierarchical", "hier. + scale-free") and (nodes < 2 or local < 2):
                             t = float("nan")
                         else:
                             t += m.total(_CHOICE[meth], b, k)
                     times[meth] = t
-                cands = ["dense", "dense_bf16", "allgather", "scatter"] + (["hierarchical"] if nodes > 1 and local > 1 else [])
+                cands = ["dense", "dense_bf16", "allgather", "scatter"] + (
+                    ["hierarchical", "hierarchical_scatter"] if nodes > 1 and local > 1 else [])
                 t_auto = 0.0
                 for b in bks:
                     k = max(1, math.ceil(DENSITY * b))
