@@ -47,7 +47,8 @@ def test_default_run_short_end_to_end(tmp_path):
     assert (Path(s["log_dirs"][0]) / "metrics.csv").is_file()
     assert "lightning-topk run summary" in p.stdout and "test/acc" in p.stdout and "x less" in p.stdout
     assert "topk/compression" in (Path(s["log_dirs"][0]) / "metrics.csv").read_text().splitlines()[0]
-    assert s["exchange_seconds"]["select"] > 0 and s["exchange_seconds"]["comm"] > 0 and "exchange time" in p.stdout
+    # selection time is 0 where auto sent every bucket dense
+    assert s["exchange_seconds"]["select"] >= 0 and s["exchange_seconds"]["comm"] > 0 and "exchange time" in p.stdout
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").iterdir())  # shards written to the cache
     # The popen child re-ran the command with the same overrides and output directory: same config digest,
     # its Hydra log in the parent's run dir.
