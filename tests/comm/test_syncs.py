@@ -42,7 +42,7 @@ def _count(rank, world, mode, sync_free):
         m = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 10))
         ddp = DDP(m, bucket_cap_mb=0.6)
         cfg = TopKConfig(density=0.01, selector=selector, value_dtype=wire, min_sparse_numel=1000, dense_steps=1,
-                         nonfinite="skip", hierarchical=mode == "hierarchical",
+                         nonfinite="skip", hierarchical=True if mode == "hierarchical" else "auto",
                          exchange=mode if "scatter" in mode else "auto")
         st = TopKState(cfg, hier=groups)
         st.bind(m.named_parameters())
