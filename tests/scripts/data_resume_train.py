@@ -66,7 +66,7 @@ def strategy(a):
     from lightning_topk import TopKDDPStrategy
 
     # per-parameter selection: bit-exact across DDP's bucket rebuild after a resume
-    return TopKDDPStrategy(density=0.05, min_sparse_numel=256, selection_scope="parameter")
+    return TopKDDPStrategy(density=0.05, min_sparse_numel=256, selection_scope="parameter", exchange="allgather")
 
 
 def run(a, phase, max_epochs=None, max_steps=-1, ckpt_path=None, callbacks=(), root=None):
