@@ -216,6 +216,66 @@ def record_sent(state: TopKState, names: Sequence[str], numels: Sequence[int], d
         off += n
 
 
+def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
+    """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
+    low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
+    added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); otherwise no
+    buffer is made and the cost is a cast and a copy, as DDP's own compression hooks."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    grad = bucket.buffer()
+    n = grad.numel()
+    params = bucket.parameters()
+    names = state.names_of(params)
+    device = grad.device
+    stats = state.current
+    if state.debug.enabled:
+        record_grads(state, names, [p.numel() for p in params], grad)
+    b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
+    acc, vel = accumulate(state, b, grad)
+    acc = acc[:n]
+    low = wire_dtype != torch.float32
+    if low and b is None:
+        wire = to_wire(acc.div_(world), wire_dtype)  # acc is the bucket buffer: the result overwrites it
+    elif low:
+        wire = to_wire(acc / world, wire_dtype)
+        acc.sub_(wire.float(), alpha=world)  # the residual keeps the cast error
+    # The input check reads the low-precision wire where there is one (half the bytes; the cast keeps
+    # NaN/inf, and to_wire clamps finite values, so a non-finite wire value is a non-finite input).
+    state.flags.note_input(names, wire if low else acc)
+    if not low:
+        wire = fp32_view(grad)
+        if wire.data_ptr() != acc.data_ptr():
+            wire.copy_(acc)
+        if b is not None:
+            acc.zero_()  # everything is sent
+    if vel is not None:
+        vel.zero_()
+    if state.debug.enabled:
+        record_sent(state, names, [p.numel() for p in params], wire.float() * world if low else wire)
+    eb = wire.element_size()
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), dense_buckets=1,
+                    dense_bf16_buckets=int(low), numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
+                    bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
+    f = factor(state.grad_scale, 1 if low else world)
+    t_launch = clock(device)
+    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+
+    def finish(_f: torch.futures.Future) -> torch.Tensor:
+        state.add_time(stats, "comm_time_s", t_launch)
+        if low:
+            state.flags.note_result(wire)  # half the bytes of the widened result; widening keeps NaN/inf
+            grad.copy_(wire)
+            if isinstance(f, torch.Tensor) or f != 1.0:
+                grad.mul_(f)
+            return grad
+        return deliver(state, grad, wire.mul_(f))
+
+    if bucket.is_last():
+        state.end_exchange()
+    return fut.then(finish)
+
+
 def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse allgather with error feedback (see module docstring)."""
     group = state.process_group if state.process_group is not None else dist.group.WORLD
@@ -235,40 +295,18 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         k = sum(ks)
     else:
         k = bucket_k(state, n)
+    if k == 0:  # a dense schedule step or a small bucket
+        return dense_hook(state, bucket)
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
                     bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t0 = clock(device)
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
-    keep = cfg.error_feedback and (k > 0 or state.holds_state(params))
-    b = state.buffers(params, device) if keep else None
+    b = state.buffers(params, device) if cfg.error_feedback else None
     acc, vel = accumulate(state, b, grad)
     acc = acc[:n]
     state.flags.note_input(names, acc)
     f = factor(state.grad_scale, world)
-
-    if k == 0:
-        out = fp32_view(grad)
-        if out.data_ptr() != acc.data_ptr():
-            out.copy_(acc)
-        if b is not None:
-            acc.zero_()  # everything is sent
-            if vel is not None:
-                vel.zero_()
-        if state.debug.enabled:
-            record_sent(state, names, [p.numel() for p in params], out)
-        state.add_stats(stats, dense_buckets=1, numel_sent=n, bytes_sent=n * 4, **_link(state, n * 4),
-                        bytes_wire=ring_allreduce_wire(4 * n, world))
-        t_launch = clock(device)
-        fut = dist.all_reduce(out, group=group, async_op=True).get_future()
-
-        def finish_dense(_f: torch.futures.Future) -> Tensor:
-            state.add_time(stats, "comm_time_s", t_launch)
-            return deliver(state, grad, out.mul_(f))
-
-        if bucket.is_last():
-            state.end_exchange()
-        return fut.then(finish_dense)
 
     idx = select(state, acc, k, ks, numels)
     wire = send_values(state, acc, idx, vel)

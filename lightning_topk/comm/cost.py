@@ -41,14 +41,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_topk.comm.allgather import (
-    _link,
-    accumulate,
     bucket_k,
-    deliver,
-    factor,
-    fp32_view,
-    record_grads,
-    record_sent,
+    dense_hook,
     topk_allgather_hook,
 )
 from lightning_topk.comm.hierarchical import flush_pending, hierarchical_scatter_topk_hook, hierarchical_topk_hook
@@ -62,8 +56,8 @@ from lightning_topk.comm.scatter import (
     slot_plan,
 )
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, TopKState, clock
-from lightning_topk.comm.wire import packed_nbytes, ring_allreduce_wire, to_wire
+from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, TopKState
+from lightning_topk.comm.wire import packed_nbytes, ring_allreduce_wire
 
 log = logging.getLogger(__name__)
 
@@ -292,66 +286,6 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
 
 
 # ---- the dense transports -------------------------------------------------------------------------
-def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
-    """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
-    low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
-    added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); otherwise no
-    buffer is made and the cost is a cast and a copy, as DDP's own compression hooks."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    grad = bucket.buffer()
-    n = grad.numel()
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
-    stats = state.current
-    if state.debug.enabled:
-        record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
-    acc, vel = accumulate(state, b, grad)
-    acc = acc[:n]
-    low = wire_dtype != torch.float32
-    if low and b is None:
-        wire = to_wire(acc.div_(world), wire_dtype)  # acc is the bucket buffer: the result overwrites it
-    elif low:
-        wire = to_wire(acc / world, wire_dtype)
-        acc.sub_(wire.float(), alpha=world)  # the residual keeps the cast error
-    # The input check reads the low-precision wire where there is one (half the bytes; the cast keeps
-    # NaN/inf, and to_wire clamps finite values, so a non-finite wire value is a non-finite input).
-    state.flags.note_input(names, wire if low else acc)
-    if not low:
-        wire = fp32_view(grad)
-        if wire.data_ptr() != acc.data_ptr():
-            wire.copy_(acc)
-        if b is not None:
-            acc.zero_()  # everything is sent
-    if vel is not None:
-        vel.zero_()
-    if state.debug.enabled:
-        record_sent(state, names, [p.numel() for p in params], wire.float() * world if low else wire)
-    eb = wire.element_size()
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), dense_buckets=1,
-                    dense_bf16_buckets=int(low), numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
-                    bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
-    f = factor(state.grad_scale, 1 if low else world)
-    t_launch = clock(device)
-    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
-
-    def finish(_f: torch.futures.Future) -> torch.Tensor:
-        state.add_time(stats, "comm_time_s", t_launch)
-        if low:
-            state.flags.note_result(wire)  # half the bytes of the widened result; widening keeps NaN/inf
-            grad.copy_(wire)
-            if isinstance(f, torch.Tensor) or f != 1.0:
-                grad.mul_(f)
-            return grad
-        return deliver(state, grad, wire.mul_(f))
-
-    if bucket.is_last():
-        state.end_exchange()
-    return fut.then(finish)
-
-
 def dense_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for ``exchange="dense"``: every bucket all-reduced in ``value_dtype``."""
     return dense_hook(state, bucket, state.config.wire_dtype)
@@ -486,9 +420,7 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
         if choice != "hierarchical_scatter" and state.owner_residuals:
             h = state.hier.groups
             fold_live_owner(state, bucket_key(h.num_nodes, h.node_rank, names, numels, h.local_rank, h.local_world))
-    if choice == "dense" and k == 0:
-        fut = topk_allgather_hook(state, bucket)  # dense schedule step or small bucket: as ever
-    elif choice in ("dense", "dense_bf16"):
+    if choice in ("dense", "dense_bf16"):
         fut = dense_hook(state, bucket, torch.bfloat16 if choice == "dense_bf16" else torch.float32)
     elif choice == "allgather":
         fut = topk_allgather_hook(state, bucket)
