@@ -29,6 +29,8 @@ NONFINITE_CHOICES = ("raise", "skip", "propagate")
 EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
+# Where exchange="auto" gets its cost model (see comm/cost.py).
+AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 Scale = Union[float, Tensor]
 
 
@@ -91,6 +93,11 @@ class TopKConfig:
             0.01, ``benchmarks/results/cluster.md``) and forward/backward time is common to both, so a
             sparse exchange must be well ahead on the link to be ahead in time to accuracy. 1 compares
             exchange times alone.
+        auto_model: where ``exchange="auto"`` gets its cost model: ``"probe"`` (timed at setup, refreshed
+            from telemetry), ``"constants"`` (documented constants and ``auto_link_gbps``: no timing, so
+            the plan is the same in every run) or ``"auto"``: ``"constants"`` under deterministic
+            algorithms (``Trainer(deterministic=True)``), else ``"probe"``.
+        auto_link_gbps: inter-node bandwidth in Gbit/s that the ``"constants"`` model assumes (a number > 0).
     """
 
     density: float = 0.01
@@ -109,6 +116,8 @@ class TopKConfig:
     log_telemetry: bool = True
     exchange: str = "auto"
     auto_sparse_penalty: float = 3.0
+    auto_model: str = "auto"
+    auto_link_gbps: float = 10.0
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -136,6 +145,11 @@ class TopKConfig:
         if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
             raise bad("auto_sparse_penalty", "a number >= 1")
         self.auto_sparse_penalty = float(self.auto_sparse_penalty)
+        if self.auto_model not in AUTO_MODEL_CHOICES:
+            raise bad("auto_model", f"one of {list(AUTO_MODEL_CHOICES)}")
+        if not _is_number(self.auto_link_gbps) or self.auto_link_gbps <= 0:
+            raise bad("auto_link_gbps", "a number > 0 (Gbit/s)")
+        self.auto_link_gbps = float(self.auto_link_gbps)
         if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
             raise bad("hierarchical", "'auto', true or false")
         if self.nonfinite not in NONFINITE_CHOICES:
@@ -163,6 +177,10 @@ class TopKConfig:
         if self.exchange in HIERARCHICAL_EXCHANGES and (self.momentum_correction or self.selection_scope != "bucket"):
             raise ValueError(f"topk_ddp: exchange={self.exchange!r} supports neither momentum_correction nor "
                              "selection_scope='parameter'; use exchange='allgather' (or 'auto')")
+        if self.exchange == "scatter" and self.selection_scope != "bucket":
+            raise ValueError("topk_ddp: selection_scope='parameter' is not supported with exchange='scatter' (its "
+                             "owner residuals are kept per bucket layout, so resume would not be exact); use "
+                             "exchange='allgather' or selection_scope='bucket'")
         if self.exchange == "scatter" and self.momentum_correction:
             raise ValueError("topk_ddp: momentum_correction is not supported with exchange='scatter'; "
                              "use exchange='allgather' or momentum_correction=false")
@@ -459,9 +477,10 @@ class TopKState:
         self.owner_residuals: Dict[str, Tensor] = {}
         self._pending_owner: Dict[str, Tensor] = {}
         self.owner_seen: set = set()  # owner residual keys used by this exchange's buckets
-        # exchange="auto": the cost model (comm/cost.py) and its choice per bucket.
+        # exchange="auto": the cost model and plan (comm/cost.py AutoExchange); a loaded section waits in
+        # _pending_auto until it exists.
         self.auto: Any = None
-        self.plan: Dict[str, str] = {}
+        self._pending_auto: Optional[Dict[str, Any]] = None
         self.step = 0
         # Loss scale of the current backward: a float, or the scaler's scale as a device tensor (no host read).
         self.grad_scale: Scale = 1.0
@@ -489,6 +508,11 @@ class TopKState:
         if name is None:
             name = self._unbound.setdefault(id(p), f"param{len(self._unbound)}")
         return name
+
+    @property
+    def plan(self) -> Dict[str, str]:
+        """``exchange="auto"``'s plan: bucket entries -> exchange (empty for a pinned exchange)."""
+        return self.auto.plan if self.auto is not None else {}
 
     def names_of(self, params: Sequence[Tensor]) -> Tuple[str, ...]:
         return tuple(self.name_of(p) for p in params)
@@ -625,7 +649,7 @@ class TopKState:
         owner = {k: t.clone() for k, t in self._pending_owner.items()}
         owner.update({k: t.detach().cpu().clone() for k, t in self.owner_residuals.items()})
         out["owner_residual"] = owner
-        out["plan"] = dict(self.plan)
+        out["auto"] = self.auto.state_dict() if self.auto is not None else dict(self._pending_auto or {})
         return out
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -641,4 +665,8 @@ class TopKState:
         self._pending_load = pending
         self.owner_residuals.clear()
         self._pending_owner = dict(sd.get("owner_residual", {}))
-        self.plan = dict(sd.get("plan", {}))
+        auto = sd.get("auto") or None
+        if self.auto is not None:
+            self.auto.load_state_dict(auto)
+        else:
+            self._pending_auto = auto

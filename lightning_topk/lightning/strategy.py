@@ -64,12 +64,13 @@ class TopKStrategyMixin:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
         state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
-        hook = self._exchange_hook(state)
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
+            # before the hook is built: exchange="auto" takes the saved plan and model (no new probe)
             state.load_state_dict(self._pending_topk_state)
             self._pending_topk_state = None
+        hook = self._exchange_hook(state)
         from lightning_topk.comm.scatter import fold_pending_owner
 
         if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
@@ -84,7 +85,7 @@ class TopKStrategyMixin:
         return "hierarchical" if self._use_hierarchical() and ex == "auto" else ex
 
     def _exchange_hook(self, state: TopKState) -> Callable:
-        """The comm hook for the chosen exchange; ``auto`` probes links and selection first (collective)."""
+        """The comm hook for the chosen exchange; ``auto`` builds its cost model first (a probe is collective)."""
         from lightning_topk.comm import cost, hierarchical
         from lightning_topk.comm.allgather import topk_allgather_hook
         from lightning_topk.comm.scatter import scatter_topk_hook
@@ -107,10 +108,10 @@ class TopKStrategyMixin:
             groups = hierarchical.build_groups(self) if hier_ok else hierarchical.make_groups(
                 nodes, local, self.global_rank, timeout=getattr(self, "_timeout", None))
             state.hier = HierExchange(groups)
-        model = cost.probe(nodes, local, self.global_rank, cfg.density, cfg.selector, self.root_device,
-                           None if groups is None else groups.intra, None if groups is None else groups.inter)
-        state.auto = cost.AutoExchange(model, cost.candidates_for(cfg, nodes, local, groups is not None),
-                                       self.global_rank)
+        saved, state._pending_auto = state._pending_auto, None
+        state.auto = cost.build_auto(cfg, nodes, local, self.global_rank, self.root_device,
+                                     None if groups is None else groups.intra, None if groups is None else groups.inter,
+                                     hierarchical_groups=groups is not None, saved=saved)
         return cost.auto_topk_hook
 
     def _use_hierarchical(self) -> bool:
