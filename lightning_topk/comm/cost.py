@@ -63,7 +63,13 @@ from lightning_topk.comm.allgather import (
     dense_hook,
     topk_allgather_hook,
 )
-from lightning_topk.comm.hierarchical import flush_pending, hierarchical_scatter_topk_hook, hierarchical_topk_hook
+from lightning_topk.comm.hierarchical import (
+    HierExchange,
+    HierGroups,
+    flush_pending,
+    hierarchical_scatter_topk_hook,
+    hierarchical_topk_hook,
+)
 from lightning_topk.comm.scatter import (
     bucket_key,
     flush_scatter,
@@ -503,6 +509,8 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
             group = state.process_group if state.process_group is not None else dist.group.WORLD
             fold_live_owner(state, bucket_key(dist.get_world_size(group), dist.get_rank(group), names, numels))
     if state.hier is not None:
+        if isinstance(state.hier, HierGroups):
+            state.hier = HierExchange(state.hier)
         if choice not in HIERARCHICAL_EXCHANGES:
             flush_pending(state)
         if choice != "hierarchical_scatter" and state.owner_residuals:

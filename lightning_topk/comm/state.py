@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -19,9 +19,6 @@ from torch import Tensor
 from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import METHODS
 from lightning_topk.comm.wire import value_dtype_of
-
-if TYPE_CHECKING:
-    from lightning_topk.comm.hierarchical import HierGroups, _Pending
 
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
@@ -441,34 +438,24 @@ class DebugRecord:
     grads_in: Dict[str, Tensor] = field(default_factory=dict)
 
 
-@dataclass
-class HierExchange:
-    """The hierarchical exchange's process groups and the buckets whose collectives are still in flight:
-    ``pending`` in its inter-node all-gather, ``scatter_pending`` in its inter-node all-to-all
-    (``hierarchical_scatter``)."""
-
-    groups: "HierGroups"
-    pending: Optional["_Pending"] = None
-    scatter_pending: Optional["_Pending"] = None
-
-
 class TopKState:
     """Explicit state object passed to the top-k comm hooks (as torch's PowerSGDState is).
 
     Args:
         config: the options.
         process_group: group of the flat exchange (default: the world).
-        hier: the hierarchical exchange's groups (:func:`~lightning_topk.comm.hierarchical.make_groups`),
+        hier: the hierarchical exchange's groups (:func:`~lightning_topk.comm.hierarchical.make_groups`; wrapped in its
+            :class:`~lightning_topk.comm.hierarchical.HierExchange` state on first use),
             needed by :func:`~lightning_topk.comm.hierarchical.hierarchical_topk_hook`.
         num_nodes: nodes of the job (telemetry: which link the flat exchange's bytes cross).
     """
 
-    def __init__(self, config: TopKConfig, process_group: Any = None, hier: Optional["HierGroups"] = None,
+    def __init__(self, config: TopKConfig, process_group: Any = None, hier: Any = None,
                  num_nodes: int = 1) -> None:
         self.config = config
         self.schedule = config.schedule
         self.process_group = process_group
-        self.hier: Optional[HierExchange] = HierExchange(hier) if hier is not None else None
+        self.hier: Any = hier
         self.num_nodes = num_nodes
         # Scale-free exchange (comm/scatter.py): options, the bucket waiting for its owner step, and the
         # owner-side residuals (this rank's region sums not yet forwarded), keyed by bucket.

@@ -17,7 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, HierExchange, StepStats, TopKConfig, TopKState
+from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, StepStats, TopKConfig, TopKState
 from lightning_topk.lightning.faults import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class TopKStrategyMixin:
 
         ex = self._exchange()
         if ex in HIERARCHICAL_EXCHANGES:
-            state.hier = HierExchange(hierarchical.build_groups(self))
+            state.hier = hierarchical.HierExchange(hierarchical.build_groups(self))
             return hierarchical.hierarchical_topk_hook if ex == "hierarchical" else \
                 hierarchical.hierarchical_scatter_topk_hook
         if ex == "dense":
@@ -107,7 +107,7 @@ class TopKStrategyMixin:
             hier_ok = cfg.hierarchical is not False and not cfg.momentum_correction and cfg.selection_scope == "bucket"
             groups = hierarchical.build_groups(self) if hier_ok else hierarchical.make_groups(
                 nodes, local, self.global_rank, timeout=getattr(self, "_timeout", None))
-            state.hier = HierExchange(groups)
+            state.hier = hierarchical.HierExchange(groups)
         saved, state._pending_auto = state._pending_auto, None
         state.auto = cost.build_auto(cfg, nodes, local, self.global_rank, self.root_device,
                                      None if groups is None else groups.intra, None if groups is None else groups.inter,
