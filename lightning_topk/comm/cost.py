@@ -52,36 +52,13 @@ import functools
 import logging
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from lightning_topk.comm.allgather import (
-    bucket_k,
-    dense_hook,
-    topk_allgather_hook,
-)
-from lightning_topk.comm.hierarchical import (
-    HierExchange,
-    HierGroups,
-    flush_pending,
-    hierarchical_scatter_topk_hook,
-    hierarchical_topk_hook,
-)
-from lightning_topk.comm.scatter import (
-    bucket_key,
-    flush_scatter,
-    fold_live_owner,
-    fold_pending_owner,
-    scatter_topk_hook,
-    scatter_wire,
-    slot_plan,
-)
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, TopKState
-from lightning_topk.comm.wire import packed_nbytes, ring_allreduce_wire
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +131,12 @@ class CostModel:
     def world(self) -> int:
         return self.nodes * self.local
 
-    def _flat(self) -> Link:
-        return self._link(self.inter if self.nodes > 1 else self.intra)
+    def flat(self) -> Link:
+        """The tier that limits flat collectives: inter-node across nodes, else intra-node."""
+        return self.tier(self.inter if self.nodes > 1 else self.intra)
 
     @staticmethod
-    def _link(link: Optional[Link]) -> Link:
+    def tier(link: Optional[Link]) -> Link:
         if link is None:
             raise ValueError("cost model: no link measured for this tier (one node / one process per node)")
         return link
@@ -167,48 +145,12 @@ class CostModel:
         return self.select_fixed + self.select_per_elem * n
 
     def predict(self, choice: str, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
-        """(compute seconds, link seconds) of one bucket."""
-        P, N, L = self.world, self.nodes, self.local
-        eb = value_bytes + 4
-        dense_pass = BOOKKEEPING_PASSES * self.pass_per_elem * n
-        flat = self._flat()
-        if choice == "dense":
-            comp, comm = dense_pass, flat.allreduce(4 * n, P)
-        elif choice == "dense_bf16":
-            comp = dense_pass + 3 * self.pass_per_elem * n  # casts and the cast error into the residual
-            comm = self.bf16_factor * flat.allreduce(4 * n, P)
-        elif choice == "allgather":
-            comp = self.select(n) + dense_pass + self.add_per_entry * P * k
-            comm = flat.allgather(k * eb, P)
-        elif choice == "scatter":
-            plan = slot_plan(n, k, P)
-            comp = self.select(n) + self.select(plan.region) + dense_pass + self.add_per_entry * (
-                k + P * plan.slot + P * plan.out)
-            slot = plan.slot * eb
-            if N > 1:
-                inter = self._link(self.inter)
-                a2a = (P - 1) * inter.alpha + max(L * (P - L) * slot / inter.beta,
-                                                  (L - 1) * slot / self._link(self.intra).beta if L > 1 else 0.0)
-            else:
-                intra = self._link(self.intra)
-                a2a = (P - 1) * (intra.alpha + slot / intra.beta)
-            comm = a2a + flat.allgather(plan.out * eb, P)
-        elif choice in ("hierarchical", "hierarchical_scatter"):
-            if N < 2 or L < 2:
-                return math.inf, math.inf
-            ks = math.ceil(k / L)
-            intra, inter = self._link(self.intra), self._link(self.inter)
-            comp = self.select(n / L) + dense_pass
-            comm = intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L)
-            if choice == "hierarchical":
-                comp += self.add_per_entry * N * ks
-                comm += (N - 1) * (inter.alpha + L * ks * eb / inter.beta)
-            else:
-                plan = slot_plan(math.ceil(n / L), ks, N)
-                comp += self.select(plan.region) + self.add_per_entry * (ks + N * plan.slot + N * plan.out)
-                comm += (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * eb / inter.beta)
-        else:
-            raise ValueError(f"cost model: unknown exchange {choice!r}; allowed: {list(CHOICES)}")
+        """(compute seconds, link seconds) of one bucket: the registered exchange's own formula."""
+        from lightning_topk.comm.exchanges import registry
+
+        if choice not in registry.names():
+            raise ValueError(f"cost model: unknown exchange {choice!r}; allowed: {list(registry.names())}")
+        comp, comm = registry.get(choice).predict(self, n, k, value_bytes)
         return comp, comm * self.comm_scale
 
     def total(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
@@ -229,17 +171,9 @@ class CostModel:
 
     def wire(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
         """Bytes one rank puts on the wire (flat collectives; hierarchical ones: their inter-node part)."""
-        P, N, L, eb = self.world, self.nodes, self.local, value_bytes + 4
-        if choice in ("dense", "dense_bf16"):
-            return ring_allreduce_wire((4 if choice == "dense" else 2) * n, P)
-        if choice == "allgather":
-            return (P - 1) * k * eb
-        if choice == "scatter":
-            return scatter_wire(slot_plan(n, k, P), eb)
-        if choice == "hierarchical_scatter":
-            return scatter_wire(slot_plan(math.ceil(n / L), math.ceil(k / L), N), eb)
-        return (N - 1) * math.ceil(k / L) * eb
+        from lightning_topk.comm.exchanges import registry
 
+        return registry.get(choice).wire(self, n, k, value_bytes)
 
     def to_dict(self) -> Dict[str, Any]:
         """Plain types only (saved in checkpoints; :meth:`from_dict` inverts it)."""
@@ -359,211 +293,3 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
     fixed = max(0.0, v[6] - per * _PROBE_NUMELS[0])
     bf16 = v[11] if nodes > 1 else v[10]  # the tier flat collectives are limited by
     return CostModel(nodes, local, intra, inter, per, fixed, v[8], v[9], bf16_factor=bf16)
-
-
-# ---- the dense transports -------------------------------------------------------------------------
-def dense_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook for ``exchange="dense"``: every bucket all-reduced in ``value_dtype``."""
-    return dense_hook(state, bucket, state.config.wire_dtype)
-
-
-# ---- exchange="auto" ------------------------------------------------------------------------------
-@dataclass
-class AutoExchange:
-    """The cost model, the candidates, and the plan: the exchange chosen for each bucket size.
-
-    ``timed``: the model came from a probe and is refreshed from telemetry; ``False`` for the constants
-    model, which is never refreshed (see the module docstring)."""
-
-    model: CostModel
-    candidates: List[str]
-    rank: int = 0
-    timed: bool = True
-    plan: Dict[str, str] = field(default_factory=dict)  # str(bucket entries) -> exchange
-    # telemetry since the last refresh: selection seconds and entries, measured and predicted link seconds
-    _window: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
-    # the step being exchanged: predicted link seconds and entries of sparse buckets
-    _step: List[float] = field(default_factory=lambda: [0.0, 0.0])
-    # a StepController carries the refresh on its per-step all-reduce (no host read in the hooks)
-    controlled: bool = False
-    refreshes: int = 0
-
-    def decide(self, state: TopKState, n: int, k: int) -> Tuple[str, float, float]:
-        """(choice, predicted seconds, predicted link seconds) for a bucket of ``n`` entries sending ``k``
-        now; the choice is the plan's for this size, decided at the configured density when first seen."""
-        vb = packed_nbytes(1, state.config.wire_dtype) - 4
-        key = str(n)
-        choice = self.plan.get(key)
-        if choice is None:
-            choice, pred = self.model.choose(n, target_k(state.config, n), self.candidates, vb,
-                                             state.config.auto_sparse_penalty)
-            self.plan[key] = choice
-            if self.rank == 0:
-                log.info("topk_ddp exchange=auto: buckets of %d entries -> %s; predicted ms: %s", n, choice,
-                         ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
-        comp, comm = self.model.predict(choice, n, k, vb)
-        return choice, comp + comm, comm
-
-    # ---- checkpoint -----------------------------------------------------------------------------
-    def state_dict(self) -> Dict[str, Any]:
-        """Plain types: the plan, the model and whether it is timed (the rank-independent checkpoint part)."""
-        return {"plan": dict(self.plan), "model": self.model.to_dict(), "timed": self.timed,
-                "refreshes": self.refreshes}
-
-    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
-        """Restore a saved plan (entries whose exchange is no candidate now are dropped) and, for the same
-        layout and kind of model, the saved model."""
-        if not sd:
-            return
-        self.plan = {str(k): v for k, v in dict(sd.get("plan", {})).items() if v in self.candidates}
-        m = saved_model(sd, self.timed, self.model.nodes, self.model.local)
-        if m is not None:
-            self.model = m
-            self.refreshes = int(sd.get("refreshes", 0))
-
-    # ---- refresh from telemetry (timed models only) ------------------------------------------------
-    def take_window(self) -> List[float]:
-        """This rank's telemetry since the last refresh: [selection seconds per entry, measured / predicted
-        link time] (0 where unknown); the window starts anew."""
-        sel_s, sel_n, meas_comm, pred_comm = self._window
-        self._window = [0.0, 0.0, 0.0, 0.0]
-        return [sel_s / sel_n if sel_n else 0.0, meas_comm / pred_comm if pred_comm > 0 else 0.0]
-
-    def refresh_due(self, state: TopKState) -> bool:
-        return self.timed and bool(state.step) and state.step % REFRESH_STEPS == 0
-
-    def refresh(self, state: TopKState, device: torch.device) -> None:
-        """Refresh on its own (no step controller): the slowest rank's window, by one all-reduce read on the
-        host inside the hook. With a controller the window rides on its per-step all-reduce instead."""
-        vec = torch.tensor(self.take_window(), dtype=torch.float64, device=device)
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=state.process_group)
-        self.apply_refresh(state, vec.cpu().tolist())
-
-    def apply_refresh(self, state: TopKState, window: List[float]) -> None:
-        """Re-fit selection cost and link-time scale from ``window`` (the same on every rank, see
-        :meth:`take_window`); re-decide every bucket size."""
-        per, ratio = window
-        m = self.model
-        if per > 0:
-            m.select_per_elem = 0.5 * (m.select_per_elem + per)
-        if ratio > 0:
-            m.comm_scale = min(4.0, max(0.25, m.comm_scale * ratio))
-        self.refreshes += 1
-        vb = packed_nbytes(1, state.config.wire_dtype) - 4
-        penalty = state.config.auto_sparse_penalty
-        for key, old in list(self.plan.items()):
-            n = int(key)
-            best, pred = m.choose(n, target_k(state.config, n), self.candidates, vb, penalty)
-            score = {c: t * (penalty if c in SPARSE else 1.0) for c, t in pred.items()}
-            if best != old and score[best] < SWITCH_GAIN * score[old]:
-                self.plan[key] = best
-                if self.rank == 0:
-                    log.info("topk_ddp exchange=auto: buckets of %d entries switch %s -> %s (predicted ms: %s)",
-                             n, old, best, ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
-
-    def begin_step(self, state: TopKState, device: torch.device) -> None:
-        """First bucket of an exchange: account the previous one (complete by now); without a step
-        controller, refresh here when due."""
-        if not self.timed:
-            self._step = [0.0, 0.0]
-            return
-        if state.step:
-            last = state.last.resolve(ready_only=True)  # CUDA: only the event pairs already done, no wait
-            w = self._window
-            w[0] += last.select_time_s
-            w[1] += self._step[1]
-            w[2] += last.comm_time_s
-            w[3] += self._step[0]
-        self._step = [0.0, 0.0]
-        if not self.controlled and self.refresh_due(state):
-            self.refresh(state, device)
-
-
-def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook for ``exchange="auto"``: each bucket travels the way the cost model predicts fastest."""
-    a: AutoExchange = state.auto
-    grad = bucket.buffer()
-    n = grad.numel()
-    stats = state.current
-    if stats.buckets == 0:
-        a.begin_step(state, grad.device)
-    k = bucket_k(state, n)
-    params = bucket.parameters()
-    names = state.names_of(params)
-    if k == 0:  # dense schedule step or small bucket: the flat hook's all-reduce, as ever
-        choice = "dense"
-        comp, comm = a.model.predict("dense", n, 0)
-        predicted = comp + comm
-    else:
-        choice, predicted, comm = a.decide(state, n, k)
-        if choice not in ("dense", "dense_bf16"):
-            a._step[1] += n
-    stats.predicted_s += predicted
-    a._step[0] += comm
-    # A bucket that leaves an exchange first lets that exchange's collectives finish; its owner residual
-    # (scale-free exchanges) goes back into the rank residuals, never lost.
-    numels = [p.numel() for p in params]
-    if choice != "scatter":
-        flush_scatter(state)
-        if state.owner_residuals:
-            group = state.process_group if state.process_group is not None else dist.group.WORLD
-            fold_live_owner(state, bucket_key(dist.get_world_size(group), dist.get_rank(group), names, numels))
-    if state.hier is not None:
-        if isinstance(state.hier, HierGroups):
-            state.hier = HierExchange(state.hier)
-        if choice not in HIERARCHICAL_EXCHANGES:
-            flush_pending(state)
-        if choice != "hierarchical_scatter" and state.owner_residuals:
-            h = state.hier.groups
-            fold_live_owner(state, bucket_key(h.num_nodes, h.node_rank, names, numels, h.local_rank, h.local_world))
-    if choice in ("dense", "dense_bf16"):
-        fut = dense_hook(state, bucket, torch.bfloat16 if choice == "dense_bf16" else torch.float32)
-    elif choice == "allgather":
-        fut = topk_allgather_hook(state, bucket)
-    elif choice == "hierarchical":
-        fut = hierarchical_topk_hook(state, bucket)
-    elif choice == "hierarchical_scatter":
-        fut = hierarchical_scatter_topk_hook(state, bucket)
-    else:
-        fut = scatter_topk_hook(state, bucket)
-    if bucket.is_last() and choice not in ("scatter", "hierarchical_scatter"):
-        fold_pending_owner(state)  # (the scale-free hooks do it themselves; twice would fold what they claimed)
-    return fut
-
-
-def saved_model(sd: Optional[Dict[str, Any]], timed: bool, nodes: int, local: int) -> Optional[CostModel]:
-    """The model saved in ``sd`` (:meth:`AutoExchange.state_dict`) if it is of the same kind and layout."""
-    m = (sd or {}).get("model")
-    if not isinstance(m, dict) or bool((sd or {}).get("timed")) != timed or (m.get("nodes"), m.get("local")) != (nodes, local):
-        return None
-    try:
-        return CostModel.from_dict(m)
-    except (TypeError, ValueError):
-        return None
-
-
-def build_auto(config, nodes: int, local: int, rank: int, device: torch.device, intra_group=None,
-               inter_group=None, hierarchical_groups: bool = False,
-               saved: Optional[Dict[str, Any]] = None) -> AutoExchange:
-    """``exchange="auto"`` for this layout: the saved plan and model where ``saved`` (the checkpoint's
-    rank-independent section, the same on every rank) has them, else a new model: probed (a collective:
-    every rank calls this) or from :data:`CONSTANTS` (see the module docstring)."""
-    timed = timed_model(config)
-    model = saved_model(saved, timed, nodes, local)
-    if model is None:
-        model = probe(nodes, local, rank, config.density, config.selector, device, intra_group, inter_group) \
-            if timed else constant_model(nodes, local, device.type, config.auto_link_gbps)
-    auto = AutoExchange(model, candidates_for(config, nodes, local, hierarchical_groups), rank, timed=timed)
-    auto.load_state_dict(saved)
-    return auto
-
-
-def candidates_for(config, nodes: int, local: int, hierarchical_groups: bool) -> List[str]:
-    """The exchanges ``auto`` may use under these options (see TopKConfig for the precedence)."""
-    out = ["dense", "dense_bf16", "allgather"]
-    if config.hierarchical is not False and hierarchical_groups and nodes > 1 and local > 1 \
-            and not config.momentum_correction and config.selection_scope == "bucket":
-        out += ["hierarchical", "hierarchical_scatter"]
-    if not config.momentum_correction and config.selection_scope == "bucket" and nodes * local > 1:
-        out.append("scatter")
-    return out

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.allgather import (
+from lightning_topk.comm.exchanges.kit import (
     Gather,
     _all_gather,
     accumulate,
@@ -44,8 +44,8 @@ from lightning_topk.comm.allgather import (
     record_sent,
     select,
     send_values,
-    topk_allgather_hook,
 )
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.scatter import (
     ScatterJob,
     bucket_key,

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.allgather import (
+from lightning_topk.comm.exchanges.kit import (
     Gather,
     _link,
     accumulate,
@@ -68,8 +68,8 @@ from lightning_topk.comm.allgather import (
     record_sent,
     select,
     send_values,
-    topk_allgather_hook,
 )
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
 from lightning_topk.comm.wire import (
     all_to_all_wire,

@@ -87,7 +87,7 @@ class TopKStrategyMixin:
     def _exchange_hook(self, state: TopKState) -> Callable:
         """The comm hook for the chosen exchange; ``auto`` builds its cost model first (a probe is collective)."""
         from lightning_topk.comm import cost, hierarchical
-        from lightning_topk.comm.allgather import topk_allgather_hook
+        from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
         from lightning_topk.comm.scatter import scatter_topk_hook
 
         ex = self._exchange()

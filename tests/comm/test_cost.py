@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
-from lightning_topk.comm.allgather import topk_allgather_hook
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.cost import AutoExchange, CostModel, Link, auto_topk_hook, dense_topk_hook
 from lightning_topk.comm.scatter import slot_plan
 from tests.helpers.dist import run_distributed

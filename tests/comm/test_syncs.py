@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
-from lightning_topk.comm.allgather import topk_allgather_hook
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.controller import StepController
 from lightning_topk.comm.hierarchical import hierarchical_scatter_topk_hook, hierarchical_topk_hook, make_groups
 from lightning_topk.comm.scatter import scatter_topk_hook

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_topk import TopKDDPStrategy
-from lightning_topk.comm.allgather import bucket_k
+from lightning_topk.comm.exchanges.kit import bucket_k
 from lightning_topk.comm.state import TopKConfig, TopKState
 from lightning_topk.lightning import faults
 from tests.helpers.procs import SCRIPTS, run_script

@@ -1,25 +1,11 @@
-"""Flat top-k exchange as a DDP communication hook: error feedback, top-k, one allgather per bucket.
-
-Usage without Lightning (the controller applies the ``nonfinite`` policy once per step)::
-
-    state = TopKState(TopKConfig(density=0.01))
-    state.bind(model.named_parameters())
-    ddp_model.register_comm_hook(state, topk_allgather_hook)
-    ctl = StepController(state)          # lightning_topk.comm.controller
-
-Per bucket: ``residual += grad / scale`` in place; pick k = ceil(density * n) entries of it; zero what was
-sent in the residual (for fp16/bf16 wire values it keeps their rounding error and any clipped part); pack
-values and int32 indices into one fixed-size buffer and all-gather it; every rank rebuilds the average
-straight into the bucket's buffer with ``index_add_`` (entries picked by several ranks add up), in the
-scaled units the optimizer/GradScaler expect.
+"""The pieces every exchange is built from: k per bucket, error-feedback accumulation, selection, the
+values sent, packing, the all-gather of packed entries, the rebuild of a dense sum, delivery into the
+bucket buffer, futures and debug records.
 
 Nothing here reads a tensor on the host: finiteness goes into device flags (``state.flags``), times into
 CUDA events on CUDA, and with the sync-free selection (default on CUDA, ``LIGHTNING_TOPK_SYNC_FREE=1``
-anywhere) the whole hook and its callback only queue device work. The callbacks do only device work, so
-on NCCL (whose futures complete when the collective is enqueued) the backward pass is not held up.
+anywhere) only device work is queued.
 """
-# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration
-# and rejects a string "dist.GradBucket".
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -214,122 +200,3 @@ def record_sent(state: TopKState, names: Sequence[str], numels: Sequence[int], d
     for name, n in zip(names, numels):
         state.debug.sent[name] = dense_sent[off:off + n].clone()
         off += n
-
-
-def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
-    """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
-    low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
-    added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); otherwise no
-    buffer is made and the cost is a cast and a copy, as DDP's own compression hooks."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    grad = bucket.buffer()
-    n = grad.numel()
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
-    stats = state.current
-    if state.debug.enabled:
-        record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
-    acc, vel = accumulate(state, b, grad)
-    acc = acc[:n]
-    low = wire_dtype != torch.float32
-    if low and b is None:
-        wire = to_wire(acc.div_(world), wire_dtype)  # acc is the bucket buffer: the result overwrites it
-    elif low:
-        wire = to_wire(acc / world, wire_dtype)
-        acc.sub_(wire.float(), alpha=world)  # the residual keeps the cast error
-    # The input check reads the low-precision wire where there is one (half the bytes; the cast keeps
-    # NaN/inf, and to_wire clamps finite values, so a non-finite wire value is a non-finite input).
-    state.flags.note_input(names, wire if low else acc)
-    if not low:
-        wire = fp32_view(grad)
-        if wire.data_ptr() != acc.data_ptr():
-            wire.copy_(acc)
-        if b is not None:
-            acc.zero_()  # everything is sent
-    if vel is not None:
-        vel.zero_()
-    if state.debug.enabled:
-        record_sent(state, names, [p.numel() for p in params], wire.float() * world if low else wire)
-    eb = wire.element_size()
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), dense_buckets=1,
-                    dense_bf16_buckets=int(low), numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
-                    bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
-    f = factor(state.grad_scale, 1 if low else world)
-    t_launch = clock(device)
-    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
-
-    def finish(_f: torch.futures.Future) -> torch.Tensor:
-        state.add_time(stats, "comm_time_s", t_launch)
-        if low:
-            state.flags.note_result(wire)  # half the bytes of the widened result; widening keeps NaN/inf
-            grad.copy_(wire)
-            if isinstance(f, torch.Tensor) or f != 1.0:
-                grad.mul_(f)
-            return grad
-        return deliver(state, grad, wire.mul_(f))
-
-    if bucket.is_last():
-        state.end_exchange()
-    return fut.then(finish)
-
-
-def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: top-k sparse allgather with error feedback (see module docstring)."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
-    cfg = state.config
-    grad = bucket.buffer()
-    n = grad.numel()
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
-    stats = state.current
-    ks: Optional[List[int]] = None
-    numels: Optional[List[int]] = None
-    if cfg.selection_scope == "parameter" and state.density_now() < 1.0:
-        numels = [p.numel() for p in params]
-        ks = param_ks(state, numels)
-        k = sum(ks)
-    else:
-        k = bucket_k(state, n)
-    if k == 0:  # a dense schedule step or a small bucket
-        return dense_hook(state, bucket)
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
-                    bytes_dense_wire=ring_allreduce_wire(4 * n, world))
-    t0 = clock(device)
-    if state.debug.enabled:
-        record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if cfg.error_feedback else None
-    acc, vel = accumulate(state, b, grad)
-    acc = acc[:n]
-    state.flags.note_input(names, acc)
-    f = factor(state.grad_scale, world)
-
-    idx = select(state, acc, k, ks, numels)
-    wire = send_values(state, acc, idx, vel)
-    if state.debug.enabled:
-        sent = torch.zeros(n, dtype=torch.float32, device=device)
-        sent.index_copy_(0, idx, wire.float())
-        record_sent(state, names, [p.numel() for p in params], sent)
-    idt = index_dtype_for(n)
-    packed = pack(wire, idx, idt)
-    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
-                    bytes_wire=ring_allgather_wire(packed.numel(), world), allgather_buckets=1)
-    state.add_time(stats, "select_time_s", t0)
-    t_launch = clock(device)
-    fut = _all_gather(out, packed, group=group, async_op=True).get_future()
-    wire_dtype = cfg.wire_dtype
-
-    def finish(_f: torch.futures.Future) -> Tensor:
-        # On gloo the future's value is not the gathered tensor: read `out`.
-        state.add_time(stats, "comm_time_s", t_launch)
-        values, indices = unpack(out, k, wire_dtype, world, idt)
-        return deliver(state, grad, rebuild(fp32_view(grad), values.mul_(f), indices))
-
-    if bucket.is_last():
-        state.end_exchange()
-    return fut.then(finish)

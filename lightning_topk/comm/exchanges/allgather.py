@@ -1,0 +1,125 @@
+"""Flat top-k exchange: error feedback, top-k, one all-gather per bucket (``exchange="allgather"``).
+
+Usage without Lightning (the controller applies the ``nonfinite`` policy once per step)::
+
+    state = TopKState(TopKConfig(density=0.01))
+    state.bind(model.named_parameters())
+    ddp_model.register_comm_hook(state, topk_allgather_hook)
+    ctl = StepController(state)          # lightning_topk.comm.controller
+
+Per bucket: ``residual += grad / scale`` in place; pick k = ceil(density * n) entries of it; zero what was
+sent in the residual (for fp16/bf16 wire values it keeps their rounding error and any clipped part); pack
+values and int32 indices into one fixed-size buffer and all-gather it; every rank rebuilds the average
+straight into the bucket's buffer with ``index_add_`` (entries picked by several ranks add up), in the
+scaled units the optimizer/GradScaler expect.
+
+Nothing here reads a tensor on the host (see :mod:`lightning_topk.comm.exchanges.kit`). The callbacks do
+only device work, so on NCCL (whose futures complete when the collective is enqueued) the backward pass
+is not held up.
+"""
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration
+# and rejects a string "dist.GradBucket".
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_topk.comm.cost import BOOKKEEPING_PASSES
+from lightning_topk.comm.exchanges.base import Exchange
+from lightning_topk.comm.exchanges.dense import dense_hook
+from lightning_topk.comm.exchanges.kit import (
+    _all_gather,
+    _link,
+    accumulate,
+    bucket_k,
+    deliver,
+    factor,
+    fp32_view,
+    param_ks,
+    rebuild,
+    record_grads,
+    record_sent,
+    select,
+    send_values,
+)
+from lightning_topk.comm.exchanges.registry import register
+from lightning_topk.comm.state import TopKState, clock
+from lightning_topk.comm.wire import index_dtype_for, pack, ring_allgather_wire, ring_allreduce_wire, unpack
+
+
+def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: top-k sparse allgather with error feedback (see module docstring)."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    world = dist.get_world_size(group)
+    cfg = state.config
+    grad = bucket.buffer()
+    n = grad.numel()
+    params = bucket.parameters()
+    names = state.names_of(params)
+    device = grad.device
+    stats = state.current
+    ks: Optional[List[int]] = None
+    numels: Optional[List[int]] = None
+    if cfg.selection_scope == "parameter" and state.density_now() < 1.0:
+        numels = [p.numel() for p in params]
+        ks = param_ks(state, numels)
+        k = sum(ks)
+    else:
+        k = bucket_k(state, n)
+    if k == 0:  # a dense schedule step or a small bucket
+        return dense_hook(state, bucket)
+    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world))
+    t0 = clock(device)
+    if state.debug.enabled:
+        record_grads(state, names, [p.numel() for p in params], grad)
+    b = state.buffers(params, device) if cfg.error_feedback else None
+    acc, vel = accumulate(state, b, grad)
+    acc = acc[:n]
+    state.flags.note_input(names, acc)
+    f = factor(state.grad_scale, world)
+
+    idx = select(state, acc, k, ks, numels)
+    wire = send_values(state, acc, idx, vel)
+    if state.debug.enabled:
+        sent = torch.zeros(n, dtype=torch.float32, device=device)
+        sent.index_copy_(0, idx, wire.float())
+        record_sent(state, names, [p.numel() for p in params], sent)
+    idt = index_dtype_for(n)
+    packed = pack(wire, idx, idt)
+    out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
+    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
+                    bytes_wire=ring_allgather_wire(packed.numel(), world), allgather_buckets=1)
+    state.add_time(stats, "select_time_s", t0)
+    t_launch = clock(device)
+    fut = _all_gather(out, packed, group=group, async_op=True).get_future()
+    wire_dtype = cfg.wire_dtype
+
+    def finish(_f: torch.futures.Future) -> Tensor:
+        # On gloo the future's value is not the gathered tensor: read `out`.
+        state.add_time(stats, "comm_time_s", t_launch)
+        values, indices = unpack(out, k, wire_dtype, world, idt)
+        return deliver(state, grad, rebuild(fp32_view(grad), values.mul_(f), indices))
+
+    if bucket.is_last():
+        state.end_exchange()
+    return fut.then(finish)
+
+
+@register("allgather")
+class AllgatherExchange(Exchange):
+    """The flat top-k all-gather (see the module docstring); supports every option."""
+
+    def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return topk_allgather_hook(state, bucket)
+
+    @classmethod
+    def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
+        P = model.world
+        comp = model.select(n) + BOOKKEEPING_PASSES * model.pass_per_elem * n + model.add_per_entry * P * k
+        return comp, model.flat().allgather(k * (value_bytes + 4), P)
+
+    @classmethod
+    def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
+        return (model.world - 1) * k * (value_bytes + 4)
