@@ -269,8 +269,10 @@ def _add_to_residuals(state: TopKState, per_param: Dict[str, Tensor]) -> None:
     residuals pending from a checkpoint (the entries replaced are kept for a rollback)."""
     if not state.config.error_feedback:
         return
-    created = state._pending_load is None
-    pending: Dict[Tuple[str, str], Tensor] = {} if created else state._pending_load  # type: ignore[assignment]
+    pending = state._pending_load
+    created = pending is None
+    if pending is None:
+        pending = {}
     replaced: Dict[Tuple[str, str], Optional[Tensor]] = {}
     for name, t in per_param.items():
         live = state._param_view(name, "residual")
