@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -362,10 +362,17 @@ class FaultFlags:
             self.result = None
 
 
+def owner_undo_key(key: str) -> str:
+    """The undo log's key of the owner residual ``key``."""
+    return f"owner:{key}"
+
+
 class UndoLog:
     """What a skipped step must restore: a copy of each bucket's residual (and velocity) taken just before
-    the step's first in-place update of it. Active only while ``enabled`` (``nonfinite="skip"`` or a loss
-    scaler); the copies are reused from step to step (4 B/param, 8 with momentum correction).
+    the step's first in-place update of it, the exchange step counter at the start of the step, and the
+    out-of-place changes of the step (owner residuals folded into the rank residuals). Active only while
+    ``enabled`` (``nonfinite="skip"`` or a loss scaler); the copies are reused from step to step (4 B/param,
+    8 with momentum correction).
 
     Why not only the O(k) sent entries: in-place error feedback adds ``grad/scale`` to every residual entry,
     and the local gradient is gone once the bucket buffer holds the average, so undoing the dense part
@@ -374,11 +381,14 @@ class UndoLog:
 
     def __init__(self) -> None:
         self.enabled = False
+        # The step counter a rollback restores; set by the step controller and by TopKState.load_state_dict.
+        self.step = 0
         self._copies: Dict[Tuple[str, ...], Tuple[Tensor, Optional[Tensor]]] = {}
         self._saved: Dict[int, _BucketBuffers] = {}
         # Other per-rank state updated in place during a step (the scale-free exchange's owner residuals).
         self._tensor_copies: Dict[str, Tensor] = {}
         self._saved_tensors: Dict[str, Tensor] = {}
+        self._undo: List[Callable[[], None]] = []
 
     def save_tensor(self, key: str, t: Tensor) -> None:
         """Copy ``t`` before the step's first in-place update of it (restored by :meth:`rollback`)."""
@@ -403,6 +413,12 @@ class UndoLog:
             vel.copy_(b.velocity)
         self._saved[id(b)] = b
 
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Register ``undo``, which reverts an out-of-place change of this step (run by :meth:`rollback`,
+        latest first, after the copies are restored; dropped by :meth:`commit`)."""
+        if self.enabled:
+            self._undo.append(undo)
+
     def rollback(self) -> None:
         for b in self._saved.values():
             res, vel = self._copies[b.names]
@@ -413,19 +429,30 @@ class UndoLog:
         for key, t in self._saved_tensors.items():
             t.copy_(self._tensor_copies[key])
         self._saved_tensors.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
-    def commit(self, live: Iterable[Tuple[str, ...]]) -> None:
+    def commit(self, live: Iterable[Tuple[str, ...]], live_tensors: Optional[Iterable[str]] = None) -> None:
+        """The step stands. Copies of buckets not in ``live`` (DDP rebuilt them away) are freed, and so are
+        tensor copies whose key is not in ``live_tensors`` (when given: owner residuals folded away)."""
         self._saved.clear()
         self._saved_tensors.clear()
+        self._undo.clear()
         keep = set(live)
-        for names in [n for n in self._copies if n not in keep]:  # buckets DDP rebuilt away
+        for names in [n for n in self._copies if n not in keep]:
             del self._copies[names]
+        if live_tensors is not None:
+            keep_t = set(live_tensors)
+            for key in [k for k in self._tensor_copies if k not in keep_t]:
+                del self._tensor_copies[key]
 
     def clear(self) -> None:
         self._saved.clear()
         self._copies.clear()
         self._saved_tensors.clear()
         self._tensor_copies.clear()
+        self._undo.clear()
 
 
 @dataclass
@@ -570,6 +597,10 @@ class TopKState:
             off += n
         return None
 
+    def owner_undo_keys(self) -> List[str]:
+        """The undo log's keys of the live owner residuals (see :meth:`UndoLog.commit`)."""
+        return [owner_undo_key(k) for k in self.owner_residuals]
+
     def bucket_names(self) -> List[Tuple[str, ...]]:
         """The parameter names of each live bucket."""
         return list(self._buckets)
@@ -649,6 +680,7 @@ class TopKState:
         self._buckets.clear()
         self._owner.clear()
         self.undo.clear()
+        self.undo.step = self.step  # a skip right after the load goes back to the loaded step
         self._pending_load = pending
         self.owner_residuals.clear()
         self._pending_owner = dict(sd.get("owner_residual", {}))

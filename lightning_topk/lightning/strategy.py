@@ -68,16 +68,22 @@ class TopKStrategyMixin:
             self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
             # before the hook is built: exchange="auto" takes the saved plan and model (no new probe)
-            state.load_state_dict(self._pending_topk_state)
+            self._load_topk_state(state, self._pending_topk_state)
             self._pending_topk_state = None
         hook = self._exchange_hook(state)
-        from lightning_topk.comm.scatter import fold_pending_owner
-
-        if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
-            fold_pending_owner(state)  # owner residuals of a scale-free run resumed with another exchange
         self.model.register_comm_hook(state, hook)
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
+
+    def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
+        """Restore ``sd`` into ``state``. The owner residuals of a scale-free run resumed with an exchange
+        that never folds them (only the scale-free and ``auto`` hooks do) go into the rank residuals now."""
+        from lightning_topk.comm.scatter import fold_pending_owner
+
+        state.load_state_dict(sd)
+        if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
+            fold_pending_owner(state)
+            state.undo.clear()  # part of the load, not of a step: a skipped step must not undo it
 
     def _exchange(self) -> str:
         """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
