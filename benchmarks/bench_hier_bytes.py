@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
-from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from lightning_topk.comm.exchanges.hierarchical import hierarchical_topk_hook, make_groups
 from tests.helpers.dist import run_distributed
 
 

@@ -260,9 +260,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         def on_train_start(self, trainer, pl_module) -> None:
             state = getattr(trainer.strategy, "topk_state", None)
             if state is not None and (args.scatter_owner != "select" or args.scatter_out != 1.0):
-                from lightning_topk.comm.scatter import ScatterOptions
+                from lightning_topk.comm.exchanges.scatter import ScatterOptions
 
-                state.scatter = ScatterOptions(owner=args.scatter_owner, out=args.scatter_out)
+                for name in ("scatter", "hierarchical_scatter"):  # whichever of them this run built
+                    if name in state.exchanges:
+                        state.exchanges[name].options = ScatterOptions(owner=args.scatter_owner, out=args.scatter_out)
             if distributed:
                 torch.distributed.barrier()
             self.t0 = time.perf_counter()
@@ -332,9 +334,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         "strategy": args.strategy, "density": args.density if args.strategy == "topk_ddp" else None,
         "hierarchical": args.hierarchical if args.strategy == "topk_ddp" else None,
         "exchange": args.exchange if args.strategy == "topk_ddp" else None,
-        "plan": dict(trainer.strategy.topk_state.plan) if getattr(trainer.strategy, "topk_state", None) else None,
-        "cost_model": jsonable(trainer.strategy.topk_state.auto.model)
-        if getattr(getattr(trainer.strategy, "topk_state", None), "auto", None) else None,
+        "plan": dict(getattr(trainer.strategy.topk_state.exchange, "plan", {}))
+        if getattr(trainer.strategy, "topk_state", None) else None,
+        "cost_model": jsonable(trainer.strategy.topk_state.exchanges["auto"].model)
+        if "auto" in getattr(getattr(trainer.strategy, "topk_state", None), "exchanges", {}) else None,
         "lightning_global_rank": trainer.global_rank if distributed else env["rank"],
         "lightning_world_size": trainer.world_size if distributed else 1,
         "n_params": n_params, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
 from lightning_topk.comm.cost import CostModel, Link
-from lightning_topk.comm.scatter import scatter_wire, slot_plan
+from lightning_topk.comm.exchanges.scatter import scatter_wire, slot_plan
 from lightning_topk.comm.state import TopKConfig
 
 PENALTY = TopKConfig().auto_sparse_penalty  # exchange='auto' as shipped

@@ -57,8 +57,8 @@ class StepController:
         self._scaler = False
         state.undo.step = state.step
         state.undo.enabled = state.config.nonfinite == "skip"
-        if state.auto is not None:
-            state.auto.controlled = True
+        if state.exchange is not None:
+            state.exchange.controlled = True
 
     @property
     def group(self) -> Any:
@@ -80,22 +80,23 @@ class StepController:
         ``named_parameters`` only names parameters in the ``FloatingPointError`` message.
         """
         st = self.state
-        auto = st.auto
-        if auto is not None:
-            auto.controlled = True
-        refresh = auto is not None and auto.refresh_due(st)
+        ex = st.exchange
+        if ex is not None:
+            ex.controlled = True  # the exchange's telemetry refresh rides on this step's all-reduce
+        refresh = ex is not None and ex.refresh_due(st)
         if st.config.nonfinite == "propagate" and not self._scaler and not found_inf and not refresh:
             return self._end(commit=True)  # nothing could change the outcome: no collective, no sync
         vec = self._local_vector(found_inf)
         world = self._world()
-        if refresh:  # exchange="auto": this rank's telemetry window rides on the same all-reduce
-            vec = torch.cat([vec, torch.tensor(auto.take_window(), dtype=vec.dtype, device=vec.device)])
+        if refresh:  # e.g. exchange="auto": this rank's telemetry window rides on the same all-reduce
+            window = ex.take_window()
+            vec = torch.cat([vec, torch.tensor(window, dtype=vec.dtype, device=vec.device)])
         if world > 1:
             dist.all_reduce(vec, group=self.group)
         host = vec.tolist()  # the one host sync of the step
         if refresh:
-            auto.apply_refresh(st, [v / world for v in host[-2:]])  # the mean over ranks
-            host = host[:-2]
+            ex.apply_refresh(st, [v / world for v in host[-len(window):]])  # the mean over ranks
+            host = host[:-len(window)]
         fault = any(v > 0 for v in host)
         for t in found_inf:
             t.fill_(float(fault))
@@ -166,7 +167,7 @@ class StepController:
     def _end(self, commit: bool) -> Decision:
         st = self.state
         if commit:
-            st.undo.commit(st.bucket_names(), st.owner_undo_keys())
+            st.undo.commit(st.bucket_names(), st.undo_keys())
         else:
             st.undo.rollback()
             st.step = st.undo.step  # a skipped step did not happen: the density schedule stays put

@@ -22,8 +22,6 @@ from lightning_topk.comm.wire import value_dtype_of
 
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
-# How entries travel: chosen per bucket by a cost model ("auto"), or one algorithm for every bucket.
-EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
 # Where exchange="auto" gets its cost model (see comm/cost.py).
@@ -163,24 +161,18 @@ class TopKConfig:
             raise ValueError("topk_ddp: selection_scope='parameter' is not supported with the hierarchical exchange "
                              "(its shards cut across parameters); set hierarchical=false (or 'auto') or "
                              "selection_scope='bucket'")
-        if self.exchange not in EXCHANGE_CHOICES:
-            raise bad("exchange", f"one of {list(EXCHANGE_CHOICES)}")
+        from lightning_topk.comm.exchanges import registry  # imports no exchange module itself
+
+        if self.exchange not in registry.choices():
+            raise bad("exchange", f"one of {list(registry.choices())}")
         if self.hierarchical is True and self.exchange not in ("auto", "hierarchical"):
             raise ValueError(f"topk_ddp: hierarchical=true contradicts exchange={self.exchange!r}; set "
                              "exchange='hierarchical' (or 'auto') or leave hierarchical='auto'")
         if self.hierarchical is False and self.exchange in HIERARCHICAL_EXCHANGES:
             raise ValueError(f"topk_ddp: hierarchical=false contradicts exchange={self.exchange!r}; leave "
                              "hierarchical='auto'")
-        if self.exchange in HIERARCHICAL_EXCHANGES and (self.momentum_correction or self.selection_scope != "bucket"):
-            raise ValueError(f"topk_ddp: exchange={self.exchange!r} supports neither momentum_correction nor "
-                             "selection_scope='parameter'; use exchange='allgather' (or 'auto')")
-        if self.exchange == "scatter" and self.selection_scope != "bucket":
-            raise ValueError("topk_ddp: selection_scope='parameter' is not supported with exchange='scatter' (its "
-                             "owner residuals are kept per bucket layout, so resume would not be exact); use "
-                             "exchange='allgather' or selection_scope='bucket'")
-        if self.exchange == "scatter" and self.momentum_correction:
-            raise ValueError("topk_ddp: momentum_correction is not supported with exchange='scatter'; "
-                             "use exchange='allgather' or momentum_correction=false")
+        if self.exchange != "auto":
+            registry.get(self.exchange).check(self)  # the pinned exchange's declared requirements
 
     @classmethod
     def option_names(cls) -> Tuple[str, ...]:
@@ -471,10 +463,15 @@ class TopKState:
     Args:
         config: the options.
         process_group: group of the flat exchange (default: the world).
-        hier: the hierarchical exchange's groups (:func:`~lightning_topk.comm.hierarchical.make_groups`; wrapped in its
-            :class:`~lightning_topk.comm.hierarchical.HierExchange` state on first use),
-            needed by :func:`~lightning_topk.comm.hierarchical.hierarchical_topk_hook`.
+        hier: the process groups of a nodes x local layout (:func:`~lightning_topk.comm.exchanges.hierarchical.make_groups`),
+            for the exchanges that need them (hierarchical ones).
         num_nodes: nodes of the job (telemetry: which link the flat exchange's bytes cross).
+
+    Exchange-specific state (process groups in use, collectives in flight, owner residuals, ``auto``'s
+    plan) lives in the exchange objects (:mod:`lightning_topk.comm.exchanges`): ``exchange`` is the one
+    the comm hook drives, ``exchanges`` every one built for this state by name (``auto``'s children too),
+    each made on first use by :meth:`exchange_for`. Their checkpoint sections are saved under
+    ``state_dict()["exchanges"]``.
     """
 
     def __init__(self, config: TopKConfig, process_group: Any = None, hier: Any = None,
@@ -482,19 +479,11 @@ class TopKState:
         self.config = config
         self.schedule = config.schedule
         self.process_group = process_group
-        self.hier: Any = hier
+        self.groups: Any = hier
         self.num_nodes = num_nodes
-        # Scale-free exchange (comm/scatter.py): options, the bucket waiting for its owner step, and the
-        # owner-side residuals (this rank's region sums not yet forwarded), keyed by bucket.
-        self.scatter: Any = None
-        self.scatter_pending: Any = None
-        self.owner_residuals: Dict[str, Tensor] = {}
-        self._pending_owner: Dict[str, Tensor] = {}
-        self.owner_seen: set = set()  # owner residual keys used by this exchange's buckets
-        # exchange="auto": the cost model and plan (comm/cost.py AutoExchange); a loaded section waits in
-        # _pending_auto until it exists.
-        self.auto: Any = None
-        self._pending_auto: Optional[Dict[str, Any]] = None
+        self.exchange: Any = None
+        self.exchanges: Dict[str, Any] = {}
+        self._sections: Dict[str, Dict[str, Any]] = {}  # loaded sections waiting for their exchange
         self.step = 0
         # Loss scale of the current backward: a float, or the scaler's scale as a device tensor (no host read).
         self.grad_scale: Scale = 1.0
@@ -522,11 +511,6 @@ class TopKState:
         if name is None:
             name = self._unbound.setdefault(id(p), f"param{len(self._unbound)}")
         return name
-
-    @property
-    def plan(self) -> Dict[str, str]:
-        """``exchange="auto"``'s plan: bucket entries -> exchange (empty for a pinned exchange)."""
-        return self.auto.plan if self.auto is not None else {}
 
     def names_of(self, params: Sequence[Tensor]) -> Tuple[str, ...]:
         return tuple(self.name_of(p) for p in params)
@@ -597,9 +581,52 @@ class TopKState:
             off += n
         return None
 
-    def owner_undo_keys(self) -> List[str]:
-        """The undo log's keys of the live owner residuals (see :meth:`UndoLog.commit`)."""
-        return [owner_undo_key(k) for k in self.owner_residuals]
+    def undo_keys(self) -> List[str]:
+        """The undo log's keys of tensors the exchanges still keep (see :meth:`UndoLog.commit`)."""
+        return [k for ex in self.exchanges.values() for k in ex.undo_keys()]
+
+    # ---- exchanges ----------------------------------------------------------------------------
+    def layout(self) -> Any:
+        """The :class:`~lightning_topk.comm.exchanges.base.Layout` of this state's group (the groups' when
+        given, else one node of the whole group, or ``num_nodes`` nodes of it)."""
+        import torch.distributed as dist
+
+        from lightning_topk.comm.exchanges.base import Layout
+
+        g = self.groups
+        if g is not None:
+            return Layout(g.num_nodes, g.local_world, g.node_rank * g.local_world + g.local_rank)
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank(group) if world > 1 else 0
+        nodes = self.num_nodes if self.num_nodes > 0 and world % self.num_nodes == 0 else 1
+        return Layout(nodes, world // nodes, rank)
+
+    def exchange_for(self, name: str, layout: Any = None, **kwargs: Any) -> Any:
+        """The exchange ``name`` of this state, built from the registry on first use (``kwargs``: what it
+        needs, e.g. ``groups``), with its loaded checkpoint section applied."""
+        ex = self.exchanges.get(name)
+        if ex is None:
+            from lightning_topk.comm.exchanges import registry
+
+            kwargs.setdefault("groups", self.groups)
+            ex = registry.get(name)(self, layout if layout is not None else self.layout(), **kwargs)
+            self.exchanges[name] = ex
+            ex.load_state_dict(self._sections.pop(name, None))
+        return ex
+
+    def take_section(self, name: str) -> Optional[Dict[str, Any]]:
+        """The loaded checkpoint section of exchange ``name`` (removed: its exchange now holds it)."""
+        return self._sections.pop(name, None)
+
+    def release_orphans(self) -> None:
+        """Loaded sections of exchanges this run does not use: each exchange class decides what to keep
+        (the scale-free ones fold their owner residuals into the rank residuals). Call once the exchange
+        is built and the state loaded."""
+        from lightning_topk.comm.exchanges import registry
+
+        for name in [n for n in self._sections if n not in self.exchanges and n in registry.choices()]:
+            registry.get(name).orphan(self, self._sections.pop(name))
 
     def bucket_names(self) -> List[Tuple[str, ...]]:
         """The parameter names of each live bucket."""
@@ -659,19 +686,19 @@ class TopKState:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's compression state; residuals keyed by parameter name, on CPU."""
         pending = self._pending_load or {}
-        out: Dict[str, Any] = {"version": 1, "step": self.step, "config": asdict(self.config)}
+        out: Dict[str, Any] = {"version": STATE_VERSION, "step": self.step, "config": asdict(self.config)}
         for kind, live in (("residual", self.residuals()), ("velocity", self.velocities())):
             d = {n: t.clone() for (k, n), t in pending.items() if k == kind}
             d.update({n: t.detach().cpu().clone() for n, t in live.items()})
             out[kind] = d
-        owner = {k: t.clone() for k, t in self._pending_owner.items()}
-        owner.update({k: t.detach().cpu().clone() for k, t in self.owner_residuals.items()})
-        out["owner_residual"] = owner
-        out["auto"] = self.auto.state_dict() if self.auto is not None else dict(self._pending_auto or {})
+        sections = {n: dict(sd) for n, sd in self._sections.items()}
+        sections.update({n: ex.state_dict() for n, ex in self.exchanges.items()})
+        out["exchanges"] = {n: sd for n, sd in sections.items() if sd}
         return out
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore a state from :meth:`state_dict`; residuals are applied as buckets appear."""
+        """Restore a state from :meth:`state_dict` (this version's or version 1's); residuals are applied as
+        buckets appear, exchange sections as their exchanges exist (see :meth:`exchange_for`)."""
         self.step = int(sd["step"])
         pending: Dict[Tuple[str, str], Tensor] = {}
         for kind in ("residual", "velocity"):
@@ -682,10 +709,25 @@ class TopKState:
         self.undo.clear()
         self.undo.step = self.step  # a skip right after the load goes back to the loaded step
         self._pending_load = pending
-        self.owner_residuals.clear()
-        self._pending_owner = dict(sd.get("owner_residual", {}))
-        auto = sd.get("auto") or None
-        if self.auto is not None:
-            self.auto.load_state_dict(auto)
-        else:
-            self._pending_auto = auto
+        sections = upgrade_sections(sd)
+        for name, ex in self.exchanges.items():
+            ex.load_state_dict(sections.pop(name, None))
+        self._sections = sections
+
+
+STATE_VERSION = 2
+
+
+def upgrade_sections(sd: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The per-exchange sections of a state dict. Version 1 kept owner residuals at the top level (keys
+    with a ``shard<l>of<L>/`` part are the hierarchical scale-free exchange's) and ``auto``'s plan as
+    ``auto`` or (older) a per-rank ``plan`` keyed by bucket and k, which no longer applies."""
+    sections = {n: dict(v) for n, v in dict(sd.get("exchanges", {}) or {}).items()}
+    owner = dict(sd.get("owner_residual", {}) or {})
+    if owner:
+        for key, t in owner.items():
+            name = "hierarchical_scatter" if "/shard" in key else "scatter"
+            sections.setdefault(name, {}).setdefault("owner_residual", {})[key] = t
+    if sd.get("auto"):
+        sections.setdefault("auto", dict(sd["auto"]))
+    return sections

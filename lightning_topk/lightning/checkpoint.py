@@ -4,11 +4,17 @@ Layout, next to the Lightning checkpoint ``<ckpt>`` (which rank 0 writes)::
 
     <ckpt>                    Lightning's file; ``checkpoint["lightning_topk"]`` holds what is the same
                               on every rank: format version, save key, world size, node layout, step,
-                              config, parameter name -> numel, and exchange="auto"'s plan and cost
-                              model (``auto``), so every rank restores one plan whatever its shard holds
-    <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name and its owner
-                              residuals (scale-free exchange) (plain CPU tensors and JSON types: loaded
-                              with ``torch.load(weights_only=True)``)
+                              config, parameter name -> numel, and the sections of exchanges whose state
+                              is rank-independent (``exchanges``: exchange="auto"'s plan and cost
+                              model), so every rank restores one plan whatever its shard holds
+    <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name and its
+                              per-rank exchange sections (``exchanges``: the scale-free exchanges'
+                              owner residuals) (plain CPU tensors and JSON types: loaded with
+                              ``torch.load(weights_only=True)``)
+
+Format version 2 keeps one section per exchange (:meth:`Exchange.state_dict
+<lightning_topk.comm.exchanges.base.Exchange.state_dict>`); version 1 files (owner residuals and
+``auto``'s plan at the top level) are still read and converted.
 
 Every rank writes its own shard atomically (:mod:`lightning_topk.files`) before rank 0 writes the
 main file. Remote checkpoints (``s3://``, ``gs://``, any fsspec URL, as Lightning's own checkpoint I/O
@@ -43,10 +49,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from lightning_topk.comm.state import upgrade_sections
 from lightning_topk.files import atomic_torch_save, is_url, isdir, isfile, join, local_path, open_read, remove
 
 FORMAT = "lightning_topk.rank_state"
-VERSION = 1
+VERSION = 2
+READABLE = (1, 2)  # versions this build loads (1: converted, see TopKState.load_state_dict)
 META_KEY = "lightning_topk"
 SHARD_SUFFIX = ".topk"
 KINDS = ("residual", "velocity")
@@ -72,7 +80,7 @@ def layout_of(strategy) -> Dict[str, Any]:
         "world_size": int(strategy.world_size),
         "num_nodes": int(strategy.num_nodes),
         "local_world_size": int(strategy.num_processes),
-        "hierarchical": bool(state is not None and state.hier is not None),
+        "hierarchical": bool(state is not None and state.groups is not None),
     }
 
 
@@ -96,14 +104,24 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
     meta = dict(
         format=FORMAT, version=VERSION, save_key=key, name=os.path.basename(os.fspath(filepath)),
         step=int(sd["step"]), global_step=int(checkpoint.get("global_step", -1)),
-        config=asdict(state.config), numels=_param_numels(strategy.lightning_module), auto=sd["auto"],
-        **layout_of(strategy),
+        config=asdict(state.config), numels=_param_numels(strategy.lightning_module),
+        exchanges={n: v for n, v in sd["exchanges"].items() if _shared(n)}, **layout_of(strategy),
     )
     checkpoint[META_KEY] = meta
     shard = dict(format=FORMAT, version=VERSION, save_key=key, rank=int(strategy.global_rank),
                  world_size=meta["world_size"], residual=sd["residual"], velocity=sd["velocity"],
-                 owner_residual=sd["owner_residual"])
+                 exchanges={n: v for n, v in sd["exchanges"].items() if not _shared(n)})
     atomic_torch_save(shard, shard_path(filepath, strategy.global_rank))
+
+
+def _shared(name: str) -> bool:
+    """Whether exchange ``name`` keeps a rank-independent section (saved once, in the main file)."""
+    from lightning_topk.comm.exchanges import registry
+
+    try:
+        return bool(registry.get(name).shared_state)
+    except ValueError:  # an exchange registered in the run that saved, not in this one: keep it per rank
+        return False
 
 
 def remove_rank_state(strategy, filepath) -> None:
@@ -143,8 +161,8 @@ def read_shard(path: str, meta: Dict[str, Any], rank: int, mmap: bool = False) -
         return None, f"unreadable ({type(e).__name__})"
     if not isinstance(shard, dict) or shard.get("format") != FORMAT:
         return None, "not a lightning_topk shard"
-    if shard.get("version") != VERSION:
-        return None, f"format version {shard.get('version')!r} (this build reads {VERSION})"
+    if shard.get("version") not in READABLE:
+        return None, f"format version {shard.get('version')!r} (this build reads {list(READABLE)})"
     if shard.get("save_key") != meta.get("save_key"):
         return None, f"stale (saved at {shard.get('save_key')}, checkpoint is {meta.get('save_key')})"
     if shard.get("rank") != rank or shard.get("world_size") != meta.get("world_size"):
@@ -153,10 +171,13 @@ def read_shard(path: str, meta: Dict[str, Any], rank: int, mmap: bool = False) -
         d = shard.get(kind, {})
         if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in d.items()):
             return None, f"malformed {kind} entries"
-    for kind, typ in (("owner_residual", Tensor), ("plan", str)):
+    for kind, typ in (("owner_residual", Tensor), ("plan", str)):  # version 1
         d = shard.get(kind, {})
         if not isinstance(d, dict) or not all(isinstance(k, str) and isinstance(v, typ) for k, v in d.items()):
             return None, f"malformed {kind} entries"
+    ex = shard.get("exchanges", {})
+    if not isinstance(ex, dict) or not all(isinstance(k, str) and isinstance(v, dict) for k, v in ex.items()):
+        return None, "malformed exchange sections"
     return shard, ""
 
 
@@ -199,10 +220,10 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
         if notes:
             _rank_zero_warn("lightning_topk: restoring top-k compression state from "
                             f"{os.fspath(ckpt_path)!r}: " + "; ".join(notes))
-        extra = dict(extra or {})
-        if not cfg.error_feedback:
-            extra.pop("owner_residual", None)
-        return {"step": step, **tensors, **extra}
+        sections = dict((extra or {}).get("exchanges", {}))
+        if not cfg.error_feedback:  # owner residuals are error feedback too
+            sections = {n: v for n, v in sections.items() if "owner_residual" not in v}
+        return {"step": step, **tensors, "exchanges": sections}
 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         if not cfg.error_feedback:
@@ -213,13 +234,14 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
         return done(gstep, empty)
     step = int(meta.get("step", gstep))
     same_world = int(meta.get("world_size", 0)) == world
-    # exchange="auto": one plan for every rank, from the main file (rank 0's), never from a shard
-    auto = meta.get("auto") if same_world and isinstance(meta.get("auto"), dict) else None
-    plan_only = {"auto": auto} if auto else None
-    if meta.get("version") != VERSION:
+    if meta.get("version") not in READABLE:
         notes.append(f"top-k state format version {meta.get('version')!r} is not readable by this build "
-                     f"(version {VERSION}); residuals reset to zero")
+                     f"(versions {list(READABLE)}); residuals reset to zero")
         return done(step, empty)
+    # Rank-independent sections (exchange="auto"'s plan and model) come from the main file, the same for
+    # every rank, never from a shard; with another world size they no longer apply.
+    shared = upgrade_sections(meta) if same_world else {}
+    plan_only = {"exchanges": shared}
     old_world = int(meta.get("world_size", 0))
     sdir = find_shard_dir(ckpt_path, meta)
     if sdir is None:
@@ -237,7 +259,7 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
         shard, _ = read_shard(join(sdir, f"rank{rank}.pt"), meta, rank)
         # Same world size: per-rank residuals stay valid for any node layout (see module docstring).
         return done(step, {kind: dict(shard[kind]) for kind in KINDS},
-                    {"owner_residual": dict(shard.get("owner_residual", {})), **(plan_only or {})})
+                    {"exchanges": {**upgrade_sections(shard), **shared}})
     shards, bad = [], {}
     for r in range(old_world):
         s, why = read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
@@ -260,13 +282,15 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
 
 
 def _fold_owner(shard: dict) -> None:
-    """Owner residuals (scale-free exchange) into the shard's own residuals: same pending update."""
-    from lightning_topk.comm.scatter import fold_owner_residual
+    """Owner residuals (the scale-free exchanges' sections) into the shard's own residuals: same pending
+    update."""
+    from lightning_topk.comm.exchanges.scatter import fold_owner_residual
 
     res = shard["residual"] = dict(shard["residual"])
-    for key, t in shard.get("owner_residual", {}).items():
-        for name, v in fold_owner_residual(key, t).items():
-            res[name] = v if name not in res else res[name].float() + v
+    for section in upgrade_sections(shard).values():
+        for key, t in dict(section.get("owner_residual", {})).items():
+            for name, v in fold_owner_residual(key, t).items():
+                res[name] = v if name not in res else res[name].float() + v
 
 
 def _fit_to_model(strategy, tensors: Dict[str, Dict[str, Tensor]], notes: List[str]) -> Dict[str, Dict[str, Tensor]]:

@@ -17,7 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, StepStats, TopKConfig, TopKState
+from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
 from lightning_topk.lightning.faults import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -70,55 +70,50 @@ class TopKStrategyMixin:
             # before the hook is built: exchange="auto" takes the saved plan and model (no new probe)
             self._load_topk_state(state, self._pending_topk_state)
             self._pending_topk_state = None
-        hook = self._exchange_hook(state)
-        self.model.register_comm_hook(state, hook)
+        state.exchange = self._build_exchange(state)
+        state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
+        from lightning_topk.comm.exchanges import exchange_hook
+
+        self.model.register_comm_hook(state, exchange_hook)
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
 
     def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
-        """Restore ``sd`` into ``state``. The owner residuals of a scale-free run resumed with an exchange
-        that never folds them (only the scale-free and ``auto`` hooks do) go into the rank residuals now."""
-        from lightning_topk.comm.scatter import fold_pending_owner
-
+        """Restore ``sd`` into ``state``; once its exchange exists (Fabric loads after setup), the sections
+        of exchanges this run does not use are settled at once (see :meth:`TopKState.release_orphans`)."""
         state.load_state_dict(sd)
-        if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
-            fold_pending_owner(state)
-            state.undo.clear()  # part of the load, not of a step: a skipped step must not undo it
+        if state.exchange is not None:
+            state.release_orphans()
 
     def _exchange(self) -> str:
         """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
         ex = self.topk_config.exchange
         return "hierarchical" if self._use_hierarchical() and ex == "auto" else ex
 
-    def _exchange_hook(self, state: TopKState) -> Callable:
-        """The comm hook for the chosen exchange; ``auto`` builds its cost model first (a probe is collective)."""
-        from lightning_topk.comm import cost, hierarchical
-        from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
-        from lightning_topk.comm.scatter import scatter_topk_hook
+    def _build_exchange(self, state: TopKState) -> Any:
+        """The layout, the process groups the exchange needs, then the registry's exchange; ``auto`` builds
+        its cost model first (a probe is collective)."""
+        from lightning_topk.comm.exchanges import Layout, registry
+        from lightning_topk.comm.exchanges.auto import build_auto
+        from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
 
-        ex = self._exchange()
-        if ex in HIERARCHICAL_EXCHANGES:
-            state.hier = hierarchical.HierExchange(hierarchical.build_groups(self))
-            return hierarchical.hierarchical_topk_hook if ex == "hierarchical" else \
-                hierarchical.hierarchical_scatter_topk_hook
-        if ex == "dense":
-            return cost.dense_topk_hook
-        if ex == "scatter":
-            return scatter_topk_hook
-        if ex == "allgather" or self.world_size < 2:
-            return topk_allgather_hook
         cfg, nodes, local = self.topk_config, self.num_nodes, self.num_processes
-        groups = None
-        if nodes > 1 and local > 1:
+        layout = Layout(nodes, local, self.global_rank)
+        ex = self._exchange()
+        if ex == "auto" and self.world_size < 2:
+            ex = "allgather"  # nothing to choose between
+        if ex != "auto":
+            registry.check(cfg, layout, ex)
+            if getattr(registry.get(ex), "needs_groups", False):
+                state.groups = build_groups(self)
+            return state.exchange_for(ex, layout=layout)
+        if nodes > 1 and local > 1:  # the probe times both tiers; hierarchical candidates need the groups
             hier_ok = cfg.hierarchical is not False and not cfg.momentum_correction and cfg.selection_scope == "bucket"
-            groups = hierarchical.build_groups(self) if hier_ok else hierarchical.make_groups(
+            state.groups = build_groups(self) if hier_ok else make_groups(
                 nodes, local, self.global_rank, timeout=getattr(self, "_timeout", None))
-            state.hier = hierarchical.HierExchange(groups)
-        saved, state._pending_auto = state._pending_auto, None
-        state.auto = cost.build_auto(cfg, nodes, local, self.global_rank, self.root_device,
-                                     None if groups is None else groups.intra, None if groups is None else groups.inter,
-                                     hierarchical_groups=groups is not None, saved=saved)
-        return cost.auto_topk_hook
+        auto = build_auto(state, cfg, layout, self.root_device, groups=state.groups, saved=state.take_section("auto"))
+        state.exchanges["auto"] = auto
+        return auto
 
     def _use_hierarchical(self) -> bool:
         """Whether every bucket takes a hierarchical exchange (see :meth:`TopKConfig.use_hierarchical`)."""

@@ -1,5 +1,6 @@
 """The alpha-beta cost model, the probe, the dense transports and exchange="auto" (real gloo processes)."""
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,10 +10,23 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
+from lightning_topk.comm.cost import CostModel, Link
+from lightning_topk.comm.exchanges import Layout
 from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
-from lightning_topk.comm.cost import AutoExchange, CostModel, Link, auto_topk_hook, dense_topk_hook
-from lightning_topk.comm.scatter import slot_plan
+from lightning_topk.comm.exchanges.auto import (
+    REFRESH_STEPS,
+    AutoExchange,
+    auto_topk_hook,
+    build_auto,
+    candidates_for,
+    saved_model,
+)
+from lightning_topk.comm.exchanges.dense import dense_topk_hook
+from lightning_topk.comm.exchanges.scatter import slot_plan
 from tests.helpers.dist import run_distributed
+from tests.helpers.exchanges import make_auto, plan
+
+GROUPS = SimpleNamespace(intra=None, inter=None)  # stands for a hierarchical layout's groups (no probe here)
 
 
 def _model(nodes, local, beta_inter=12.5e6, beta_intra=10e9, select_per_elem=2e-9):
@@ -116,15 +130,15 @@ def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
 
 
 def test_candidates_follow_the_options():
-    assert cost.candidates_for(TopKConfig(), 2, 2, True) == ["dense", "dense_bf16", "allgather", "hierarchical",
+    assert candidates_for(TopKConfig(), 2, 2, True) == ["dense", "dense_bf16", "allgather", "hierarchical",
                                                              "hierarchical_scatter", "scatter"]
-    for off in (cost.candidates_for(TopKConfig(hierarchical=False), 2, 2, True), cost.candidates_for(TopKConfig(), 2, 1, True),
-                cost.candidates_for(TopKConfig(selection_scope="parameter"), 2, 2, True)):
+    for off in (candidates_for(TopKConfig(hierarchical=False), 2, 2, True), candidates_for(TopKConfig(), 2, 1, True),
+                candidates_for(TopKConfig(selection_scope="parameter"), 2, 2, True)):
         assert "hierarchical" not in off and "hierarchical_scatter" not in off
-    assert cost.candidates_for(TopKConfig(momentum_correction=True), 2, 2, True) == ["dense", "dense_bf16",
+    assert candidates_for(TopKConfig(momentum_correction=True), 2, 2, True) == ["dense", "dense_bf16",
                                                                                     "allgather"]
     # per-parameter selection is exact on resume only with the flat all-gather
-    assert "scatter" not in cost.candidates_for(TopKConfig(selection_scope="parameter"), 4, 1, False)
+    assert "scatter" not in candidates_for(TopKConfig(selection_scope="parameter"), 4, 1, False)
 
 
 def test_near_ties_take_a_fixed_order_not_the_noise():
@@ -151,12 +165,12 @@ def test_constants_model_needs_no_timing_and_is_a_pure_function(monkeypatch):
         assert not cost.timed_model(cfg)
         plans = []
         for _ in range(2):
-            a = cost.build_auto(cfg, 4, 1, 0, torch.device("cpu"))
+            a = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"))
             st = TopKState(cfg)
             for n in (20_000, 1_000_000, 25_000_000):
                 a.decide(st, n, math.ceil(0.01 * n))
             plans.append(dict(a.plan))
-            st.step = cost.REFRESH_STEPS
+            st.step = REFRESH_STEPS
             assert not a.refresh_due(st) and not a.timed
         assert plans[0] == plans[1] and len(plans[0]) == 3
     finally:
@@ -164,8 +178,8 @@ def test_constants_model_needs_no_timing_and_is_a_pure_function(monkeypatch):
     assert cost.timed_model(cfg) == (not before)
     assert not cost.timed_model(TopKConfig(auto_model="constants")) and cost.timed_model(TopKConfig(auto_model="probe"))
     # the link constant decides: a slow link makes the large buckets sparse, a fast one keeps them dense
-    slow = cost.build_auto(TopKConfig(auto_model="constants", auto_link_gbps=0.1), 4, 1, 0, torch.device("cpu"))
-    fast = cost.build_auto(TopKConfig(auto_model="constants", auto_link_gbps=100), 4, 1, 0, torch.device("cpu"))
+    slow = build_auto(None, TopKConfig(auto_model="constants", auto_link_gbps=0.1), Layout(4, 1, 0), torch.device("cpu"))
+    fast = build_auto(None, TopKConfig(auto_model="constants", auto_link_gbps=100), Layout(4, 1, 0), torch.device("cpu"))
     st = TopKState(cfg)
     assert slow.decide(st, 25_000_000, 250_000)[0] in cost.SPARSE
     assert fast.decide(st, 25_000_000, 250_000)[0] in ("dense", "dense_bf16")
@@ -175,7 +189,7 @@ def test_plan_is_decided_per_bucket_size_at_the_configured_density():
     """During a density warm-up k changes every step; the plan holds one entry per bucket size (it grew by
     one entry per bucket and step before: 79 after 40 steps), decided for the final density."""
     cfg = TopKConfig(density=0.001, warmup_steps=40, warmup_start=0.25, auto_model="constants", auto_link_gbps=0.1)
-    a = cost.build_auto(cfg, 4, 1, 0, torch.device("cpu"))
+    a = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"))
     st = TopKState(cfg)
     sizes = (2_000_000, 300_000)
     for step in range(41):
@@ -189,26 +203,26 @@ def test_plan_is_decided_per_bucket_size_at_the_configured_density():
 
 def test_auto_state_round_trip_keeps_plan_and_model_only_where_they_apply():
     cfg = TopKConfig(auto_model="constants")
-    a = cost.build_auto(cfg, 2, 2, 0, torch.device("cpu"), hierarchical_groups=True)
+    a = build_auto(None, cfg, Layout(2, 2, 0), torch.device("cpu"), groups=GROUPS)
     st = TopKState(cfg)
     a.decide(st, 1_000_000, 10_000)
     a.plan["123"] = "hierarchical"
     a.model.comm_scale = 1.7
     sd = a.state_dict()
-    b = cost.build_auto(cfg, 2, 2, 1, torch.device("cpu"), hierarchical_groups=True, saved=sd)
+    b = build_auto(None, cfg, Layout(2, 2, 1), torch.device("cpu"), groups=GROUPS, saved=sd)
     assert b.plan == a.plan and b.model == a.model
     # the same plan where hierarchical is no candidate now: that entry is dropped, the model stays
-    c = cost.build_auto(TopKConfig(auto_model="constants", hierarchical=False), 2, 2, 0, torch.device("cpu"),
-                        hierarchical_groups=True, saved=sd)
+    c = build_auto(None, TopKConfig(auto_model="constants", hierarchical=False), Layout(2, 2, 0), torch.device("cpu"),
+                   groups=GROUPS, saved=sd)
     assert "123" not in c.plan and c.plan["1000000"] == a.plan["1000000"]
     # another layout or kind of model: the saved model does not apply
-    assert cost.saved_model(sd, False, 4, 1) is None and cost.saved_model(sd, True, 2, 2) is None
-    # through TopKState: a section loaded before auto exists waits for it
-    st.auto = a
-    full = st.state_dict()["auto"]
+    assert saved_model(sd, False, 4, 1) is None and saved_model(sd, True, 2, 2) is None
+    # through TopKState: a section loaded before auto exists waits for it, then goes to the auto built
+    st.exchange = st.exchanges["auto"] = a
+    full = st.state_dict()["exchanges"]["auto"]
     st2 = TopKState(cfg)
-    st2.load_state_dict({"step": 3, "auto": full})
-    assert st2._pending_auto == full and st2.plan == {}
+    st2.load_state_dict({"step": 3, "exchanges": {"auto": full}})
+    assert st2.take_section("auto") == full and st2.take_section("auto") is None
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(auto_model="fast"), "auto_model must be one of"),
@@ -268,20 +282,20 @@ def _auto(rank, world):
         ddp = DDP(m, bucket_cap_mb=0.05)
         st = TopKState(TopKConfig(density=0.01, min_sparse_numel=0, dense_steps=1))
         st.bind(m.named_parameters())
-        st.auto = AutoExchange(_model(world, 1, beta_inter=beta), cost.candidates_for(st.config, world, 1, False), rank)
+        make_auto(st, _model(world, 1, beta_inter=beta), candidates_for(st.config, world, 1, False), rank)
         ddp.register_comm_hook(st, auto_topk_hook)
         for _ in range(3):
             m.zero_grad()
             x, y = _batch(rank)
             nn.functional.cross_entropy(ddp(x), y).backward()
-        out[label] = (dict(st.plan), st.last, {n: p.grad.clone() for n, p in m.named_parameters()})
+        out[label] = (plan(st), st.last, {n: p.grad.clone() for n, p in m.named_parameters()})
     # a 40-step density warm-up through DDP: one plan entry per bucket size, not per bucket and step
     m = _net()
     ddp = DDP(m, bucket_cap_mb=0.05)
     cfg = TopKConfig(density=0.01, min_sparse_numel=0, warmup_steps=40)
     st = TopKState(cfg)
     st.bind(m.named_parameters())
-    st.auto = AutoExchange(_model(world, 1, beta_inter=1e6), cost.candidates_for(cfg, world, 1, False), rank)
+    make_auto(st, _model(world, 1, beta_inter=1e6), candidates_for(cfg, world, 1, False), rank)
     sizes = set()
 
     def hook(state, bucket):
@@ -293,10 +307,11 @@ def _auto(rank, world):
         m.zero_grad()
         x, y = _batch(rank)
         nn.functional.cross_entropy(ddp(x), y).backward()
-    out["warmup"] = (dict(st.plan), sorted(sizes), st.totals.buckets)
+    out["warmup"] = (plan(st), sorted(sizes), st.totals.buckets)
     out["probe"] = cost.probe(world, 1, rank, 0.01, "exact", torch.device("cpu"))
     # refresh: each rank reports different telemetry; the slowest figures win on every rank
-    a = AutoExchange(_model(world, 1, beta_inter=1e9), ["dense", "allgather"], rank)
+    a = AutoExchange(None, Layout(world, 1, rank), model=_model(world, 1, beta_inter=1e9),
+                     candidates=["dense", "allgather"])
     st = TopKState(TopKConfig(density=0.01, auto_sparse_penalty=1.0))  # exchange times alone
     n, k = 200_000, 2_000
     before = a.decide(st, n, k)[0]

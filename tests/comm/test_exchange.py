@@ -7,8 +7,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
-from lightning_topk.comm.exchanges.kit import rebuild
 from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.exchanges.kit import rebuild
 from lightning_topk.comm.wire import index_dtype_for, pack, packed_nbytes, unpack
 from tests.helpers.dist import run_distributed
 

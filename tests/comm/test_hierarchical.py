@@ -8,7 +8,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState, topk_select
-from lightning_topk.comm.hierarchical import hierarchical_topk_hook, make_groups
+from lightning_topk.comm.exchanges.hierarchical import hierarchical_topk_hook, make_groups
 from tests.helpers.dist import run_distributed
 
 L, N = 2, 2
@@ -117,7 +117,7 @@ def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
 import pytest  # noqa: E402
 
 from lightning_topk import TopKDDPStrategy  # noqa: E402
-from lightning_topk.comm.hierarchical import layout  # noqa: E402
+from lightning_topk.comm.exchanges.hierarchical import layout  # noqa: E402
 
 
 def _slurm_env(monkeypatch, procid, ntasks=4, per_node=2, nodes=2):
@@ -165,8 +165,9 @@ def test_slurm_allocation_disagreeing_with_devices_fails_before_training(monkeyp
 # ---- exchange="hierarchical_scatter": the scale-free exchange as the inter-node tier ---------------
 from lightning_topk.comm import cost  # noqa: E402
 from lightning_topk.comm.controller import Decision, StepController  # noqa: E402
-from lightning_topk.comm.hierarchical import hierarchical_scatter_topk_hook  # noqa: E402
-from lightning_topk.comm.scatter import (  # noqa: E402
+from lightning_topk.comm.exchanges.auto import auto_topk_hook  # noqa: E402
+from lightning_topk.comm.exchanges.hierarchical import hierarchical_scatter_topk_hook  # noqa: E402
+from lightning_topk.comm.exchanges.scatter import (  # noqa: E402
     bucket_key,
     fold_owner_residual,
     global_index,
@@ -175,6 +176,7 @@ from lightning_topk.comm.scatter import (  # noqa: E402
     slot_plan,
 )
 from lightning_topk.comm.wire import packed_nbytes, ring_allgather_wire, ring_reduce_scatter_wire  # noqa: E402
+from tests.helpers.exchanges import make_auto  # noqa: E402
 
 HS = dict(density=0.05, min_sparse_numel=0, exchange="hierarchical_scatter")
 
@@ -190,13 +192,13 @@ def _hs_state(h, m, **kw):
 
 
 def _hs_step(ddp, m, st, x, y, scale=1.0):
-    old, old_owner = _snap(st.residuals()), _snap(st.owner_residuals)
+    old, old_owner = _snap(st.residuals()), _snap(_owners(st).live)
     for p in m.parameters():
         p.grad = None
     (nn.functional.cross_entropy(ddp(x), y) * scale).backward()
     return dict(old=old, new=_snap(st.residuals()), sent=_snap(st.debug.sent), grad=_snap(st.debug.grads_in),
                 after={nm: p.grad.detach().reshape(-1).clone() for nm, p in m.named_parameters()},
-                old_owner=old_owner, new_owner=_snap(st.owner_residuals))
+                old_owner=old_owner, new_owner=_snap(_owners(st).live))
 
 
 def _hs_train(rank, h, steps=3):
@@ -244,7 +246,7 @@ def _hs_nonfinite(rank, h):
     owner_changed = any(not torch.equal(rec["old_owner"][k], v) for k, v in rec["new_owner"].items())
     decisions.append(ctl.finish_step())
     return dict(rec, grads_finite=grads_finite, decisions=decisions, step=st.step, changed=(res_changed, owner_changed),
-                restored=_snap(st.residuals()), restored_owner=_snap(st.owner_residuals))
+                restored=_snap(st.residuals()), restored_owner=_snap(_owners(st).live))
 
 
 def _hs_resume(rank, h):
@@ -282,7 +284,7 @@ def _hs_resume(rank, h):
     saved_model, saved_opt = _snap(m.state_dict()), roundtrip(opt.state_dict(), False)
     for x, y in batches[3:]:
         step(x, y)
-    straight = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(holder[0].owner_residuals)
+    straight = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(_owners(holder[0]).live)
     m.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
     holder[0] = TopKState(TopKConfig(**HS), hier=h)
@@ -290,8 +292,13 @@ def _hs_resume(rank, h):
     holder[0].load_state_dict(sd)
     for x, y in batches[3:]:
         step(x, y)
-    resumed = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(holder[0].owner_residuals)
+    resumed = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(_owners(holder[0]).live)
     return straight, resumed, sd
+
+
+def _owners(st):
+    """The owner residuals of the hierarchical scale-free exchange of ``st``."""
+    return st.exchange_for("hierarchical_scatter").owners
 
 
 def _hs_auto_switch(rank, h):
@@ -302,13 +309,13 @@ def _hs_auto_switch(rank, h):
     st = _hs_state(h, m, exchange="auto")
     st.debug.enabled = True
     model = cost.CostModel(N, L, cost.Link(5e-6, 1e10), cost.Link(5e-5, 1e6), 2e-9, 1e-4, 0.5e-9, 20e-9)
-    st.auto = cost.AutoExchange(model, ["hierarchical_scatter"], rank)
-    ddp.register_comm_hook(st, cost.auto_topk_hook)
+    auto = make_auto(st, model, ["hierarchical_scatter"], rank)
+    ddp.register_comm_hook(st, auto_topk_hook)
     g = torch.Generator().manual_seed(rank)
     hist = []
     for t in range(4):
         if t == 3:
-            st.auto.candidates, st.auto.plan = ["allgather"], {}
+            auto.candidates, auto.plan = ["allgather"], {}
         x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
         rec = _hs_step(ddp, m, st, x, y)
         rec["stats"] = st.last
@@ -437,8 +444,9 @@ def test_hierarchical_scatter_skip_rolls_back_rank_and_owner_residuals_everywher
 
 def test_hierarchical_scatter_state_dict_roundtrip_is_bit_exact(hs_runs):
     for straight, resumed, sd in hs_runs["resume"]:
-        assert sd["owner_residual"] and any(t.any() for t in sd["owner_residual"].values())
-        assert all("/shard" in key for key in sd["owner_residual"])
+        owner = sd["exchanges"]["hierarchical_scatter"]["owner_residual"]
+        assert owner and any(t.any() for t in owner.values())
+        assert all("/shard" in key for key in owner)
         for a, b in zip(straight, resumed):
             assert a.keys() == b.keys() and a
             for k in a:
@@ -456,8 +464,9 @@ def test_auto_switching_away_from_hierarchical_scatter_keeps_owner_residuals(hs_
 
 
 def test_hierarchical_scatter_options_fail_fast_naming_the_option():
-    for kw, match in ((dict(momentum_correction=True), "exchange='hierarchical_scatter' supports neither"),
-                      (dict(selection_scope="parameter"), "exchange='hierarchical_scatter' supports neither"),
+    for kw, match in ((dict(momentum_correction=True), "momentum_correction is not supported with exchange='hierarchical_scatter'"),
+                      (dict(selection_scope="parameter"),
+                       "selection_scope='parameter' is not supported with exchange='hierarchical_scatter'"),
                       (dict(hierarchical=False), "hierarchical=false contradicts exchange='hierarchical_scatter'"),
                       (dict(hierarchical=True), "hierarchical=true contradicts exchange='hierarchical_scatter'")):
         with pytest.raises(ValueError, match=match):

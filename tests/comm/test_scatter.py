@@ -9,13 +9,11 @@ from torch.utils.data import TensorDataset
 
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.scatter import (
+from lightning_topk.comm.exchanges.scatter import (
     ScatterOptions,
     bucket_key,
     fill_slots,
-    fold_live_owner,
     fold_owner_residual,
-    fold_pending_owner,
     global_index,
     owner_step,
     regions,
@@ -28,6 +26,11 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.syncs import count_syncs
 
 WORLD = 3  # not a power of two: uneven regions
+
+
+def _owners(st):
+    """The owner residuals of the scatter exchange of ``st``."""
+    return st.exchange_for("scatter").owners
 
 
 def _model():
@@ -50,19 +53,19 @@ def _train(rank, world, cfg, options, steps=5):
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)
     state = TopKState(TopKConfig(**cfg))
-    state.scatter = options
+    state.exchange_for("scatter").options = options
     state.bind(m.named_parameters())
     state.debug.enabled = True
     ddp.register_comm_hook(state, scatter_topk_hook)
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
     hist = []
     for x, y in _batches(rank, steps):
-        old, old_owner = _snap(state.residuals()), _snap(state.owner_residuals)
+        old, old_owner = _snap(state.residuals()), _snap(_owners(state).live)
         opt.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         hist.append(dict(old=old, new=_snap(state.residuals()), sent=_snap(state.debug.sent), grad=_snap(state.debug.grads_in),
                          after={n: p.grad.detach().reshape(-1).clone() for n, p in m.named_parameters()},
-                         old_owner=old_owner, new_owner=_snap(state.owner_residuals),
+                         old_owner=old_owner, new_owner=_snap(_owners(state).live),
                          wire=state.current.bytes_wire))
         opt.step()
     return dict(hist=hist, totals=state.totals, last=state.last)
@@ -228,10 +231,10 @@ def test_owner_residual_of_a_bucket_gone_is_folded_into_the_rank_residuals():
     old = bucket_key(2, 1, names, numels)
     plan = slot_plan(sum(numels), 600, 2)
     ores = torch.randn(plan.region)
-    st.owner_residuals[old] = ores.clone()
-    st.owner_seen = {bucket_key(2, 1, names[:2], numels[:2])}  # this exchange's (rebuilt) bucket
-    fold_pending_owner(st)
-    assert old not in st.owner_residuals and st.owner_seen == set()
+    _owners(st).live[old] = ores.clone()
+    _owners(st).seen = {bucket_key(2, 1, names[:2], numels[:2])}  # this exchange's (rebuilt) bucket
+    _owners(st).fold_unclaimed(st)
+    assert old not in _owners(st).live and _owners(st).seen == set()
     got = {name: st._pending_load[("residual", name)] for name in names}
     want = fold_owner_residual(old, ores)
     assert all(torch.equal(got[nm], want[nm]) for nm in names)
@@ -245,27 +248,27 @@ def test_rollback_undoes_folds_into_residuals_pending_from_a_checkpoint():
     names, numels = ["a", "b"], [3000, 2000]
     live_key, loaded_key = bucket_key(2, 0, names, numels), bucket_key(2, 0, ["a"], [3000])
     live, loaded = torch.randn(2500), torch.randn(1500)
-    st._pending_owner = {loaded_key: loaded}
-    st.owner_residuals[live_key] = live
+    _owners(st).loaded = {loaded_key: loaded}
+    _owners(st).live[live_key] = live
     st.undo.enabled = True
-    fold_live_owner(st, live_key)
-    fold_pending_owner(st)
-    assert not st.owner_residuals and not st._pending_owner and set(st._pending_load) == {("residual", "a"),
+    _owners(st).fold(st, live_key)
+    _owners(st).fold_unclaimed(st)
+    assert not _owners(st).live and not _owners(st).loaded and set(st._pending_load) == {("residual", "a"),
                                                                                            ("residual", "b")}
     st.undo.rollback()
     assert st._pending_load is None
-    assert st.owner_residuals == {live_key: live} and st._pending_owner == {loaded_key: loaded}
+    assert _owners(st).live == {live_key: live} and _owners(st).loaded == {loaded_key: loaded}
     old = {("residual", "a"): torch.ones(3000)}
     st._pending_load = dict(old)
-    fold_pending_owner(st)
+    _owners(st).fold_unclaimed(st)
     assert not torch.equal(st._pending_load[("residual", "a")], old[("residual", "a")])
-    st.undo.commit([], st.owner_undo_keys())  # a committed fold stands
-    assert not st.owner_residuals and not st._pending_owner
+    st.undo.commit([], st.undo_keys())  # a committed fold stands
+    assert not _owners(st).live and not _owners(st).loaded
     committed = dict(st._pending_load)
-    st.owner_residuals[live_key] = live
-    fold_pending_owner(st)
+    _owners(st).live[live_key] = live
+    _owners(st).fold_unclaimed(st)
     st.undo.rollback()
-    assert st._pending_load.keys() == committed.keys() and st.owner_residuals == {live_key: live}
+    assert st._pending_load.keys() == committed.keys() and _owners(st).live == {live_key: live}
     assert all(torch.equal(st._pending_load[k], t) for k, t in committed.items())
 
 
@@ -316,7 +319,7 @@ def _nonfinite(rank, world):
             p.grad = None
         nn.functional.cross_entropy(ddp(x), y).backward()
         first = ctl.finish_step()
-    before, owner_before = _snap(st.residuals()), _snap(st.owner_residuals)
+    before, owner_before = _snap(st.residuals()), _snap(_owners(st).live)
     for p in m.parameters():
         p.grad = None
     loss = nn.functional.cross_entropy(ddp(x), y)
@@ -324,9 +327,9 @@ def _nonfinite(rank, world):
         loss = loss * float("inf")
     loss.backward()
     grads_finite = all(bool(torch.isfinite(p.grad).all()) for p in m.parameters())
-    changed = any(not torch.equal(owner_before[k], v) for k, v in st.owner_residuals.items())
+    changed = any(not torch.equal(owner_before[k], v) for k, v in _owners(st).live.items())
     second = ctl.finish_step()
-    return (before, _snap(st.residuals()), owner_before, _snap(st.owner_residuals), grads_finite,
+    return (before, _snap(st.residuals()), owner_before, _snap(_owners(st).live), grads_finite,
             (first, second, st.step), changed)
 
 
@@ -345,7 +348,7 @@ def _pending_update(st):
     pending from a checkpoint) plus its owner residuals folded to bucket coordinates (live and loaded)."""
     out = _snap(st.residuals())
     parts = [(n, t) for (kind, n), t in (st._pending_load or {}).items() if kind == "residual"]
-    for key, t in [*st._pending_owner.items(), *st.owner_residuals.items()]:
+    for key, t in [*_owners(st).loaded.items(), *_owners(st).live.items()]:
         parts += fold_owner_residual(key, t).items()
     for n, t in parts:
         out[n] = out[n] + t.reshape(-1) if n in out else t.reshape(-1).clone()
@@ -388,15 +391,15 @@ def _fold_step(rank, world, resume, skip):
         m = _model()
         m.load_state_dict(weights)
         ddp, st, ctl, opt = setup(sd)
-    before = dict(pending=_pending_update(st), owner={**_snap(st._pending_owner), **_snap(st.owner_residuals)},
+    before = dict(pending=_pending_update(st), owner={**_snap(_owners(st).loaded), **_snap(_owners(st).live)},
                   step=st.step)
     st.debug.enabled = True
     x, y = batches[3]
     decision = step(ddp, st, ctl, opt, x, y, found_inf=float(skip))
     return dict(before=before, decision=decision, pending=_pending_update(st), step=st.step,
-                owner={**_snap(st._pending_owner), **_snap(st.owner_residuals)},
+                owner={**_snap(_owners(st).loaded), **_snap(_owners(st).live)},
                 grad=_snap(st.debug.grads_in), applied={n: p.grad.reshape(-1).clone() for n, p in m.named_parameters()},
-                copies=sorted(st.undo._tensor_copies), live_owner=sorted(st.owner_residuals))
+                copies=sorted(st.undo._tensor_copies), live_owner=sorted(_owners(st).live))
 
 
 def _fold_steps(rank, world):
@@ -473,7 +476,7 @@ def _resume(rank, world):
     sd = torch.load(_to_bytes(sd), weights_only=True)  # as a checkpoint would: CPU tensors, plain types
     for x, y in batches[3:]:
         step(x, y)
-    straight = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(holder[0].owner_residuals)
+    straight = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(_owners(holder[0]).live)
     m.load_state_dict(saved_model)
     opt.load_state_dict(saved_opt)
     holder[0] = TopKState(TopKConfig(density=0.05, min_sparse_numel=0))
@@ -481,7 +484,7 @@ def _resume(rank, world):
     holder[0].load_state_dict(sd)
     for x, y in batches[3:]:
         step(x, y)
-    resumed = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(holder[0].owner_residuals)
+    resumed = _snap(m.state_dict()), _snap(holder[0].residuals()), _snap(_owners(holder[0]).live)
     return straight, resumed, sd
 
 
@@ -496,7 +499,8 @@ def _to_bytes(obj):
 
 def test_state_dict_roundtrip_is_bit_exact(runs):
     for straight, resumed, sd in runs["resume"]:
-        assert sd["owner_residual"] and any(t.any() for t in sd["owner_residual"].values())
+        owner = sd["exchanges"]["scatter"]["owner_residual"]
+        assert owner and any(t.any() for t in owner.values())
         for a, b in zip(straight, resumed):
             assert a.keys() == b.keys() and a
             for k in a:

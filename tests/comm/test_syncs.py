@@ -10,11 +10,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
-from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.controller import StepController
-from lightning_topk.comm.hierarchical import hierarchical_scatter_topk_hook, hierarchical_topk_hook, make_groups
-from lightning_topk.comm.scatter import scatter_topk_hook
+from lightning_topk.comm.exchanges import auto as auto_module
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
+from lightning_topk.comm.exchanges.auto import auto_topk_hook, candidates_for
+from lightning_topk.comm.exchanges.hierarchical import (
+    hierarchical_scatter_topk_hook,
+    hierarchical_topk_hook,
+    make_groups,
+)
+from lightning_topk.comm.exchanges.scatter import scatter_topk_hook
 from tests.helpers.dist import run_distributed
+from tests.helpers.exchanges import make_auto
 from tests.helpers.syncs import SyncCounter
 
 STEPS = 3
@@ -22,14 +29,14 @@ COMBOS = [(sel, wire) for sel in ("exact", "mstopk") for wire in ("fp32", "bf16"
 
 
 HOOKS = {"flat": topk_allgather_hook, "hierarchical": hierarchical_topk_hook, "scatter": scatter_topk_hook,
-         "hierarchical_scatter": hierarchical_scatter_topk_hook, "auto": cost.auto_topk_hook}
+         "hierarchical_scatter": hierarchical_scatter_topk_hook, "auto": auto_topk_hook}
 
 
-def _slow_link_auto(cfg, world, rank):
+def _slow_link_auto(st, cfg, world, rank):
     """exchange="auto" with a model of a 1 MB/s link (sparse wins) that refreshes every 2 exchanges."""
-    cost.REFRESH_STEPS = 2
+    auto_module.REFRESH_STEPS = 2
     model = cost.CostModel(world, 1, None, cost.Link(50e-6, 1e6), 2e-9, 1e-4, 0.5e-9, 20e-9)
-    return cost.AutoExchange(model, cost.candidates_for(cfg, world, 1, False), rank)
+    return make_auto(st, model, candidates_for(cfg, world, 1, False), rank)
 
 
 def _count(rank, world, mode, sync_free):
@@ -47,7 +54,7 @@ def _count(rank, world, mode, sync_free):
         st = TopKState(cfg, hier=groups)
         st.bind(m.named_parameters())
         if mode == "auto":
-            st.auto = _slow_link_auto(cfg, world, rank)
+            _slow_link_auto(st, cfg, world, rank)
         counter = SyncCounter()
         ddp.register_comm_hook(st, counter.wrap_hook(HOOKS[mode]))
         ctl = StepController(st)
@@ -61,7 +68,8 @@ def _count(rank, world, mode, sync_free):
                 ctl.finish_step()
                 opt.step()
         out[(selector, wire)] = (dict(counter.inside), dict(counter.outside), counter.hook_calls,
-                                 st.totals.numel_sent < st.totals.numel, st.auto.refreshes if st.auto else None)
+                                 st.totals.numel_sent < st.totals.numel,
+                                 st.exchange.refreshes if mode == "auto" else None)
     return out
 
 

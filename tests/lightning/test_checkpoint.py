@@ -68,7 +68,7 @@ def test_resume_with_defaults_under_deterministic_is_bit_exact(tmp_path):
     for r in range(2):
         straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "resume", r)
         assert straight["auto"]["timed"] is False and straight["auto"]["plan"]
-        assert resumed["restored"]["auto"]["plan"] == straight["auto"]["plan"]  # from the checkpoint
+        assert resumed["restored"]["exchanges"]["auto"]["plan"] == straight["auto"]["plan"]  # from the checkpoint
         assert straight["global_step"] == resumed["global_step"] and straight["step"] == resumed["step"]
         for k in straight["params"]:
             assert torch.equal(straight["params"][k], resumed["params"][k]), k
@@ -87,8 +87,8 @@ def test_a_lost_shard_does_not_change_the_plan_of_any_rank(tmp_path):
     saved = stop[0]["auto"]
     assert saved["timed"] is True and saved["plan"] and stop[1]["auto"] == saved
     for r in lost:
-        assert r["restored"]["auto"]["plan"] == saved["plan"]
-        assert r["restored"]["auto"]["model"] == saved["model"]  # not probed again
+        assert r["restored"]["exchanges"]["auto"]["plan"] == saved["plan"]
+        assert r["restored"]["exchanges"]["auto"]["model"] == saved["model"]  # not probed again
         assert r["global_step"] > stop[0]["global_step"]  # training went on, on every rank
     assert lost[0]["auto"]["plan"] == lost[1]["auto"]["plan"]
     assert any("rank 1: missing" in w for w in lost[0]["warnings"]), lost[0]["warnings"]

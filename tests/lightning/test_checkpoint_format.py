@@ -133,7 +133,7 @@ def test_config_and_model_changes_drop_state_with_one_warning(tmp_path):
 
 def test_checkpoint_without_topk_state(tmp_path):
     out, notes = restore(tmp_path / "x.ckpt", {"global_step": 12, "state_dict": {}}, 0, 2)
-    assert out == {"step": 12, "residual": {}, "velocity": {}}
+    assert out == {"step": 12, "residual": {}, "velocity": {}, "exchanges": {}}
     assert len(notes) == 1 and "no top-k state" in notes[0]
 
 
@@ -197,3 +197,49 @@ def test_remote_shards_through_fsspec_save_restore_stale_and_remove():
         assert not fs.exists("memory://bucket/run/last.ckpt.topk")
     finally:
         fs.rm("memory://bucket", recursive=True)
+
+
+class _Tiny(nn.Module):
+    """The parameters of tests/scripts/make_v1_checkpoint.py's model."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 96), nn.ReLU(), nn.Linear(96, 4))
+
+
+def test_a_v1_checkpoint_still_loads_into_per_exchange_sections():
+    """tests/lightning/fixtures/v1: written by the v1 code (6cbf092) with the scale-free exchange, 2 ranks.
+    Format 2 keeps one section per exchange; the v1 owner residuals land in the scatter section, bit for
+    bit, and a TopKState built now hands them to its scatter exchange."""
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "v1")
+    path = os.path.join(fixture, "v1.ckpt")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    assert checkpoint["lightning_topk"]["version"] == 1
+    cfg = TopKConfig(density=0.05, min_sparse_numel=0, exchange="scatter")
+    for rank in range(2):
+        want = torch.load(os.path.join(fixture, f"expected_rank{rank}.pt"))
+        out, warns = restore(path, checkpoint, rank, 2, cfg, _Tiny())
+        assert warns == [] and out["step"] == want["step"] == 3
+        assert out["residual"].keys() == want["residual"].keys()
+        assert all(torch.equal(out["residual"][k], want["residual"][k]) for k in want["residual"])
+        owner = out["exchanges"]["scatter"]["owner_residual"]
+        assert owner.keys() == want["owner_residual"].keys() and owner
+        assert all(torch.equal(owner[k], want["owner_residual"][k]) for k in owner)
+        st = TopKState(cfg)
+        st.load_state_dict(out)
+        loaded = st.exchange_for("scatter").owners.loaded
+        assert all(torch.equal(loaded[k], want["owner_residual"][k]) for k in owner)
+        # and saved again, it is a version-2 state with the section in place
+        assert st.state_dict()["version"] == 2 and st.state_dict()["exchanges"]["scatter"]["owner_residual"].keys() == owner.keys()
+    # one process now: the average of the ranks' residuals with their owner residuals folded in
+    out, warns = restore(path, checkpoint, 0, 1, cfg, _Tiny())
+    assert any("world size changed from 2 to 1" in w for w in warns) and out["exchanges"] == {}
+    wants = [torch.load(os.path.join(fixture, f"expected_rank{r}.pt")) for r in range(2)]
+    from lightning_topk.comm.exchanges.scatter import fold_owner_residual
+
+    total = {k: sum(w["residual"][k] for w in wants) for k in wants[0]["residual"]}
+    for w in wants:
+        for key, t in w["owner_residual"].items():
+            for name, v in fold_owner_residual(key, t).items():
+                total[name] = total[name] + v
+    assert all(torch.allclose(out["residual"][k], total[k] / 2, atol=1e-6) for k in total)

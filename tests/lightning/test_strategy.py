@@ -195,7 +195,7 @@ def test_fabric_load_keeps_the_step_counter_and_folds_stranded_owner_residuals(t
     """A scale-free run's checkpoint loaded by Fabric with a pinned exchange="allgather" (whose hook never
     folds): the owner residuals go into the rank residuals at the load; a step skipped right after goes
     back to the loaded exchange step (the density schedule's), not to 0, and keeps the fold."""
-    from lightning_topk.comm.scatter import fold_owner_residual
+    from lightning_topk.comm.exchanges.scatter import fold_owner_residual
 
     for phase in ("save", "resume"):
         run_script(["tests/scripts/fabric_resume.py", "--phase", phase, "--out", tmp_path])

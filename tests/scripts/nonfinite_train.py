@@ -106,7 +106,7 @@ def fit(args, precision=None, drop=None, defaults=False, **strategy_kw):
     rank = int(os.environ.get("NODE_RANK", 0)) * 2 + int(os.environ.get("LOCAL_RANK", 0))
     data = batches(rank, drop)
     trainer.fit(model, DataLoader(data, batch_size=None))
-    model.plan = dict(trainer.strategy.topk_state.plan)
+    model.plan = dict(getattr(trainer.strategy.topk_state.exchange, "plan", {}))
     return model
 
 

@@ -101,7 +101,7 @@ def main():
         "last": vars(st.last) if st else None,
         "callback_metrics": callback_metrics,
         "progress_bar": progress_bar,
-        "hier": None if not st or st.hier is None else [st.hier.groups.intra_ranks, st.hier.groups.inter_ranks],
+        "hier": None if not st or st.groups is None else [st.groups.intra_ranks, st.groups.inter_ranks],
     }
     torch.save(dump, os.path.join(a.out, f"rank{rank}.pt"))
     if rank == 0:

@@ -73,13 +73,21 @@ class AutoExchange(Exchange):
         self._window = [0.0, 0.0, 0.0, 0.0]
         # the step being exchanged: predicted link seconds and entries of sparse buckets
         self._step = [0.0, 0.0]
+        self.groups = groups
         self.children: Dict[str, Exchange] = {}
         if state is not None:
             for name in ["dense", *self.candidates]:
-                kw: Dict[str, Any] = {"groups": groups}
-                if name == "dense":
-                    kw["dtype"] = torch.float32  # auto's "dense" is fp32; "dense_bf16" is the low-precision one
-                self.children.setdefault(name, state.exchange_for(name, layout=layout, **kw))
+                self.child(state, name)
+
+    def child(self, state: TopKState, name: str) -> Exchange:
+        """The child exchange ``name``, built from the registry on first use."""
+        ex = self.children.get(name)
+        if ex is None:
+            kw: Dict[str, Any] = {"groups": self.groups}
+            if name == "dense":
+                kw["dtype"] = torch.float32  # auto's "dense" is fp32; "dense_bf16" is the low-precision one
+            ex = self.children[name] = state.exchange_for(name, layout=self.layout, **kw)
+        return ex
 
     def decide(self, state: TopKState, n: int, k: int) -> Tuple[str, float, float]:
         """(choice, predicted seconds, predicted link seconds) for a bucket of ``n`` entries sending ``k``
@@ -122,7 +130,7 @@ class AutoExchange(Exchange):
             if name != choice:
                 child.flush(state)
                 child.release(state, names, numels)
-        fut = self.children[choice].hook(state, bucket)
+        fut = self.child(state, choice).hook(state, bucket)
         if bucket.is_last():
             for name, child in self.children.items():
                 if name != choice:
@@ -215,7 +223,7 @@ class AutoExchange(Exchange):
             self.refresh(state, device)
 
 
-registry.register("auto")(AutoExchange)
+AutoExchange.name = "auto"
 
 
 def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -246,7 +254,7 @@ def candidates_for(config: Any, nodes: int, local: int, hierarchical_groups: boo
         if getattr(cls, "needs_groups", False) and (config.hierarchical is False or not hierarchical_groups
                                                      or nodes < 2):
             continue
-        if cls.sparse and nodes * local < 2:
+        if nodes * local < getattr(cls, "min_world", 1):
             continue
         out.append(name)
     return out

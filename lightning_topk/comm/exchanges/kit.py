@@ -15,13 +15,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import Scale, TopKState, _BucketBuffers, clock
+from lightning_topk.comm.state import Scale, TopKState, _BucketBuffers
 from lightning_topk.comm.wire import (
     index_dtype_for,
-    pack,
     packed_nbytes,
-    ring_allgather_wire,
-    ring_allreduce_wire,
     to_wire,
     unpack,
 )

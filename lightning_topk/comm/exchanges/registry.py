@@ -23,8 +23,9 @@ _BUILTIN: Dict[str, str] = {
     "hierarchical_scatter": "lightning_topk.comm.exchanges.hierarchical:HierarchicalScatterExchange",
     "scatter": "lightning_topk.comm.exchanges.scatter:ScatterExchange",
 }
-# Not per-bucket exchanges but a choice between them; a valid ``exchange`` option all the same.
-META = ("auto",)
+# Not a per-bucket exchange but a choice between them; a valid ``exchange`` option all the same.
+_META: Dict[str, str] = {"auto": "lightning_topk.comm.exchanges.auto:AutoExchange"}
+META = tuple(_META)
 _extra: Dict[str, Type[Any]] = {}
 _loaded: Dict[str, Type[Any]] = {}
 
@@ -68,9 +69,10 @@ def get(name: str) -> Type[Any]:
     """The class registered as ``name``."""
     cls = _loaded.get(name) or _extra.get(name)
     if cls is None:
-        if name not in _BUILTIN:
+        path = _BUILTIN.get(name) or _META.get(name)
+        if path is None:
             raise ValueError(f"topk_ddp: exchange must be one of {list(choices())}, got {name!r}")
-        module, _, attr = _BUILTIN[name].partition(":")
+        module, _, attr = path.partition(":")
         cls = getattr(importlib.import_module(module), attr)
         _loaded[name] = cls
     return cls

@@ -24,12 +24,15 @@ previous one moves from its all-to-all to its all-gather.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm.cost import BOOKKEEPING_PASSES
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
+from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (
     Gather,
     _all_gather,
@@ -45,12 +48,13 @@ from lightning_topk.comm.exchanges.kit import (
     select,
     send_values,
 )
-from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
-from lightning_topk.comm.scatter import (
+from lightning_topk.comm.exchanges.registry import register
+from lightning_topk.comm.exchanges.scatter import (
+    OwnerResiduals,
     ScatterJob,
+    ScatterOptions,
     bucket_key,
-    claim_owner_residual,
-    fold_pending_owner,
+    fold_section,
     scatter_forward,
     scatter_launch,
     scatter_send,
@@ -82,17 +86,6 @@ class HierGroups:
     inter: Any  # the ranks with this local rank, one per node
     intra_ranks: List[int]
     inter_ranks: List[int]
-
-
-@dataclass
-class HierExchange:
-    """The hierarchical exchange's process groups and the buckets whose collectives are still in flight:
-    ``pending`` in its inter-node all-gather, ``scatter_pending`` in its inter-node all-to-all
-    (``hierarchical_scatter``)."""
-
-    groups: HierGroups
-    pending: Optional["_Pending"] = None
-    scatter_pending: Optional["_Pending"] = None
 
 
 def layout(num_nodes: int, local_world: int, world: int) -> Tuple[List[List[int]], List[List[int]]]:
@@ -146,16 +139,16 @@ def hierarchical_scatter_topk_hook(state: TopKState,
 
 
 def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.futures.Future[torch.Tensor]:
-    hx = _exchange(state)
+    hx: Any = state.exchange_for("hierarchical_scatter" if scatter else "hierarchical")  # (scatter: with owners)
     h = hx.groups
     L, N = h.local_world, h.num_nodes
     grad = bucket.buffer()
     n = grad.numel()
     s = math.ceil(n / L)  # shard size
     if bucket_k(state, n) == 0 or L == 1:
-        flush_pending(state)
+        hx.flush(state)
         if scatter and bucket.is_last():
-            fold_pending_owner(state)
+            hx.owners.fold_unclaimed(state)
         return topk_allgather_hook(state, bucket)  # dense (flat all-reduce) or nothing to shard
     k = max(1, math.ceil(state.density_now() * s))
     cfg = state.config
@@ -183,7 +176,7 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     t1 = clock(device)
     idx = select(state, shard, k)
     wire = send_values(state, shard, idx, None)  # shard now holds what this rank did not send
-    plan = slot_plan(s, k, N, state.scatter) if scatter else None
+    plan = slot_plan(s, k, N, hx.options) if scatter else None
     if plan is not None:
         packed, fits = scatter_send(state, shard, idx, wire, plan)  # what does not fit stays in shard
         eb = packed_nbytes(1, cfg.wire_dtype)
@@ -206,36 +199,27 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     key = None
     if plan is not None and b is not None:
         key = bucket_key(N, h.node_rank, b.names, b.numels, h.local_rank, L)
-        claim_owner_residual(state, key, plan.region, device)
+        hx.owners.claim(key, plan.region, device)
     # Every collective is issued from this (backward) thread, in bucket order, so all ranks issue the
     # same sequence on each group. The previous bucket's intra-node all-gather goes out now, after
     # its inter-node exchange had the time between two hooks to run (scatter: the bucket before it
     # finishes; the previous one moves from its all-to-all to its all-gather).
-    flush_pending(state, drain=not scatter)
+    hx.flush(state, drain=not scatter)
     result = future_on(device)
     t_launch = clock(device)
     f = factor(state.grad_scale, world)
     if plan is not None:
-        job = scatter_launch(packed, plan, h.inter, h.node_rank, key, cfg.wire_dtype)
+        job = scatter_launch(packed, plan, h.inter, h.node_rank, key, cfg.wire_dtype, hx.owners)
         hx.scatter_pending = _Pending(result, job, s, grad, f, stats, t_launch)
     else:
         g = gather_entries(packed, k, N, h.inter, cfg.wire_dtype, index_dtype_for(s))
         hx.pending = _Pending(result, g, s, grad, f, stats, t_launch)
     if bucket.is_last():
-        flush_pending(state)
+        hx.flush(state)
         if scatter:
-            fold_pending_owner(state)  # anything the buckets of this exchange did not claim
+            hx.owners.fold_unclaimed(state)  # anything the buckets of this exchange did not claim
         state.end_exchange()
     return result
-
-
-def _exchange(state: TopKState) -> HierExchange:
-    if state.hier is None:
-        raise ValueError("hierarchical_topk_hook: the state has no groups; build it with "
-                         "TopKState(config, hier=make_groups(num_nodes, local_world, rank))")
-    if isinstance(state.hier, HierGroups):  # TopKState(config, hier=groups): this exchange's state wraps them
-        state.hier = HierExchange(state.hier)
-    return state.hier
 
 
 @dataclass
@@ -250,11 +234,17 @@ class _Pending:
 
 
 def flush_pending(state: TopKState, drain: bool = True) -> None:
+    """Finish what the hierarchical exchanges of ``state`` have in flight (see :meth:`HierarchicalExchange.flush`)."""
+    for name in ("hierarchical", "hierarchical_scatter"):
+        if name in state.exchanges:
+            state.exchanges[name].flush(state, drain)
+
+
+def _flush(state: TopKState, hx: "HierarchicalExchange", drain: bool = True) -> None:
     """Finish the bucket whose inter-node all-gather is in flight (rebuild its shard, launch the intra-node
     all-gather, complete its future when that arrives); move a bucket whose inter-node all-to-all is in
     flight (``hierarchical_scatter``) on to its owner step and all-gather, and with ``drain`` finish it
     too. Only device work is queued."""
-    hx = _exchange(state)
     if hx.pending is not None:
         _finish(state, hx)
     q = hx.scatter_pending
@@ -270,7 +260,7 @@ def flush_pending(state: TopKState, drain: bool = True) -> None:
             _finish(state, hx)
 
 
-def _finish(state: TopKState, hx: HierExchange) -> None:
+def _finish(state: TopKState, hx: "HierarchicalExchange") -> None:
     p = hx.pending
     assert p is not None and isinstance(p.inter, Gather)
     hx.pending = None
@@ -292,3 +282,102 @@ def _finish(state: TopKState, hx: HierExchange) -> None:
             p.result.set_exception(e)
 
     fut.then(done)
+
+
+@register("hierarchical")
+class HierarchicalExchange(Exchange):
+    """The hierarchical exchange (see the module docstring): its process groups and the bucket whose
+    inter-node collective is in flight. Needs more than one process per node and the groups
+    (:func:`make_groups`); not with ``momentum_correction`` or ``selection_scope="parameter"``."""
+
+    min_local = 2
+    needs_groups = True
+    momentum_correction = False
+    parameter_scope = False
+
+    def __init__(self, state: Any, layout: Optional[Layout] = None, groups: Optional[HierGroups] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(state, layout)
+        if groups is None:
+            raise ValueError("hierarchical_topk_hook: the state has no groups; build it with "
+                             "TopKState(config, hier=make_groups(num_nodes, local_world, rank))")
+        self.groups = groups
+        self.pending: Optional[_Pending] = None  # in its inter-node all-gather
+        self.scatter_pending: Optional[_Pending] = None  # in its inter-node all-to-all (hierarchical_scatter)
+
+    def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _hook(state, bucket, scatter=False)
+
+    def flush(self, state: TopKState, drain: bool = True) -> None:
+        _flush(state, self, drain)
+
+    @classmethod
+    def _intra(cls, model: Any, n: int, k: int) -> Tuple[float, float, int]:
+        L = model.local
+        intra = model.tier(model.intra)
+        comp = model.select(n / L) + BOOKKEEPING_PASSES * model.pass_per_elem * n
+        return comp, intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L), math.ceil(k / L)
+
+    @classmethod
+    def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
+        N, L = model.nodes, model.local
+        if N < 2 or L < 2:
+            return math.inf, math.inf
+        comp, comm, ks = cls._intra(model, n, k)
+        inter = model.tier(model.inter)
+        return comp + model.add_per_entry * N * ks, comm + (N - 1) * (inter.alpha + L * ks * (value_bytes + 4) / inter.beta)
+
+    @classmethod
+    def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
+        return (model.nodes - 1) * math.ceil(k / model.local) * (value_bytes + 4)
+
+
+@register("hierarchical_scatter")
+class HierarchicalScatterExchange(HierarchicalExchange):
+    """The hierarchical exchange with the scale-free exchange among the ranks with the same local rank:
+    also its scatter options and owner residuals (keyed by bucket and local rank; checkpoint section
+    ``owner_residual``)."""
+
+    def __init__(self, state: Any, layout: Optional[Layout] = None, groups: Optional[HierGroups] = None,
+                 options: Optional[ScatterOptions] = None, **kwargs: Any) -> None:
+        super().__init__(state, layout, groups)
+        self.options = options
+        self.owners = OwnerResiduals()
+
+    def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return _hook(state, bucket, scatter=True)
+
+    def release(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
+        self.owners.fold_names(state, names)
+
+    def end_step(self, state: TopKState) -> None:
+        self.owners.fold_unclaimed(state)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.owners.state_dict()
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        self.owners.load_state_dict(sd)
+
+    @classmethod
+    def orphan(cls, state: TopKState, sd: Dict[str, Any]) -> None:
+        fold_section(state, sd)
+
+    def undo_keys(self) -> List[str]:
+        return self.owners.undo_keys()
+
+    @classmethod
+    def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
+        N, L = model.nodes, model.local
+        if N < 2 or L < 2:
+            return math.inf, math.inf
+        comp, comm, ks = cls._intra(model, n, k)
+        inter = model.tier(model.inter)
+        plan = slot_plan(math.ceil(n / L), ks, N)
+        comp += model.select(plan.region) + model.add_per_entry * (ks + N * plan.slot + N * plan.out)
+        return comp, comm + (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * (value_bytes + 4) / inter.beta)
+
+    @classmethod
+    def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
+        L = model.local
+        return scatter_wire(slot_plan(math.ceil(n / L), math.ceil(k / L), model.nodes), value_bytes + 4)

@@ -37,7 +37,7 @@ backward computes the next bucket, whose hook then finishes the previous one (ow
 
 The core runs on any flat fp32 tensor over any process group: :func:`scatter_send` (slots, what does not
 fit back into the tensor), :func:`scatter_launch` (the all-to-all), :func:`scatter_forward` (owner step,
-all-gather of the forwards), with owner residuals from :func:`claim_owner_residual`. The flat hook here
+all-gather of the forwards), with owner residuals from :class:`OwnerResiduals`. The flat hook here
 runs it on each bucket over the world; the hierarchical exchange
 (:func:`~lightning_topk.comm.hierarchical.hierarchical_scatter_topk_hook`) on each rank's node-summed
 shard among the ranks with the same local rank.
@@ -52,6 +52,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm.cost import BOOKKEEPING_PASSES
+from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
+from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (
     Gather,
     _link,
@@ -69,7 +72,7 @@ from lightning_topk.comm.exchanges.kit import (
     select,
     send_values,
 )
-from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
+from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import Scale, StepStats, TopKState, clock, owner_undo_key
 from lightning_topk.comm.wire import (
     all_to_all_wire,
@@ -232,36 +235,11 @@ def fold_owner_residual(key: str, owner_residual: Tensor) -> Dict[str, Tensor]:
     # k only sizes the slots, which folding does not use
     plan = slot_plan(s, 1, world)
     valid = max(0, min(plan.region, s - rank * plan.region))
-    dense = torch.zeros(s * shards, dtype=torch.float32)
-    pos = torch.arange(valid)
-    dense.index_add_(0, shard * s + global_index(rank, pos, plan), owner_residual[:valid].float().cpu())
+    dev = owner_residual.device  # stays there: no host copy inside a hook (DDP's rebuild folds during backward)
+    dense = torch.zeros(s * shards, dtype=torch.float32, device=dev)
+    pos = torch.arange(valid, device=dev)
+    dense.index_add_(0, shard * s + global_index(rank, pos, plan), owner_residual[:valid].float())
     return dict(zip(names, dense[:n].split(numels)))
-
-
-def fold_pending_owner(state: TopKState) -> None:
-    """Fold every owner residual not claimed by a bucket of this exchange into this rank's per-parameter
-    residuals: ones loaded from a checkpoint, and live ones whose bucket is gone (DDP rebuilt its buckets
-    after the first iteration). Called once the last bucket has been launched. A rollback of the step
-    undoes the fold (the undo log)."""
-    loaded, state._pending_owner = state._pending_owner, {}
-    live = {k: state.owner_residuals.pop(k) for k in [k for k in state.owner_residuals if k not in state.owner_seen]}
-    state.owner_seen = set()
-    if loaded or live:
-        def undo() -> None:
-            state._pending_owner.update(loaded)
-            state.owner_residuals.update(live)
-
-        state.undo.on_rollback(undo)
-    for key, t in {**loaded, **live}.items():
-        _add_to_residuals(state, fold_owner_residual(key, t))
-
-
-def fold_live_owner(state: TopKState, key: str) -> None:
-    """Fold a live owner residual into the residuals (its bucket now travels another way)."""
-    t = state.owner_residuals.pop(key, None)
-    if t is not None:
-        state.undo.on_rollback(lambda: state.owner_residuals.__setitem__(key, t))
-        _add_to_residuals(state, fold_owner_residual(key, t))
 
 
 def _add_to_residuals(state: TopKState, per_param: Dict[str, Tensor]) -> None:
@@ -300,16 +278,78 @@ def _add_to_residuals(state: TopKState, per_param: Dict[str, Tensor]) -> None:
         state.undo.on_rollback(undo)
 
 
-def claim_owner_residual(state: TopKState, key: str, region: int, device: torch.device) -> Tensor:
-    """This rank's owner residual for ``key`` (live, loaded from a checkpoint, or new), marked as used by
-    this exchange (see :func:`fold_pending_owner`)."""
-    state.owner_seen.add(key)
-    t = state.owner_residuals.get(key)
-    if t is None:
-        got = state._pending_owner.pop(key, None)
-        t = torch.zeros(region, dtype=torch.float32, device=device) if got is None else got.to(device, torch.float32)
-        state.owner_residuals[key] = t
-    return t
+class OwnerResiduals:
+    """This rank's owner residuals (region sums not forwarded yet), keyed by :func:`bucket_key`: ``live``
+    ones, ``loaded`` ones from a checkpoint not claimed yet, and the keys ``seen`` by this step's buckets.
+    Owned by one scale-free exchange (flat, or the hierarchical one's inter-node tier)."""
+
+    def __init__(self) -> None:
+        self.live: Dict[str, Tensor] = {}
+        self.loaded: Dict[str, Tensor] = {}
+        self.seen: set = set()
+
+    def claim(self, key: str, region: int, device: torch.device) -> Tensor:
+        """The owner residual for ``key`` (live, loaded from a checkpoint, or new), marked as used by this
+        step (see :meth:`fold_unclaimed`)."""
+        self.seen.add(key)
+        t = self.live.get(key)
+        if t is None:
+            got = self.loaded.pop(key, None)
+            t = torch.zeros(region, dtype=torch.float32, device=device) if got is None else \
+                got.to(device, torch.float32, copy=True)
+            self.live[key] = t
+        return t
+
+    def fold_unclaimed(self, state: TopKState) -> None:
+        """Fold every owner residual not claimed by a bucket of this step into this rank's per-parameter
+        residuals: ones loaded from a checkpoint, and live ones whose bucket is gone (DDP rebuilt its buckets
+        after the first iteration). Called once the last bucket has been launched. A rollback of the step
+        undoes the fold (the undo log)."""
+        loaded, self.loaded = self.loaded, {}
+        live = {k: self.live.pop(k) for k in [k for k in self.live if k not in self.seen]}
+        self.seen = set()
+        if loaded or live:
+            def undo() -> None:
+                self.loaded.update(loaded)
+                self.live.update(live)
+
+            state.undo.on_rollback(undo)
+        for key, t in {**loaded, **live}.items():
+            _add_to_residuals(state, fold_owner_residual(key, t))
+
+    def fold(self, state: TopKState, key: str) -> None:
+        """Fold a live owner residual into the residuals (its bucket now travels another way)."""
+        t = self.live.pop(key, None)
+        if t is not None:
+            state.undo.on_rollback(lambda: self.live.__setitem__(key, t))
+            _add_to_residuals(state, fold_owner_residual(key, t))
+
+    def fold_names(self, state: TopKState, names: Sequence[str]) -> None:
+        """Fold the live owner residuals of the bucket of exactly these parameters."""
+        want = list(names)
+        for key in [k for k in self.live if _parse_key(k)[4] == want]:
+            self.fold(state, key)
+
+    def state_dict(self) -> Dict[str, Any]:
+        owner = {k: t.clone() for k, t in self.loaded.items()}
+        owner.update({k: t.detach().cpu().clone() for k, t in self.live.items()})
+        return {"owner_residual": owner} if owner else {}
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        self.live.clear()
+        self.seen = set()
+        self.loaded = dict((sd or {}).get("owner_residual", {}))
+
+    def undo_keys(self) -> List[str]:
+        return [owner_undo_key(k) for k in self.live]
+
+
+def fold_section(state: TopKState, sd: Dict[str, Any]) -> None:
+    """A saved owner-residual section in a run without its exchange: fold it into the rank residuals now
+    (part of the load, not of a step: a skipped step does not undo it)."""
+    for key, t in dict(sd.get("owner_residual", {})).items():
+        _add_to_residuals(state, fold_owner_residual(key, t))
+    state.undo.clear()
 
 
 def scatter_wire(plan: SlotPlan, value_bytes_per_entry: int) -> int:
@@ -340,14 +380,15 @@ class ScatterJob:
     wire_dtype: torch.dtype
     work: Any
     recv: Tensor
+    owners: Optional[OwnerResiduals] = None
 
 
 def scatter_launch(packed: Tensor, plan: SlotPlan, group: Any, rank: int, key: Optional[str],
-                   wire_dtype: torch.dtype) -> ScatterJob:
-    """Launch the all-to-all of the packed slots (stage 1)."""
+                   wire_dtype: torch.dtype, owners: Optional[OwnerResiduals] = None) -> ScatterJob:
+    """Launch the all-to-all of the packed slots (stage 1); ``owners`` holds the owner residual ``key``."""
     recv = torch.empty_like(packed)
     work = dist.all_to_all_single(recv, packed, group=group, async_op=True)
-    return ScatterJob(plan, group, rank, key, wire_dtype, work, recv)
+    return ScatterJob(plan, group, rank, key, wire_dtype, work, recv, owners)
 
 
 def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
@@ -356,8 +397,8 @@ def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
     plan = job.plan
     vals, pos = unpack(job.recv, plan.slot, job.wire_dtype, plan.world)
     ores = None
-    if job.key is not None:
-        ores = state.owner_residuals.get(job.key)
+    if job.key is not None and job.owners is not None:
+        ores = job.owners.live.get(job.key)
         if ores is not None:
             state.undo.save_tensor(owner_undo_key(job.key), ores)
     wire, q = owner_step(state, vals, pos, ores, plan)
@@ -376,7 +417,9 @@ class _Pending:
 
 
 def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook: scale-free top-k exchange (see the module docstring)."""
+    """DDP comm hook: scale-free top-k exchange (see the module docstring); its own state is
+    ``state.exchange_for("scatter")``."""
+    ex: ScatterExchange = state.exchange_for("scatter")
     group = state.process_group if state.process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -394,11 +437,11 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     else:
         k = bucket_k(state, n)
     if k == 0 or world == 1:
-        flush_scatter(state)
+        ex.flush(state)
         if bucket.is_last():
-            fold_pending_owner(state)
+            ex.owners.fold_unclaimed(state)
         return topk_allgather_hook(state, bucket)  # dense (ring all-reduce) or nothing to spread
-    plan = slot_plan(n, k, world, state.scatter)
+    plan = slot_plan(n, k, world, ex.options)
     stats = state.current
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), scatter_buckets=1)
     t0 = clock(device)
@@ -423,26 +466,30 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     key = None
     if b is not None:
         key = bucket_key(world, rank, b.names, b.numels)
-        claim_owner_residual(state, key, plan.region, device)
-    flush_scatter(state)
+        ex.owners.claim(key, plan.region, device)
+    ex.flush(state)
     result = future_on(device)
     t_launch = clock(device)
-    job = scatter_launch(packed, plan, group, rank, key, cfg.wire_dtype)
-    state.scatter_pending = _Pending(result, job, grad, factor(state.grad_scale, world), stats, t_launch)
+    job = scatter_launch(packed, plan, group, rank, key, cfg.wire_dtype, ex.owners)
+    ex.pending = _Pending(result, job, grad, factor(state.grad_scale, world), stats, t_launch)
     if bucket.is_last():
-        flush_scatter(state)
-        fold_pending_owner(state)  # anything the buckets of this exchange did not claim
+        ex.flush(state)
+        ex.owners.fold_unclaimed(state)  # anything the buckets of this exchange did not claim
         state.end_exchange()
     return result
 
 
 def flush_scatter(state: TopKState) -> None:
-    """Finish the pending bucket: its owner step and all-gather (:func:`scatter_forward`); the bucket's
+    """Finish the scale-free exchange's pending bucket (see :meth:`ScatterExchange.flush`)."""
+    if "scatter" in state.exchanges:
+        state.exchanges["scatter"].flush(state)
+
+
+def _flush(state: TopKState, p: Optional["_Pending"]) -> None:
+    """Finish a pending bucket: its owner step and all-gather (:func:`scatter_forward`); the bucket's
     future completes when the all-gather arrives. Only device work is queued."""
-    p: Optional[_Pending] = state.scatter_pending
     if p is None:
         return
-    state.scatter_pending = None
     p.job.work.wait()
     t0 = clock(p.grad.device)
     g = scatter_forward(state, p.job)
@@ -458,3 +505,68 @@ def flush_scatter(state: TopKState) -> None:
             p.result.set_exception(e)
 
     g.work.get_future().then(done)
+
+
+@register("scatter")
+class ScatterExchange(Exchange):
+    """The scale-free exchange (see the module docstring): its options, the bucket waiting for its owner
+    step, and its owner residuals (checkpoint section ``owner_residual``). Not with
+    ``momentum_correction`` or ``selection_scope="parameter"``."""
+
+    momentum_correction = False
+    parameter_scope = False
+    min_world = 2  # auto considers it only with several ranks
+
+    def __init__(self, state: Any, layout: Optional[Layout] = None, options: Optional[ScatterOptions] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(state, layout)
+        self.options = options
+        self.pending: Optional[_Pending] = None
+        self.owners = OwnerResiduals()
+
+    def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return scatter_topk_hook(state, bucket)
+
+    def flush(self, state: TopKState) -> None:
+        p, self.pending = self.pending, None
+        _flush(state, p)
+
+    def release(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
+        self.owners.fold_names(state, names)
+
+    def end_step(self, state: TopKState) -> None:
+        self.owners.fold_unclaimed(state)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.owners.state_dict()
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        self.owners.load_state_dict(sd)
+
+    @classmethod
+    def orphan(cls, state: TopKState, sd: Dict[str, Any]) -> None:
+        fold_section(state, sd)
+
+    def undo_keys(self) -> List[str]:
+        return self.owners.undo_keys()
+
+    @classmethod
+    def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
+        P, N, L = model.world, model.nodes, model.local
+        eb = value_bytes + 4
+        plan = slot_plan(n, k, P)
+        comp = model.select(n) + model.select(plan.region) + BOOKKEEPING_PASSES * model.pass_per_elem * n + \
+            model.add_per_entry * (k + P * plan.slot + P * plan.out)
+        slot = plan.slot * eb
+        if N > 1:
+            inter = model.tier(model.inter)
+            a2a = (P - 1) * inter.alpha + max(L * (P - L) * slot / inter.beta,
+                                              (L - 1) * slot / model.tier(model.intra).beta if L > 1 else 0.0)
+        else:
+            intra = model.tier(model.intra)
+            a2a = (P - 1) * (intra.alpha + slot / intra.beta)
+        return comp, a2a + model.flat().allgather(plan.out * eb, P)
+
+    @classmethod
+    def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
+        return scatter_wire(slot_plan(n, k, model.world), value_bytes + 4)
