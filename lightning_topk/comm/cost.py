@@ -1,52 +1,18 @@
-"""Alpha-beta cost model of the exchanges and the automatic per-bucket choice (``exchange="auto"``).
+"""Alpha-beta cost model of the exchanges: link tiers, the probe that measures them, the timing-free
+constants, and the choice between candidates (used by ``exchange="auto"``, :mod:`lightning_topk.comm.exchanges.auto`).
 
 Each link tier (intra-node, inter-node) is a latency ``alpha`` (s per message) and a bandwidth ``beta``
 (bytes/s), fitted at setup from timed all-reduces of two sizes; selection (on synthetic gradient-like
-data of two sizes), one dense pass and a random-place ``index_add_`` (rebuilds) are timed too. Every rank measures, the slowest figure
-wins (one all-reduce), so every rank holds the same model and takes the same decisions.
+data of two sizes), one dense pass and a random-place ``index_add_`` (rebuilds) are timed too. Every
+rank measures, the slowest figure wins (one all-reduce), so every rank holds the same model. Without
+timing (:func:`constant_model`) the figures are :data:`CONSTANTS` and ``auto_link_gbps``.
 
-Per bucket of ``n`` entries with ``k`` to send, on ``P = N x L`` ranks (N nodes, L per node), the
-model predicts compute + link time of
-
-* ``dense``: ring all-reduce of the fp32 accumulator, ``2(P-1) alpha + 2(P-1)/P 4n / beta``;
-* ``dense_bf16``: the same in bf16 (half the bytes; the cast error stays in the residual), its time the
-  fp32 one's times the measured bf16/fp32 ratio (0.5 where the link limits; gloo sums bf16 slowly on CPU);
-* ``allgather``: selection + ring all-gather of k entries, ``(P-1)(alpha + k b / beta)``;
-* ``hierarchical``: intra-node reduce-scatter and all-gather of the fp32 shard, selection on ``n/L``, an
-  inter-node all-gather of ``k/L`` entries per rank that all L ranks of a node run at once;
-* ``scatter``: selection, an all-to-all of ``P-1`` slots (a node's link carries ``L (P-L)`` of them)
-  and a ring all-gather of the owners' forwards (:mod:`lightning_topk.comm.scatter`);
-* ``hierarchical_scatter``: the intra-node part of ``hierarchical``, then the scale-free exchange among
-  the N ranks with the same local rank on ``k/L`` entries (all L ranks of a node at once).
-
-Flat collectives across nodes are limited by the inter-node tier (a node-major ring crosses each
-node's link once per step). The choice is the lowest prediction, a sparse one's times
-``auto_sparse_penalty`` (top-k needs more steps to an accuracy); ``density`` stays the user's: only how
-the entries travel changes (``dense`` sends them all).
-
-**One plan, the same on every rank and in every run that asks for it.** The plan maps a bucket *size*
-(its number of entries) to an exchange, decided once for the configured ``density`` (not per warm-up
-k), so it holds one entry per distinct bucket size and does not depend on DDP's bucket layout. Near
-ties never depend on timing noise: every candidate whose score is within ``TIE_MARGIN`` of the best
-one competes, and the first of ``TIE_ORDER`` among them wins (dense fp32 first: it loses nothing).
-Where the model comes from (``auto_model``):
-
-* ``"constants"`` (and ``"auto"`` under ``Trainer(deterministic=True)`` /
-  ``torch.use_deterministic_algorithms(True)``): no timing at all. The model is built from
-  :data:`CONSTANTS` for the device type and ``auto_link_gbps`` for the inter-node link, so the plan is a
-  pure function of the bucket sizes, the layout and the options, and it is never refreshed;
-* ``"probe"`` (and ``"auto"`` otherwise): probed at setup, every rank measures and the slowest figure wins
-  (one all-reduce), so every rank holds the same model. Every ``REFRESH_STEPS`` exchanges the model is
-  refreshed from telemetry: selection cost per entry from the measured selection time, and a link-time
-  scale from measured over predicted exchange time (the mean over ranks, carried by the step
-  controller's one all-reduce per step, so the hooks read nothing on the host; without a controller, the
-  slowest rank's, by an all-reduce of its own); a bucket switches algorithm only when the new choice's
-  score is at least ``SWITCH_GAIN`` better.
-
-The plan and the model are saved in the rank-independent part of a checkpoint (rank 0 writes it and
-every rank reads it), so a resumed run restores one plan on every rank whatever each rank's residual
-shard holds, and does not probe again. Predictions and measured times are logged as
-``topk/predicted_ms`` and ``topk/measured_ms``.
+Each exchange owns its formula (``Exchange.predict`` in its module, :mod:`lightning_topk.comm.exchanges`):
+per bucket of ``n`` entries with ``k`` to send on ``P = N x L`` ranks (N nodes, L per node), compute +
+link seconds. Flat collectives across nodes are limited by the inter-node tier (a node-major ring
+crosses each node's link once per step). :meth:`CostModel.choose` scores each candidate by its
+prediction, a sparse one's times ``auto_sparse_penalty`` (top-k needs more steps to an accuracy), and
+breaks near ties (``TIE_MARGIN``) by a fixed order (``TIE_ORDER``), never by timing noise.
 """
 import functools
 import logging
@@ -64,8 +30,6 @@ log = logging.getLogger(__name__)
 
 CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "hierarchical_scatter", "scatter")
 SPARSE = ("allgather", "hierarchical", "hierarchical_scatter", "scatter")
-REFRESH_STEPS = 100
-SWITCH_GAIN = 0.9
 # Candidates within this share of the best score tie; the first of TIE_ORDER among them wins. Dense fp32
 # first (exact), then bf16, then the exchanges whose bytes grow least with the number of ranks.
 TIE_MARGIN = 0.15

@@ -24,7 +24,7 @@ SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
-# Where exchange="auto" gets its cost model (see comm/cost.py).
+# Where exchange="auto" gets its cost model (see comm/exchanges/auto.py).
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 Scale = Union[float, Tensor]
 
@@ -78,7 +78,7 @@ class TopKConfig:
             bit-exact with several buckets. Flat exchange only.
         exchange: how entries travel: ``"auto"`` (a cost model probed at setup picks per bucket), ``"dense"``
             (all-reduce), ``"allgather"`` (flat top-k all-gather), ``"hierarchical"`` (as ``hierarchical=True``)
-            ``"scatter"`` (scale-free sparse reduce-scatter + all-gather, :mod:`lightning_topk.comm.scatter`;
+            ``"scatter"`` (scale-free sparse reduce-scatter + all-gather, :mod:`lightning_topk.comm.exchanges.scatter`;
             no ``momentum_correction``) or ``"hierarchical_scatter"`` (the hierarchical exchange with the
             scale-free exchange among the ranks with the same local rank; conditions as ``"hierarchical"``).
         log_telemetry: log ``topk/*`` metrics to the Trainer's loggers every ``log_every_n_steps``.

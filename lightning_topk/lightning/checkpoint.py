@@ -31,7 +31,7 @@ warning (from rank 0) that says what was redistributed or reset:
   so no rank ever issues other collectives than the rest;
 * different world size W -> W': every new rank gets the average ``(1/W) * sum_r residual_r`` (and the
   same for velocities), after each shard's owner residuals were folded into its residuals (same
-  pending update, see :mod:`lightning_topk.comm.scatter`); the choices of exchange="auto" are dropped. The pending update of error feedback is ``(1/W) * sum_r residual_r``; with
+  pending update, see :mod:`lightning_topk.comm.exchanges.scatter`); the choices of exchange="auto" are dropped. The pending update of error feedback is ``(1/W) * sum_r residual_r``; with
   W' copies of the average it is ``(1/W') * W' * avg``, i.e. unchanged;
 * a checkpoint without top-k state (plain ``ddp``, weights-only) or with missing/corrupt/stale shards:
   the affected residuals start at zero; the density schedule continues at the saved step (or the

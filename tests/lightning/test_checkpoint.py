@@ -125,7 +125,7 @@ def test_shards_written_per_rank_and_pruned_with_their_checkpoint(runs):
         assert sorted(os.listdir(ck / f"{name}.topk")) == ["rank0.pt", "rank1.pt"]
     meta = torch.load(ck / "last.ckpt", weights_only=True)["lightning_topk"]
     assert meta["world_size"] == 2 and meta["num_nodes"] == 1 and meta["local_world_size"] == 2
-    assert meta["step"] == 44 and meta["version"] == 1 and meta["numels"]["net.head.3.weight"] == 1280
+    assert meta["step"] == 44 and meta["version"] == 2 and meta["numels"]["net.head.3.weight"] == 1280
     shard = torch.load(ck / "last.ckpt.topk" / "rank1.pt", weights_only=True)
     assert shard["rank"] == 1 and shard["save_key"] == meta["save_key"]
     assert set(shard["residual"]) == set(meta["numels"])

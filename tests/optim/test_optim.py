@@ -181,7 +181,7 @@ def test_state_dict_roundtrip_continues_identically():
 
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_lars_kernel_path_matches_foreach_path(nesterov):
-    """kernel=True routes through cuda_ops.fused_lars_step (its torch reference off CUDA): same result."""
+    """kernel=True routes through lightning_topk.ops.cuda.fused_lars_step (its torch reference off CUDA): same result."""
     a, b = _net(), _net()
     kw = dict(lr=0.5, trust_coeff=0.02, nesterov=nesterov)
     pa = _run(a, LARS(param_groups(a, 1e-2), kernel=False, **kw), 30, torch.float32)

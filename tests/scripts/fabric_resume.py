@@ -55,7 +55,8 @@ def main():
 
     def snap():
         sd = state.state_dict()
-        return {"step": sd["step"], "residual": sd["residual"], "owner_residual": sd["owner_residual"]}
+        owner = {k: t for sec in sd["exchanges"].values() for k, t in sec.get("owner_residual", {}).items()}
+        return {"step": sd["step"], "residual": sd["residual"], "owner_residual": owner}
 
     if a.phase == "save":
         for _ in range(a.steps):

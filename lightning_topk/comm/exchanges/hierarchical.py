@@ -14,7 +14,7 @@ bytes cross nodes. Buckets are zero-padded to a multiple of L; buckets below ``m
 and dense-schedule steps use a flat all-reduce.
 
 ``exchange="hierarchical_scatter"`` replaces step 3 by the scale-free exchange
-(:mod:`lightning_topk.comm.scatter`) among the same N ranks, run on the shard: slots of about
+(:mod:`lightning_topk.comm.exchanges.scatter`) among the same N ranks, run on the shard: slots of about
 ``k/(L N)`` entries to each node's owner in one all-to-all (what does not fit stays in the shard's
 residual), an owner step on ``s/N`` positions with an owner residual (keyed by bucket and local rank,
 checkpointed, rolled back on a skipped step), an all-gather of ``k/(L N)`` forwards per rank. Inter-node

@@ -39,7 +39,7 @@ The core runs on any flat fp32 tensor over any process group: :func:`scatter_sen
 fit back into the tensor), :func:`scatter_launch` (the all-to-all), :func:`scatter_forward` (owner step,
 all-gather of the forwards), with owner residuals from :class:`OwnerResiduals`. The flat hook here
 runs it on each bucket over the world; the hierarchical exchange
-(:func:`~lightning_topk.comm.hierarchical.hierarchical_scatter_topk_hook`) on each rank's node-summed
+(:func:`~lightning_topk.comm.exchanges.hierarchical.hierarchical_scatter_topk_hook`) on each rank's node-summed
 shard among the ranks with the same local rank.
 """
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
