@@ -26,25 +26,32 @@ def shard_sets(tmp_path_factory):
     return out
 
 
-def _rank_main(rank, shards, port, out_dir, worker_start, ram_cache):
+CONFIGS = [(7, "fork", "encoded"), (1, "spawn", "decoded")]  # (shard count, worker start method, RAM level)
+
+
+def _rank_main(rank, shard_sets, port, out_dir):
+    """Every configuration in one process group: one spawn of 2 ranks serves both parametrised checks."""
     os.environ.pop("RANK", None)  # prove nothing reads it
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        dm = WebDataModule(shards, keys=("png", "cls"), image_mode="L", batch_size=BATCH, num_workers=2, seed=11,
-                           shuffle_buffer=64, worker_start=worker_start, persistent_workers=worker_start == "spawn",
-                           ram_cache=ram_cache)
-        dm.setup("fit")  # rank and world size come from torch.distributed here
-        loader = dm.train_dataloader()
-        epochs = []
-        for _ in range(EPOCHS):
-            ids, steps = [], 0
-            for batch in loader:
-                ids += batch["ids"].tolist()
-                steps += 1
-                dist.barrier()  # a rank with fewer batches would leave the other one waiting here
-            epochs.append({"ids": ids, "steps": steps, "len": len(loader)})
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"epochs": epochs, "stats": dm.cache_stats()}, f)
+        for nshards, worker_start, ram_cache in CONFIGS:
+            dm = WebDataModule(shard_sets[nshards], keys=("png", "cls"), image_mode="L", batch_size=BATCH,
+                               num_workers=2, seed=11, shuffle_buffer=64, worker_start=worker_start,
+                               persistent_workers=worker_start == "spawn", ram_cache=ram_cache)
+            dm.setup("fit")  # rank and world size come from torch.distributed here
+            loader = dm.train_dataloader()
+            epochs = []
+            for _ in range(EPOCHS):
+                ids, steps = [], 0
+                for batch in loader:
+                    ids += batch["ids"].tolist()
+                    steps += 1
+                    dist.barrier()  # a rank with fewer batches would leave the other one waiting here
+                epochs.append({"ids": ids, "steps": steps, "len": len(loader)})
+            del loader  # persistent workers end here, before the next configuration
+            with open(os.path.join(out_dir, f"{nshards}_{worker_start}_{ram_cache}_rank{rank}.json"), "w") as f:
+                json.dump({"epochs": epochs, "stats": dm.cache_stats()}, f)
+            dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -57,11 +64,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("nshards,worker_start,ram_cache", [(7, "fork", "encoded"), (1, "spawn", "decoded")])
-def test_two_ranks_two_workers_see_every_sample_once(shard_sets, tmp_path, nshards, worker_start, ram_cache):
-    mp.spawn(_rank_main, args=(shard_sets[nshards], _free_port(), str(tmp_path), worker_start, ram_cache),
-             nprocs=WORLD, join=True)
-    res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(WORLD)]
+@pytest.fixture(scope="module")
+def two_rank_results(shard_sets, tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ranks")
+    mp.spawn(_rank_main, args=(shard_sets, _free_port(), str(out)), nprocs=WORLD, join=True)
+    return out
+
+
+@pytest.mark.parametrize("nshards,worker_start,ram_cache", CONFIGS)
+def test_two_ranks_two_workers_see_every_sample_once(two_rank_results, nshards, worker_start, ram_cache):
+    res = [json.load(open(two_rank_results / f"{nshards}_{worker_start}_{ram_cache}_rank{r}.json"))
+           for r in range(WORLD)]
     for e in range(EPOCHS):
         per_rank = [r["epochs"][e] for r in res]
         # same step count on both ranks, whatever the shard count: ceil(200 / 32) = 7

@@ -91,12 +91,12 @@ def test_hierarchical_true_needs_several_processes_per_node():
 def digits_runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("digits")
     runs = {
-        "ddp": ["--strategy", "ddp", "--epochs", "6"],
+        # also dumps its parameters after epoch 2: what a 2-epoch ddp run ends with (test_density_one_...)
+        "ddp": ["--strategy", "ddp", "--epochs", "6", "--dump-epoch", "2"],
         "topk": ["--strategy", "topk_ddp", "--epochs", "6"],  # by registered name, density 0.01, flat all-gather (train_probe default)
         # the sync-free path (default on CUDA), forced on CPU by the environment
         "topk_sync_free": (["--strategy", "topk_ddp", "--epochs", "6"], {"LIGHTNING_TOPK_SYNC_FREE": "1"}),
         "dense": ["--strategy", "topk", "--density", "1.0", "--epochs", "2"],
-        "ddp2": ["--strategy", "ddp", "--epochs", "2"],
         # static_graph + accumulate_grad_batches trips a torch reducer assert under plain `ddp` too,
         # so the four features are paired the other way round.
         "accum_unused": ["--strategy", "topk", "--density", "0.01", "--max-steps", "8", "--accumulate", "2",
@@ -111,6 +111,7 @@ def digits_runs(tmp_path_factory):
         out[name] = {
             "result": json.loads((d / "result.json").read_text()),
             "ranks": [torch.load(d / f"rank{r}.pt") for r in range(2)],
+            "epoch2": [torch.load(p) for p in sorted(d.glob("rank*_epoch2.pt"))],
             "dir": d,
         }
     return out
@@ -217,8 +218,11 @@ def test_fabric_load_keeps_the_step_counter_and_folds_stranded_owner_residuals(t
 
 
 def test_density_one_matches_ddp_through_trainer(digits_runs):
+    """density=1.0 for 2 epochs against plain ddp after the same 2 epochs (of its 6-epoch run)."""
     a = digits_runs["dense"]["ranks"][0]["params"]
-    b = digits_runs["ddp2"]["ranks"][0]["params"]
+    ddp = digits_runs["ddp"]["epoch2"][0]
+    assert ddp["global_step"] == digits_runs["dense"]["result"]["global_step"]
+    b = ddp["params"]
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0), k
 

@@ -48,6 +48,20 @@ class WithUnused(ImageClassifier):
         self.unused = torch.nn.Linear(10, 10)
 
 
+class DumpAtEpoch(pl.Callback):
+    """Saves rank{r}_epoch{n}.pt (the parameters) when epoch ``n`` ends: a longer run serves a shorter one's
+    checks (SGD with a constant lr and seeded shuffling: its first n epochs are the n-epoch run)."""
+
+    def __init__(self, epochs, out):
+        self.epochs, self.out = epochs, out
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if trainer.current_epoch + 1 == self.epochs:
+            params = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+            torch.save({"params": params, "global_step": trainer.global_step},
+                       os.path.join(self.out, f"rank{trainer.global_rank}_epoch{self.epochs}.pt"))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--strategy", default="topk_ddp")
@@ -64,6 +78,7 @@ def main():
     ap.add_argument("--num-nodes", type=int, default=1)
     ap.add_argument("--hierarchical", default="auto")
     ap.add_argument("--exchange", default="allgather")  # auto may send dense on loopback
+    ap.add_argument("--dump-epoch", type=int, default=0, help="also save the parameters after this many epochs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
@@ -81,8 +96,9 @@ def main():
         hier = {"true": True, "false": False}.get(a.hierarchical, a.hierarchical)
         strategy = TopKDDPStrategy(density=a.density, selector=a.selector, error_feedback=bool(a.error_feedback),
                                    hierarchical=hier, exchange=a.exchange, **ddp_kw)
+    callbacks = [DumpAtEpoch(a.dump_epoch, a.out)] if a.dump_epoch else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, num_nodes=a.num_nodes, strategy=strategy, max_epochs=a.epochs, max_steps=a.max_steps,
+        callbacks=callbacks, accelerator="cpu", devices=2, num_nodes=a.num_nodes, strategy=strategy, max_epochs=a.epochs, max_steps=a.max_steps,
         accumulate_grad_batches=a.accumulate, logger=pl.loggers.CSVLogger(a.out, name="logs"),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         deterministic=True, log_every_n_steps=5,
