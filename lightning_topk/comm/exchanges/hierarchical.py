@@ -24,7 +24,7 @@ previous one moves from its all-to-all to its all-gather.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -51,10 +51,10 @@ from lightning_topk.comm.exchanges.kit import (
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.exchanges.scatter import (
     OwnerResiduals,
+    OwnerResidualsMixin,
     ScatterJob,
     ScatterOptions,
     bucket_key,
-    fold_section,
     scatter_forward,
     scatter_launch,
     scatter_send,
@@ -333,7 +333,7 @@ class HierarchicalExchange(Exchange):
 
 
 @register("hierarchical_scatter")
-class HierarchicalScatterExchange(HierarchicalExchange):
+class HierarchicalScatterExchange(OwnerResidualsMixin, HierarchicalExchange):
     """The hierarchical exchange with the scale-free exchange among the ranks with the same local rank:
     also its scatter options and owner residuals (keyed by bucket and local rank; checkpoint section
     ``owner_residual``)."""
@@ -346,25 +346,6 @@ class HierarchicalScatterExchange(HierarchicalExchange):
 
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return _hook(state, bucket, scatter=True)
-
-    def release(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
-        self.owners.fold_names(state, names)
-
-    def end_step(self, state: TopKState) -> None:
-        self.owners.fold_unclaimed(state)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.owners.state_dict()
-
-    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
-        self.owners.load_state_dict(sd)
-
-    @classmethod
-    def orphan(cls, state: TopKState, sd: Dict[str, Any]) -> None:
-        fold_section(state, sd)
-
-    def undo_keys(self) -> List[str]:
-        return self.owners.undo_keys()
 
     @classmethod
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:

@@ -507,8 +507,35 @@ def _flush(state: TopKState, p: Optional["_Pending"]) -> None:
     g.work.get_future().then(done)
 
 
+class OwnerResidualsMixin:
+    """The :class:`~lightning_topk.comm.exchanges.base.Exchange` methods of an exchange that keeps owner
+    residuals in ``self.owners``: a bucket leaving it and the step's end fold them into the rank residuals,
+    they are its checkpoint section, and a saved section without the exchange is folded at load."""
+
+    owners: OwnerResiduals
+
+    def release(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
+        self.owners.fold_names(state, names)
+
+    def end_step(self, state: TopKState) -> None:
+        self.owners.fold_unclaimed(state)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return self.owners.state_dict()
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        self.owners.load_state_dict(sd)
+
+    @classmethod
+    def orphan(cls, state: TopKState, sd: Dict[str, Any]) -> None:
+        fold_section(state, sd)
+
+    def undo_keys(self) -> List[str]:
+        return self.owners.undo_keys()
+
+
 @register("scatter")
-class ScatterExchange(Exchange):
+class ScatterExchange(OwnerResidualsMixin, Exchange):
     """The scale-free exchange (see the module docstring): its options, the bucket waiting for its owner
     step, and its owner residuals (checkpoint section ``owner_residual``). Not with
     ``momentum_correction`` or ``selection_scope="parameter"``."""
@@ -530,25 +557,6 @@ class ScatterExchange(Exchange):
     def flush(self, state: TopKState) -> None:
         p, self.pending = self.pending, None
         _flush(state, p)
-
-    def release(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
-        self.owners.fold_names(state, names)
-
-    def end_step(self, state: TopKState) -> None:
-        self.owners.fold_unclaimed(state)
-
-    def state_dict(self) -> Dict[str, Any]:
-        return self.owners.state_dict()
-
-    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
-        self.owners.load_state_dict(sd)
-
-    @classmethod
-    def orphan(cls, state: TopKState, sd: Dict[str, Any]) -> None:
-        fold_section(state, sd)
-
-    def undo_keys(self) -> List[str]:
-        return self.owners.undo_keys()
 
     @classmethod
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
