@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_topk.lightning.checkpoint import shard_dir, shard_path
 from tests.helpers.procs import SCRIPTS, fake_scontrol, run_script
 
 sys.path.insert(0, str(SCRIPTS))
@@ -75,7 +76,7 @@ def test_resume_is_bit_exact_on_the_sync_free_path(tmp_path):
 def test_resume_from_file_url_checkpoint_is_bit_exact(tmp_path):
     # Shards go through the same URL handling as Lightning's checkpoint I/O (fsspec), not plain paths.
     run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,url_stop,url_resume"])
-    assert sorted(os.listdir(tmp_path / "url" / "e1.ckpt.topk")) == ["rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(shard_dir(tmp_path / "url" / "e1.ckpt"))) == ["rank0.pt", "rank1.pt"]
     for r in range(2):
         straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "url_resume", r)
         assert resumed["ckpt_path"].startswith("file://")
@@ -87,16 +88,17 @@ def test_resume_from_file_url_checkpoint_is_bit_exact(tmp_path):
 def test_shards_written_per_rank_and_pruned_with_their_checkpoint(runs):
     ck = runs / "ckpt"
     # resume used save_top_k=1: ModelCheckpoint removed epoch 0's file, and its shards went with it
-    assert not (ck / "epoch=0-step=22.ckpt").exists() and not (ck / "epoch=0-step=22.ckpt.topk").exists()
+    assert not (ck / "epoch=0-step=22.ckpt").exists() and not os.path.exists(shard_dir(ck / "epoch=0-step=22.ckpt"))
     for name in ("epoch=1-step=44.ckpt", "last.ckpt"):
-        assert sorted(os.listdir(ck / f"{name}.topk")) == ["rank0.pt", "rank1.pt"]
+        assert sorted(os.listdir(shard_dir(ck / name))) == ["rank0.pt", "rank1.pt"]
     meta = torch.load(ck / "last.ckpt", weights_only=True)["lightning_topk"]
     assert meta["world_size"] == 2 and meta["num_nodes"] == 1 and meta["local_world_size"] == 2
     assert meta["step"] == 44 and meta["version"] == 1 and meta["numels"]["net.head.3.weight"] == 1280
-    shard = torch.load(ck / "last.ckpt.topk" / "rank1.pt", weights_only=True)
+    shard = torch.load(shard_path(ck / "last.ckpt", 1), weights_only=True)
     assert shard["rank"] == 1 and shard["save_key"] == meta["save_key"]
     assert set(shard["residual"]) == set(meta["numels"])
-    assert not any(f.startswith(".tmp") for f in os.listdir(ck / "last.ckpt.topk"))
+    assert not any(f.startswith(".tmp") for f in os.listdir(shard_dir(ck / "last.ckpt")))
+    assert sorted(os.listdir(ck)) == [".topk-shards", "epoch=1-step=44.ckpt", "last.ckpt"]
 
 
 def test_plain_ddp_resumes_from_topk_checkpoint(runs):
@@ -132,7 +134,7 @@ def test_world_size_change_averages_residuals(runs):
     run_script([SCRIPT, "--out", runs, "--phases", "shrink", "--devices", "1"])
     x = load(runs, "shrink", 0)
     assert len(x["warnings"]) == 1 and "world size changed from 2 to 1" in x["warnings"][0]
-    shards = [torch.load(runs / "ckpt" / "last.ckpt.topk" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    shards = [torch.load(shard_path(runs / "ckpt" / "last.ckpt", r), weights_only=True) for r in range(2)]
     for kind in ("residual", "velocity"):
         assert x["restored"][kind].keys() == shards[0][kind].keys()
         for k, got in x["restored"][kind].items():
@@ -160,7 +162,7 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
         job.kill_all()  # what SLURM does to the old allocation
     assert scontrol_log.read_text().split() == ["requeue", "4242"]
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
-    assert hpc.exists() and sorted(os.listdir(f"{hpc}.topk")) == ["rank0.pt", "rank1.pt"]
+    assert hpc.exists() and sorted(os.listdir(shard_dir(hpc))) == ["rank0.pt", "rank1.pt"]
     saved_at = torch.load(hpc, weights_only=True)["global_step"]
     assert 5 <= saved_at < 22
 
