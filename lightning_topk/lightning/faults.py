@@ -14,11 +14,17 @@ rank that was lost when a collective fails, and SLURM requeue at a step boundary
   ``barrier`` then meets another rank's gradient collective. This callback only records the signal
   and runs Lightning's handler on all ranks together after the next optimizer step (one 1-element
   all-reduce per step, only when SLURM auto-requeue is active). ``topk_ddp`` adds it by itself.
+* :class:`AgreedHpcPath`: Lightning's handler names the requeue checkpoint ``hpc_ckpt_<N+1>.ckpt`` on
+  each rank by listing ``default_root_dir`` (``hpc_ckpt_<N>`` being the highest there), so a rank that
+  lists after rank 0 wrote its file picks ``N+2`` and its residual shard lands under another name.
+  When the process group starts, rank 0 picks ``N+1`` and broadcasts it; every rank's requeue save
+  then uses that name (and ``N+2``, ... for later saves of the same run).
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -244,6 +250,40 @@ def _slurm_requeue_env(strategy):
     return None
 
 
+class AgreedHpcPath:
+    """Stands in for ``trainer._checkpoint_connector.hpc_save_path`` (which Lightning's SLURM handler calls
+    on every rank): the k-th requeue save of this run is ``hpc_ckpt_<first + k - 1>.ckpt`` on every rank."""
+
+    def __init__(self, first: int) -> None:
+        self.next = int(first)
+
+    def __call__(self, folderpath: Any) -> str:
+        number, self.next = self.next, self.next + 1
+        return os.path.join(folderpath, f"hpc_ckpt_{number}.ckpt")  # as Lightning's own hpc_save_path
+
+
+_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt$")
+
+
+def agree_hpc_path(strategy, trainer) -> Optional[int]:
+    """Rank 0 chooses the number of the next requeue checkpoint (Lightning's rule: one more than the highest
+    ``hpc_ckpt_<N>`` in ``default_root_dir``) and broadcasts it; every rank then saves under that name.
+    Collective: called on every rank right after the process group starts. Returns the number."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    lightning_rule = getattr(type(connector), "hpc_save_path", None)
+    number = None
+    if strategy.global_rank == 0 and callable(lightning_rule):
+        m = _HPC_NAME.search(os.fspath(lightning_rule(trainer.default_root_dir)))
+        number = int(m.group(1)) if m else None
+    number = strategy.broadcast(number, src=0)
+    if number is None:  # Lightning names it differently now: leave its rule alone
+        log.warning("lightning_topk: could not read Lightning's hpc checkpoint name; each rank names its requeue "
+                    "checkpoint itself")
+        return None
+    connector.hpc_save_path = AgreedHpcPath(number)
+    return number
+
+
 def _mid_accumulation(trainer) -> bool:
     loop = trainer.fit_loop.epoch_loop
     try:
@@ -260,6 +300,7 @@ def start(strategy) -> Optional[Heartbeat]:
     if trainer is not None and _slurm_requeue_env(strategy) is not None:
         if not any(isinstance(cb, RequeueSync) for cb in trainer.callbacks):
             trainer.callbacks.append(RequeueSync())
+        agree_hpc_path(strategy, trainer)
     if not (dist.is_available() and dist.is_initialized() and strategy.world_size > 1):
         return None
     try:

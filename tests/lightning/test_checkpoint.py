@@ -178,3 +178,33 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
         assert resumed["restored"]["step"] == saved_at
         assert resumed["warnings"] == []
         assert_same_state(load(runs, "straight", r), resumed)
+
+
+def test_slurm_requeue_every_rank_saves_under_rank_zeros_name(tmp_path):
+    """Rank 1 names its requeue checkpoint 2 s after rank 0 wrote hpc_ckpt_1.ckpt (its logger is slow to
+    finalize, which Lightning's handler does first). Each rank used to list the folder itself and rank 1
+    picked hpc_ckpt_2: its residual shard was lost to the resumed job. Now all shards are under rank 0's
+    name, and a leftover shard folder of a save that never completed does not shift the next number."""
+    from lightning_topk.lightning import checkpoint as ckmod
+
+    env, scontrol_log = fake_scontrol(tmp_path)
+    out = tmp_path / "run"
+    (out / "slurm").mkdir(parents=True)
+    # Shards of a hpc_ckpt_5 whose main file was never written (rank 0 died): not a checkpoint.
+    os.makedirs(shard_dir(out / "slurm" / "hpc_ckpt_5.ckpt"))
+    job = Ranks(SCRIPT, ["--out", out, "--phases", "slurm", "--slow", "0.1", "--slow-finalize-rank", "1"], 2,
+                tmp_path / "logs", slurm_job=4343, extra_env=env)
+    try:
+        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 3, 120, "3 training steps", job)
+        job.signal(0, signal.SIGUSR1)  # RequeueSync runs the handler on both ranks after the next step
+        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
+    finally:
+        job.kill_all()
+    names = sorted(f for f in os.listdir(out / "slurm") if "hpc_ckpt" in f)
+    assert names == ["hpc_ckpt_1.ckpt"], names
+    assert sorted(os.listdir(out / "slurm" / ".topk-shards")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_5.ckpt"]
+    hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
+    meta = torch.load(hpc, weights_only=True)["lightning_topk"]
+    for r in range(2):
+        shard, why = ckmod.read_shard(shard_path(hpc, r), meta, r)
+        assert why == "" and shard["residual"], (r, why)
