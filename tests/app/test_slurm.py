@@ -8,8 +8,8 @@ import stat
 import subprocess
 
 import pytest
-import torch
 import pytorch_lightning as pl
+import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from lightning_fabric.plugins.environments import SLURMEnvironment

@@ -72,7 +72,18 @@ class Cluster:
             return ""
 
     def stop(self) -> None:
-        """Stop every daemon this cluster started (SIGTERM, then SIGKILL after 10 s), slurmd first."""
+        """Cancel the jobs still in this cluster (their tasks end with them), then stop every daemon it started
+        (SIGTERM, then SIGKILL after 10 s), slurmd first."""
+        ctl = self.procs.get("slurmctld")
+        if ctl is not None and ctl.poll() is None:
+            try:
+                self.cmd("scancel", "--full", f"--user={os.getuid()}", check=False, timeout=10)
+                end = time.monotonic() + 30
+                while time.monotonic() < end and self.cmd("squeue", "-h", "-t", "PD,R,CG,S", check=False,
+                                                          timeout=10).stdout.strip():
+                    time.sleep(0.5)
+            except subprocess.TimeoutExpired:
+                pass
         for name in [n for n in self.procs if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             p = self.procs.get(name)
             if p is None or p.poll() is not None:
