@@ -4,7 +4,6 @@ from __future__ import annotations
 import multiprocessing
 import signal
 import sys
-import threading
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import pytorch_lightning as pl
@@ -52,20 +51,23 @@ def resolve_worker_start(worker_start: Optional[str]) -> Optional[str]:
 
 
 def start_forkserver() -> None:
-    """Start multiprocessing's fork server (if not running) with the SLURM requeue signal ignored, so that the
-    workers forked from it ignore it as well: SLURM signals every process of the step, and a worker started
-    by forkserver or spawn would otherwise die of SIGUSR1 (its default action), failing the training step."""
+    """Start multiprocessing's fork server (if not running) with the SLURM requeue signal blocked, so that the
+    workers forked from it never receive it: SLURM signals every process of the step, and a worker started by
+    forkserver or spawn would otherwise die of SIGUSR1 (its default action), failing the training step. The
+    signal mask is inherited through fork and exec; this process unblocks it at once (nothing is lost)."""
     from multiprocessing import forkserver
 
     from lightning_topk.lightning.faults import requeue_signals
 
-    sigs = requeue_signals() if threading.current_thread() is threading.main_thread() else ()
-    old = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}  # dispositions set to SIG_IGN survive exec
+    sigs = set(requeue_signals())
+    if not sigs or not hasattr(signal, "pthread_sigmask"):
+        forkserver.ensure_running()
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
     try:
         forkserver.ensure_running()
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class WebLoader(DataLoader):
