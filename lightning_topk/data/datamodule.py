@@ -59,6 +59,9 @@ def start_forkserver() -> None:
 
     from lightning_topk.lightning.faults import requeue_signals
 
+    # Import what every worker needs once, in the fork server, instead of in each worker it forks (only
+    # takes effect when this call starts the server).
+    forkserver.set_forkserver_preload(["__main__", "torch", "lightning_topk.data.datamodule"])
     sigs = set(requeue_signals())
     if not sigs or not hasattr(signal, "pthread_sigmask"):
         forkserver.ensure_running()
