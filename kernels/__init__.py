@@ -1,1 +1,1 @@
-"""CUDA C sources of lightning_topk's CuPy kernels (shipped as package data; loaded by lightning_topk.comm.cuda_ops)."""
+"""CUDA C sources of lightning_topk's CuPy kernels (shipped as package data; loaded by lightning_topk.ops.cuda)."""

@@ -10,8 +10,8 @@ from tests.helpers.procs import ROOT
 
 PKG = ROOT / "lightning_topk"
 # Lower number = lower layer; a module may import only from its own layer or below.
-LAYERS = {"files": 0, "optional": 0, "comm": 1, "lightning": 2, "data": 3, "optim": 3, "models": 3, "app": 4}
-TORCH_ONLY = ("torch", "numpy", "cupy", "lightning_topk.comm", "lightning_topk.files")
+LAYERS = {"files": 0, "optional": 0, "ops": 0, "comm": 1, "lightning": 2, "data": 3, "optim": 3, "models": 3, "app": 4}
+TORCH_ONLY = ("torch", "numpy", "cupy", "lightning_topk.comm", "lightning_topk.ops", "lightning_topk.files")
 
 
 def _layer(module: str) -> int:
@@ -54,7 +54,7 @@ def test_comm_imports_torch_and_the_standard_library_only():
     stdlib = set(sys.stdlib_module_names)
     bad = []
     for name, path in _modules():
-        if not name.startswith("lightning_topk.comm"):
+        if not name.startswith(("lightning_topk.comm", "lightning_topk.ops")):
             continue
         for line, target in _imports(path):
             top = target.split(".")[0]
@@ -62,6 +62,43 @@ def test_comm_imports_torch_and_the_standard_library_only():
                 continue
             bad.append(f"{path.relative_to(ROOT)}:{line} imports {target}")
     assert not bad, "\n".join(bad)
+
+
+def _graph():
+    """Module -> the package modules it imports, TYPE_CHECKING blocks and function-level imports included."""
+    names = {name for name, _ in _modules()}
+    graph = {}
+    for name, path in _modules():
+        deps = set()
+        for _, target in _imports(path):
+            while target and target not in names:  # `from pkg.mod import name` -> pkg.mod
+                target = target.rpartition(".")[0]
+            if target and target != name and target.startswith("lightning_topk."):
+                deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def test_no_import_cycle_anywhere():
+    """No module reaches itself through imports (TYPE_CHECKING and lazy imports count: a cycle there is a
+    cycle in the design). Package ``__init__`` re-exports are edges like any other."""
+    graph = _graph()
+    cycles = []
+    state = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
 
 
 @pytest.mark.parametrize("blocked", [("pytorch_lightning", "lightning", "lightning_fabric", "hydra")])

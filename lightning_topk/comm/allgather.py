@@ -147,7 +147,7 @@ def rebuild(out: Tensor, values: Tensor, indices: Tensor) -> Tensor:
     ``scatter_``)."""
     out.zero_()
     if out.is_cuda and indices.dtype == torch.int32:
-        from lightning_topk.comm import cuda_ops
+        from lightning_topk.ops import cuda as cuda_ops
 
         if cuda_ops.cupy_available():
             cuda_ops.scatter_add_dense(out, values, indices, 1.0)

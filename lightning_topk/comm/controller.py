@@ -55,7 +55,7 @@ class StepController:
         self.state = state
         self.device = device
         self._scaler = False
-        self._step_at_start = state.step
+        state.undo.step = state.step
         state.undo.enabled = state.config.nonfinite == "skip"
         if state.auto is not None:
             state.auto.controlled = True
@@ -150,7 +150,7 @@ class StepController:
         after = [n for n, p in (named_parameters or ())
                  if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         origin = [r for r, v in enumerate(host[_INPUTS:]) if v > 0]
-        parts = [f"non-finite gradient at exchange step {self._step_at_start}"]
+        parts = [f"non-finite gradient at exchange step {self.state.undo.step}"]
         if after:
             parts.append(f"after the exchange in parameter(s) {after[:8]}")
         if origin:
@@ -166,10 +166,10 @@ class StepController:
     def _end(self, commit: bool) -> Decision:
         st = self.state
         if commit:
-            st.undo.commit(st.bucket_names())
+            st.undo.commit(st.bucket_names(), st.owner_undo_keys())
         else:
             st.undo.rollback()
-            st.step = self._step_at_start  # a skipped step did not happen: the density schedule stays put
+            st.step = st.undo.step  # a skipped step did not happen: the density schedule stays put
         st.flags.clear()
-        self._step_at_start = st.step
+        st.undo.step = st.step
         return Decision.COMMIT if commit else Decision.SKIP

@@ -22,20 +22,38 @@ model predicts compute + link time of
 Flat collectives across nodes are limited by the inter-node tier (a node-major ring crosses each
 node's link once per step). The choice is the lowest prediction, a sparse one's times
 ``auto_sparse_penalty`` (top-k needs more steps to an accuracy); ``density`` stays the user's: only how
-the entries travel changes (``dense`` sends them all). Predictions and measured times are logged as
-``topk/predicted_ms`` and ``topk/measured_ms``. Every ``REFRESH_STEPS`` exchanges the model is refreshed
-from telemetry: selection cost per entry from the measured selection time, and a link-time scale from
-measured over predicted exchange time (the mean over ranks, carried by the step controller's one
-all-reduce per step, so the hooks read nothing on the host; without a controller, the slowest rank's,
-by an all-reduce of its own); a bucket switches algorithm only when the new choice's score is at least
-``SWITCH_GAIN`` better.
+the entries travel changes (``dense`` sends them all).
+
+**One plan, the same on every rank and in every run that asks for it.** The plan maps a bucket *size*
+(its number of entries) to an exchange, decided once for the configured ``density`` (not per warm-up
+k), so it holds one entry per distinct bucket size and does not depend on DDP's bucket layout. Near
+ties never depend on timing noise: every candidate whose score is within ``TIE_MARGIN`` of the best
+one competes, and the first of ``TIE_ORDER`` among them wins (dense fp32 first: it loses nothing).
+Where the model comes from (``auto_model``):
+
+* ``"constants"`` (and ``"auto"`` under ``Trainer(deterministic=True)`` /
+  ``torch.use_deterministic_algorithms(True)``): no timing at all. The model is built from
+  :data:`CONSTANTS` for the device type and ``auto_link_gbps`` for the inter-node link, so the plan is a
+  pure function of the bucket sizes, the layout and the options, and it is never refreshed;
+* ``"probe"`` (and ``"auto"`` otherwise): probed at setup, every rank measures and the slowest figure wins
+  (one all-reduce), so every rank holds the same model. Every ``REFRESH_STEPS`` exchanges the model is
+  refreshed from telemetry: selection cost per entry from the measured selection time, and a link-time
+  scale from measured over predicted exchange time (the mean over ranks, carried by the step
+  controller's one all-reduce per step, so the hooks read nothing on the host; without a controller, the
+  slowest rank's, by an all-reduce of its own); a bucket switches algorithm only when the new choice's
+  score is at least ``SWITCH_GAIN`` better.
+
+The plan and the model are saved in the rank-independent part of a checkpoint (rank 0 writes it and
+every rank reads it), so a resumed run restores one plan on every rank whatever each rank's residual
+shard holds, and does not probe again. Predictions and measured times are logged as
+``topk/predicted_ms`` and ``topk/measured_ms``.
 """
 import functools
 import logging
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Tuple
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -45,7 +63,13 @@ from lightning_topk.comm.allgather import (
     dense_hook,
     topk_allgather_hook,
 )
-from lightning_topk.comm.hierarchical import flush_pending, hierarchical_scatter_topk_hook, hierarchical_topk_hook
+from lightning_topk.comm.hierarchical import (
+    HierExchange,
+    HierGroups,
+    flush_pending,
+    hierarchical_scatter_topk_hook,
+    hierarchical_topk_hook,
+)
 from lightning_topk.comm.scatter import (
     bucket_key,
     flush_scatter,
@@ -65,7 +89,21 @@ CHOICES = ("dense", "dense_bf16", "allgather", "hierarchical", "hierarchical_sca
 SPARSE = ("allgather", "hierarchical", "hierarchical_scatter", "scatter")
 REFRESH_STEPS = 100
 SWITCH_GAIN = 0.9
-SCATTER_TIE = 0.1
+# Candidates within this share of the best score tie; the first of TIE_ORDER among them wins. Dense fp32
+# first (exact), then bf16, then the exchanges whose bytes grow least with the number of ranks.
+TIE_MARGIN = 0.15
+TIE_ORDER = ("dense", "dense_bf16", "scatter", "hierarchical_scatter", "hierarchical", "allgather")
+# The timing-free model (auto_model="constants", or "auto" under deterministic algorithms): link tiers as
+# (alpha seconds per message, beta bytes per second) and per-entry compute costs per device type, set from
+# the figures measured on this project's machines (BENCHMARKS.md: a 2-core x86 CPU with gloo; an H100-class
+# GPU for "cuda" from published NCCL/NVLink figures). The inter-node tier is (INTER_ALPHA, auto_link_gbps).
+CONSTANTS: Dict[str, Dict[str, Any]] = {
+    "cpu": dict(intra=(50e-6, 2e9), select_per_elem=2.6e-9, select_fixed=1e-4, pass_per_elem=0.5e-9,
+                add_per_entry=20e-9, bf16_factor=1.0),
+    "cuda": dict(intra=(10e-6, 100e9), select_per_elem=0.02e-9, select_fixed=50e-6, pass_per_elem=0.005e-9,
+                 add_per_entry=0.2e-9, bf16_factor=0.5),
+}
+INTER_ALPHA = 50e-6
 _PROBE_BYTES = (1024, 1 << 20, 8 << 20)  # the largest only where 1 MiB takes < 50 ms (beats a shaper's burst)
 _PROBE_NUMELS = (1 << 18, 1 << 22)  # the larger beyond CPU caches, as real buckets are
 BOOKKEEPING_PASSES = 4  # every exchange: accumulate, feedback/finite check, rebuild or scale, copy back
@@ -178,22 +216,16 @@ class CostModel:
 
     def choose(self, n: int, k: int, candidates: List[str], value_bytes: int = 4,
                sparse_penalty: float = 1.0) -> Tuple[str, Dict[str, float]]:
-        """The candidate with the lowest score and every candidate's predicted seconds.
+        """The chosen candidate and every candidate's predicted seconds.
 
         A sparse candidate's score is its prediction times ``sparse_penalty`` (top-k needs more steps than
         a dense all-reduce for the same accuracy; see ``TopKConfig.auto_sparse_penalty``), a dense one's is
-        its prediction. Ties go to the scale-free exchange: within ``SCATTER_TIE`` of the best sparse
-        score, never behind a dense transport, and with fewer wire bytes, it is chosen (its bytes do not
-        grow with P)."""
+        its prediction. Every candidate within ``TIE_MARGIN`` of the best score ties, and the first of
+        ``TIE_ORDER`` among them is chosen, so measurement noise between near-equal candidates cannot flip
+        the choice from run to run."""
         pred = {c: self.total(c, n, k, value_bytes) for c in candidates}
         score = {c: p * (sparse_penalty if c in SPARSE else 1.0) for c, p in pred.items()}
-        best = min(score, key=lambda c: score[c])
-        if "scatter" in score and best in SPARSE and best != "scatter" \
-                and score["scatter"] <= (1 + SCATTER_TIE) * score[best] \
-                and all(score["scatter"] <= score[d] for d in ("dense", "dense_bf16") if d in score) \
-                and self.wire("scatter", n, k, value_bytes) < self.wire(best, n, k, value_bytes):
-            best = "scatter"
-        return best, pred
+        return tie_break(score), pred
 
     def wire(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
         """Bytes one rank puts on the wire (flat collectives; hierarchical ones: their inter-node part)."""
@@ -207,6 +239,50 @@ class CostModel:
         if choice == "hierarchical_scatter":
             return scatter_wire(slot_plan(math.ceil(n / L), math.ceil(k / L), N), eb)
         return (N - 1) * math.ceil(k / L) * eb
+
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain types only (saved in checkpoints; :meth:`from_dict` inverts it)."""
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: Dict[str, Any]) -> "CostModel":
+        d = dict(d)
+        for tier in ("intra", "inter"):
+            d[tier] = None if d.get(tier) is None else Link(**d[tier])
+        return CostModel(**d)
+
+
+def tie_break(score: Dict[str, float]) -> str:
+    """The first candidate of ``TIE_ORDER`` within ``TIE_MARGIN`` of the lowest score."""
+    best = min(score.values())
+    for c in (*TIE_ORDER, *sorted(score)):
+        if c in score and score[c] <= (1 + TIE_MARGIN) * best:
+            return c
+    raise AssertionError("unreachable")  # the best candidate itself is within the margin
+
+
+def timed_model(config) -> bool:
+    """Whether ``auto`` measures (``auto_model="probe"``, or ``"auto"`` without deterministic algorithms)."""
+    if config.auto_model == "auto":
+        return not torch.are_deterministic_algorithms_enabled()
+    return config.auto_model == "probe"
+
+
+def constant_model(nodes: int, local: int, device_type: str, link_gbps: float) -> CostModel:
+    """The timing-free model: :data:`CONSTANTS` for ``device_type`` (CPU figures for any other device) and
+    an inter-node link of ``link_gbps`` Gbit/s."""
+    c = CONSTANTS.get(device_type, CONSTANTS["cpu"])
+    intra = Link(*c["intra"]) if local > 1 else None
+    inter = Link(INTER_ALPHA, link_gbps * 1e9 / 8) if nodes > 1 else None
+    return CostModel(nodes, local, intra, inter, c["select_per_elem"], c["select_fixed"], c["pass_per_elem"],
+                     c["add_per_entry"], bf16_factor=c["bf16_factor"])
+
+
+def target_k(config, n: int) -> int:
+    """Entries a bucket of ``n`` sends at the configured density: what ``auto`` decides for (not the
+    warm-up's larger k, so the plan does not grow during a warm-up)."""
+    return max(1, math.ceil(config.density * n))
 
 
 # ---- probes ---------------------------------------------------------------------------------------
@@ -294,12 +370,16 @@ def dense_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.
 # ---- exchange="auto" ------------------------------------------------------------------------------
 @dataclass
 class AutoExchange:
-    """The cost model, the candidates, and the choice made for each bucket (keyed by its parameters and k)."""
+    """The cost model, the candidates, and the plan: the exchange chosen for each bucket size.
+
+    ``timed``: the model came from a probe and is refreshed from telemetry; ``False`` for the constants
+    model, which is never refreshed (see the module docstring)."""
 
     model: CostModel
     candidates: List[str]
     rank: int = 0
-    choices: Dict[str, Tuple[str, float]] = field(default_factory=dict)
+    timed: bool = True
+    plan: Dict[str, str] = field(default_factory=dict)  # str(bucket entries) -> exchange
     # telemetry since the last refresh: selection seconds and entries, measured and predicted link seconds
     _window: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0, 0.0])
     # the step being exchanged: predicted link seconds and entries of sparse buckets
@@ -308,24 +388,40 @@ class AutoExchange:
     controlled: bool = False
     refreshes: int = 0
 
-    def decide(self, state: TopKState, key: str, n: int, k: int) -> Tuple[str, float, float]:
-        """(choice, predicted seconds, predicted link seconds) for a bucket, cached per key."""
+    def decide(self, state: TopKState, n: int, k: int) -> Tuple[str, float, float]:
+        """(choice, predicted seconds, predicted link seconds) for a bucket of ``n`` entries sending ``k``
+        now; the choice is the plan's for this size, decided at the configured density when first seen."""
         vb = packed_nbytes(1, state.config.wire_dtype) - 4
-        hit = self.choices.get(key)
-        if hit is None:
-            saved = state.plan.get(key)
-            best, pred = self.model.choose(n, k, self.candidates, vb, state.config.auto_sparse_penalty)
-            if saved in self.candidates:
-                best = saved  # restored from a checkpoint: same choice as the interrupted run
-            self.choices[key] = (best, pred[best])
-            state.plan[key] = best
+        key = str(n)
+        choice = self.plan.get(key)
+        if choice is None:
+            choice, pred = self.model.choose(n, target_k(state.config, n), self.candidates, vb,
+                                             state.config.auto_sparse_penalty)
+            self.plan[key] = choice
             if self.rank == 0:
-                log.info("topk_ddp exchange=auto: bucket of %d entries (k=%d) -> %s; predicted ms: %s", n, k, best,
+                log.info("topk_ddp exchange=auto: buckets of %d entries -> %s; predicted ms: %s", n, choice,
                          ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
-        choice = self.choices[key][0]
         comp, comm = self.model.predict(choice, n, k, vb)
         return choice, comp + comm, comm
 
+    # ---- checkpoint -----------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        """Plain types: the plan, the model and whether it is timed (the rank-independent checkpoint part)."""
+        return {"plan": dict(self.plan), "model": self.model.to_dict(), "timed": self.timed,
+                "refreshes": self.refreshes}
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        """Restore a saved plan (entries whose exchange is no candidate now are dropped) and, for the same
+        layout and kind of model, the saved model."""
+        if not sd:
+            return
+        self.plan = {str(k): v for k, v in dict(sd.get("plan", {})).items() if v in self.candidates}
+        m = saved_model(sd, self.timed, self.model.nodes, self.model.local)
+        if m is not None:
+            self.model = m
+            self.refreshes = int(sd.get("refreshes", 0))
+
+    # ---- refresh from telemetry (timed models only) ------------------------------------------------
     def take_window(self) -> List[float]:
         """This rank's telemetry since the last refresh: [selection seconds per entry, measured / predicted
         link time] (0 where unknown); the window starts anew."""
@@ -334,7 +430,7 @@ class AutoExchange:
         return [sel_s / sel_n if sel_n else 0.0, meas_comm / pred_comm if pred_comm > 0 else 0.0]
 
     def refresh_due(self, state: TopKState) -> bool:
-        return bool(state.step) and state.step % REFRESH_STEPS == 0
+        return self.timed and bool(state.step) and state.step % REFRESH_STEPS == 0
 
     def refresh(self, state: TopKState, device: torch.device) -> None:
         """Refresh on its own (no step controller): the slowest rank's window, by one all-reduce read on the
@@ -345,7 +441,7 @@ class AutoExchange:
 
     def apply_refresh(self, state: TopKState, window: List[float]) -> None:
         """Re-fit selection cost and link-time scale from ``window`` (the same on every rank, see
-        :meth:`take_window`); re-decide every bucket."""
+        :meth:`take_window`); re-decide every bucket size."""
         per, ratio = window
         m = self.model
         if per > 0:
@@ -354,21 +450,23 @@ class AutoExchange:
             m.comm_scale = min(4.0, max(0.25, m.comm_scale * ratio))
         self.refreshes += 1
         vb = packed_nbytes(1, state.config.wire_dtype) - 4
-        for key, (old, _) in list(self.choices.items()):
-            n, k = (int(x) for x in key.rsplit("#", 2)[1:])
-            penalty = state.config.auto_sparse_penalty
-            best, pred = m.choose(n, k, self.candidates, vb, penalty)
+        penalty = state.config.auto_sparse_penalty
+        for key, old in list(self.plan.items()):
+            n = int(key)
+            best, pred = m.choose(n, target_k(state.config, n), self.candidates, vb, penalty)
             score = {c: t * (penalty if c in SPARSE else 1.0) for c, t in pred.items()}
             if best != old and score[best] < SWITCH_GAIN * score[old]:
-                self.choices[key] = (best, pred[best])
-                state.plan[key] = best
+                self.plan[key] = best
                 if self.rank == 0:
-                    log.info("topk_ddp exchange=auto: bucket of %d entries switches %s -> %s (predicted ms: %s)",
+                    log.info("topk_ddp exchange=auto: buckets of %d entries switch %s -> %s (predicted ms: %s)",
                              n, old, best, ", ".join(f"{c} {1e3 * t:.2f}" for c, t in pred.items()))
 
     def begin_step(self, state: TopKState, device: torch.device) -> None:
         """First bucket of an exchange: account the previous one (complete by now); without a step
         controller, refresh here when due."""
+        if not self.timed:
+            self._step = [0.0, 0.0]
+            return
         if state.step:
             last = state.last.resolve(ready_only=True)  # CUDA: only the event pairs already done, no wait
             w = self._window
@@ -379,10 +477,6 @@ class AutoExchange:
         self._step = [0.0, 0.0]
         if not self.controlled and self.refresh_due(state):
             self.refresh(state, device)
-
-
-def plan_key(names, n: int, k: int) -> str:
-    return "|".join(names) + f"#{n}#{k}"
 
 
 def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -401,7 +495,7 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
         comp, comm = a.model.predict("dense", n, 0)
         predicted = comp + comm
     else:
-        choice, predicted, comm = a.decide(state, plan_key(names, n, k), n, k)
+        choice, predicted, comm = a.decide(state, n, k)
         if choice not in ("dense", "dense_bf16"):
             a._step[1] += n
     stats.predicted_s += predicted
@@ -415,6 +509,8 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
             group = state.process_group if state.process_group is not None else dist.group.WORLD
             fold_live_owner(state, bucket_key(dist.get_world_size(group), dist.get_rank(group), names, numels))
     if state.hier is not None:
+        if isinstance(state.hier, HierGroups):
+            state.hier = HierExchange(state.hier)
         if choice not in HIERARCHICAL_EXCHANGES:
             flush_pending(state)
         if choice != "hierarchical_scatter" and state.owner_residuals:
@@ -435,12 +531,39 @@ def auto_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.F
     return fut
 
 
+def saved_model(sd: Optional[Dict[str, Any]], timed: bool, nodes: int, local: int) -> Optional[CostModel]:
+    """The model saved in ``sd`` (:meth:`AutoExchange.state_dict`) if it is of the same kind and layout."""
+    m = (sd or {}).get("model")
+    if not isinstance(m, dict) or bool((sd or {}).get("timed")) != timed or (m.get("nodes"), m.get("local")) != (nodes, local):
+        return None
+    try:
+        return CostModel.from_dict(m)
+    except (TypeError, ValueError):
+        return None
+
+
+def build_auto(config, nodes: int, local: int, rank: int, device: torch.device, intra_group=None,
+               inter_group=None, hierarchical_groups: bool = False,
+               saved: Optional[Dict[str, Any]] = None) -> AutoExchange:
+    """``exchange="auto"`` for this layout: the saved plan and model where ``saved`` (the checkpoint's
+    rank-independent section, the same on every rank) has them, else a new model: probed (a collective:
+    every rank calls this) or from :data:`CONSTANTS` (see the module docstring)."""
+    timed = timed_model(config)
+    model = saved_model(saved, timed, nodes, local)
+    if model is None:
+        model = probe(nodes, local, rank, config.density, config.selector, device, intra_group, inter_group) \
+            if timed else constant_model(nodes, local, device.type, config.auto_link_gbps)
+    auto = AutoExchange(model, candidates_for(config, nodes, local, hierarchical_groups), rank, timed=timed)
+    auto.load_state_dict(saved)
+    return auto
+
+
 def candidates_for(config, nodes: int, local: int, hierarchical_groups: bool) -> List[str]:
     """The exchanges ``auto`` may use under these options (see TopKConfig for the precedence)."""
     out = ["dense", "dense_bf16", "allgather"]
     if config.hierarchical is not False and hierarchical_groups and nodes > 1 and local > 1 \
             and not config.momentum_correction and config.selection_scope == "bucket":
         out += ["hierarchical", "hierarchical_scatter"]
-    if not config.momentum_correction and nodes * local > 1:
+    if not config.momentum_correction and config.selection_scope == "bucket" and nodes * local > 1:
         out.append("scatter")
     return out

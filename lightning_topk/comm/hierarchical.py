@@ -57,7 +57,7 @@ from lightning_topk.comm.scatter import (
     scatter_wire,
     slot_plan,
 )
-from lightning_topk.comm.state import HierExchange, Scale, StepStats, TopKState, clock
+from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
 from lightning_topk.comm.wire import (
     index_dtype_for,
     pack,
@@ -82,6 +82,17 @@ class HierGroups:
     inter: Any  # the ranks with this local rank, one per node
     intra_ranks: List[int]
     inter_ranks: List[int]
+
+
+@dataclass
+class HierExchange:
+    """The hierarchical exchange's process groups and the buckets whose collectives are still in flight:
+    ``pending`` in its inter-node all-gather, ``scatter_pending`` in its inter-node all-to-all
+    (``hierarchical_scatter``)."""
+
+    groups: HierGroups
+    pending: Optional["_Pending"] = None
+    scatter_pending: Optional["_Pending"] = None
 
 
 def layout(num_nodes: int, local_world: int, world: int) -> Tuple[List[List[int]], List[List[int]]]:
@@ -222,6 +233,8 @@ def _exchange(state: TopKState) -> HierExchange:
     if state.hier is None:
         raise ValueError("hierarchical_topk_hook: the state has no groups; build it with "
                          "TopKState(config, hier=make_groups(num_nodes, local_world, rank))")
+    if isinstance(state.hier, HierGroups):  # TopKState(config, hier=groups): this exchange's state wraps them
+        state.hier = HierExchange(state.hier)
     return state.hier
 
 

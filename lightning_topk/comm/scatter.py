@@ -70,7 +70,7 @@ from lightning_topk.comm.allgather import (
     send_values,
     topk_allgather_hook,
 )
-from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
+from lightning_topk.comm.state import Scale, StepStats, TopKState, clock, owner_undo_key
 from lightning_topk.comm.wire import (
     all_to_all_wire,
     pack,
@@ -241,12 +241,18 @@ def fold_owner_residual(key: str, owner_residual: Tensor) -> Dict[str, Tensor]:
 def fold_pending_owner(state: TopKState) -> None:
     """Fold every owner residual not claimed by a bucket of this exchange into this rank's per-parameter
     residuals: ones loaded from a checkpoint, and live ones whose bucket is gone (DDP rebuilt its buckets
-    after the first iteration). Called once the last bucket has been launched."""
-    pending, state._pending_owner = state._pending_owner, {}
-    for key in [k for k in state.owner_residuals if k not in state.owner_seen]:
-        pending[key] = state.owner_residuals.pop(key)
+    after the first iteration). Called once the last bucket has been launched. A rollback of the step
+    undoes the fold (the undo log)."""
+    loaded, state._pending_owner = state._pending_owner, {}
+    live = {k: state.owner_residuals.pop(k) for k in [k for k in state.owner_residuals if k not in state.owner_seen]}
     state.owner_seen = set()
-    for key, t in pending.items():
+    if loaded or live:
+        def undo() -> None:
+            state._pending_owner.update(loaded)
+            state.owner_residuals.update(live)
+
+        state.undo.on_rollback(undo)
+    for key, t in {**loaded, **live}.items():
         _add_to_residuals(state, fold_owner_residual(key, t))
 
 
@@ -254,22 +260,44 @@ def fold_live_owner(state: TopKState, key: str) -> None:
     """Fold a live owner residual into the residuals (its bucket now travels another way)."""
     t = state.owner_residuals.pop(key, None)
     if t is not None:
+        state.undo.on_rollback(lambda: state.owner_residuals.__setitem__(key, t))
         _add_to_residuals(state, fold_owner_residual(key, t))
 
 
 def _add_to_residuals(state: TopKState, per_param: Dict[str, Tensor]) -> None:
+    """Add ``per_param`` to the live residuals (their buckets copied by the undo log first), else to the
+    residuals pending from a checkpoint (the entries replaced are kept for a rollback)."""
     if not state.config.error_feedback:
         return
-    pending = state._pending_load if state._pending_load is not None else {}
+    pending = state._pending_load
+    created = pending is None
+    if pending is None:
+        pending = {}
+    replaced: Dict[Tuple[str, str], Optional[Tensor]] = {}
     for name, t in per_param.items():
         live = state._param_view(name, "residual")
         if live is not None:
+            state.undo.save(state._buckets[state._owner[name]])  # (no-op if this step already saved it)
             live.add_(t.to(live.device))
         else:
-            old = pending.get(("residual", name))
+            old = replaced[("residual", name)] = pending.get(("residual", name))
             pending[("residual", name)] = t if old is None else old.float() + t
-    if pending and state._pending_load is None:
+    if pending and created:
         state._pending_load = pending
+    if replaced:
+        def undo() -> None:
+            now = state._pending_load
+            if now is None:
+                return
+            for k, old in replaced.items():
+                if old is None:
+                    now.pop(k, None)
+                else:
+                    now[k] = old
+            if created and not now:
+                state._pending_load = None
+
+        state.undo.on_rollback(undo)
 
 
 def claim_owner_residual(state: TopKState, key: str, region: int, device: torch.device) -> Tensor:
@@ -327,9 +355,11 @@ def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
     the owner residual first) and the all-gather of the forwards, whose indices address the flat tensor."""
     plan = job.plan
     vals, pos = unpack(job.recv, plan.slot, job.wire_dtype, plan.world)
-    ores = state.owner_residuals.get(job.key) if job.key is not None else None
-    if ores is not None:
-        state.undo.save_tensor(f"owner:{job.key}", ores)
+    ores = None
+    if job.key is not None:
+        ores = state.owner_residuals.get(job.key)
+        if ores is not None:
+            state.undo.save_tensor(owner_undo_key(job.key), ores)
     wire, q = owner_step(state, vals, pos, ores, plan)
     return gather_entries(pack(wire, global_index(job.rank, q, plan)), plan.out, plan.world, job.group,
                           job.wire_dtype)

@@ -33,7 +33,7 @@ def _kernel_path(x: Tensor) -> bool:
         return True
     if KERNEL_PATH == "never" or not x.is_cuda:
         return False
-    from lightning_topk.comm import cuda_ops
+    from lightning_topk.ops import cuda as cuda_ops
 
     return cuda_ops.cupy_available()
 
@@ -264,7 +264,7 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
 def _mstopk_kernels(x: Tensor, a: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
     """MSTopK through the CUDA kernels: candidate brackets are checked in ONE multi-threshold count
     pass, then the compaction kernel packs exactly k entries (torch references off CUDA)."""
-    from lightning_topk.comm import cuda_ops
+    from lightning_topk.ops import cuda as cuda_ops
 
     br = _mstopk_brackets(a, k)
     if br is None or br == "exact":
@@ -322,7 +322,7 @@ def topk_select_sync_free(x: Tensor, k: int, method: str = "exact") -> Tuple[Ten
     if method == "torch" or n < _SYNC_FREE_MIN_NUMEL or (method == "exact" and (x.is_cuda or x.dtype == torch.float64)):
         _, idx = torch.topk(x.abs(), k, sorted=False)
         return x.index_select(0, idx), idx
-    from lightning_topk.comm import cuda_ops
+    from lightning_topk.ops import cuda as cuda_ops
 
     keys = _magnitude_keys(x)
     scratch = _buf(n, x.device, torch.int32, 1)
@@ -389,7 +389,7 @@ def _kth_bucket(keys: Tensor, k: int, scratch: Tensor, kernels: bool) -> Tuple[T
 def _kth_bucket_by_thresholds(a: Tensor, k: int, zero: Tensor) -> Tuple[Tensor, Tensor]:
     """Same result as the histogram in :func:`_kth_bucket`, from two multi-threshold counts (the CUDA
     kernel reads the tensor once per call): 256 exponent edges, then the 128 cells of that exponent."""
-    from lightning_topk.comm import cuda_ops
+    from lightning_topk.ops import cuda as cuda_ops
 
     mant = 23 - _PREFIX_SHIFT
     edges = torch.arange(256, dtype=torch.int32, device=a.device) << 23

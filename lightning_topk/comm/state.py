@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from dataclasses import asdict, dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -20,15 +20,14 @@ from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import METHODS
 from lightning_topk.comm.wire import value_dtype_of
 
-if TYPE_CHECKING:
-    from lightning_topk.comm.hierarchical import HierGroups, _Pending
-
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
 # How entries travel: chosen per bucket by a cost model ("auto"), or one algorithm for every bucket.
 EXCHANGE_CHOICES = ("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
+# Where exchange="auto" gets its cost model (see comm/cost.py).
+AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 Scale = Union[float, Tensor]
 
 
@@ -91,6 +90,11 @@ class TopKConfig:
             0.01, ``benchmarks/results/cluster.md``) and forward/backward time is common to both, so a
             sparse exchange must be well ahead on the link to be ahead in time to accuracy. 1 compares
             exchange times alone.
+        auto_model: where ``exchange="auto"`` gets its cost model: ``"probe"`` (timed at setup, refreshed
+            from telemetry), ``"constants"`` (documented constants and ``auto_link_gbps``: no timing, so
+            the plan is the same in every run) or ``"auto"``: ``"constants"`` under deterministic
+            algorithms (``Trainer(deterministic=True)``), else ``"probe"``.
+        auto_link_gbps: inter-node bandwidth in Gbit/s that the ``"constants"`` model assumes (a number > 0).
     """
 
     density: float = 0.01
@@ -109,6 +113,8 @@ class TopKConfig:
     log_telemetry: bool = True
     exchange: str = "auto"
     auto_sparse_penalty: float = 3.0
+    auto_model: str = "auto"
+    auto_link_gbps: float = 10.0
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -136,6 +142,11 @@ class TopKConfig:
         if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
             raise bad("auto_sparse_penalty", "a number >= 1")
         self.auto_sparse_penalty = float(self.auto_sparse_penalty)
+        if self.auto_model not in AUTO_MODEL_CHOICES:
+            raise bad("auto_model", f"one of {list(AUTO_MODEL_CHOICES)}")
+        if not _is_number(self.auto_link_gbps) or self.auto_link_gbps <= 0:
+            raise bad("auto_link_gbps", "a number > 0 (Gbit/s)")
+        self.auto_link_gbps = float(self.auto_link_gbps)
         if not (self.hierarchical == "auto" or isinstance(self.hierarchical, bool)):
             raise bad("hierarchical", "'auto', true or false")
         if self.nonfinite not in NONFINITE_CHOICES:
@@ -163,6 +174,10 @@ class TopKConfig:
         if self.exchange in HIERARCHICAL_EXCHANGES and (self.momentum_correction or self.selection_scope != "bucket"):
             raise ValueError(f"topk_ddp: exchange={self.exchange!r} supports neither momentum_correction nor "
                              "selection_scope='parameter'; use exchange='allgather' (or 'auto')")
+        if self.exchange == "scatter" and self.selection_scope != "bucket":
+            raise ValueError("topk_ddp: selection_scope='parameter' is not supported with exchange='scatter' (its "
+                             "owner residuals are kept per bucket layout, so resume would not be exact); use "
+                             "exchange='allgather' or selection_scope='bucket'")
         if self.exchange == "scatter" and self.momentum_correction:
             raise ValueError("topk_ddp: momentum_correction is not supported with exchange='scatter'; "
                              "use exchange='allgather' or momentum_correction=false")
@@ -347,10 +362,17 @@ class FaultFlags:
             self.result = None
 
 
+def owner_undo_key(key: str) -> str:
+    """The undo log's key of the owner residual ``key``."""
+    return f"owner:{key}"
+
+
 class UndoLog:
     """What a skipped step must restore: a copy of each bucket's residual (and velocity) taken just before
-    the step's first in-place update of it. Active only while ``enabled`` (``nonfinite="skip"`` or a loss
-    scaler); the copies are reused from step to step (4 B/param, 8 with momentum correction).
+    the step's first in-place update of it, the exchange step counter at the start of the step, and the
+    out-of-place changes of the step (owner residuals folded into the rank residuals). Active only while
+    ``enabled`` (``nonfinite="skip"`` or a loss scaler); the copies are reused from step to step (4 B/param,
+    8 with momentum correction).
 
     Why not only the O(k) sent entries: in-place error feedback adds ``grad/scale`` to every residual entry,
     and the local gradient is gone once the bucket buffer holds the average, so undoing the dense part
@@ -359,11 +381,14 @@ class UndoLog:
 
     def __init__(self) -> None:
         self.enabled = False
+        # The step counter a rollback restores; set by the step controller and by TopKState.load_state_dict.
+        self.step = 0
         self._copies: Dict[Tuple[str, ...], Tuple[Tensor, Optional[Tensor]]] = {}
         self._saved: Dict[int, _BucketBuffers] = {}
         # Other per-rank state updated in place during a step (the scale-free exchange's owner residuals).
         self._tensor_copies: Dict[str, Tensor] = {}
         self._saved_tensors: Dict[str, Tensor] = {}
+        self._undo: List[Callable[[], None]] = []
 
     def save_tensor(self, key: str, t: Tensor) -> None:
         """Copy ``t`` before the step's first in-place update of it (restored by :meth:`rollback`)."""
@@ -388,6 +413,12 @@ class UndoLog:
             vel.copy_(b.velocity)
         self._saved[id(b)] = b
 
+    def on_rollback(self, undo: Callable[[], None]) -> None:
+        """Register ``undo``, which reverts an out-of-place change of this step (run by :meth:`rollback`,
+        latest first, after the copies are restored; dropped by :meth:`commit`)."""
+        if self.enabled:
+            self._undo.append(undo)
+
     def rollback(self) -> None:
         for b in self._saved.values():
             res, vel = self._copies[b.names]
@@ -398,19 +429,30 @@ class UndoLog:
         for key, t in self._saved_tensors.items():
             t.copy_(self._tensor_copies[key])
         self._saved_tensors.clear()
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
 
-    def commit(self, live: Iterable[Tuple[str, ...]]) -> None:
+    def commit(self, live: Iterable[Tuple[str, ...]], live_tensors: Optional[Iterable[str]] = None) -> None:
+        """The step stands. Copies of buckets not in ``live`` (DDP rebuilt them away) are freed, and so are
+        tensor copies whose key is not in ``live_tensors`` (when given: owner residuals folded away)."""
         self._saved.clear()
         self._saved_tensors.clear()
+        self._undo.clear()
         keep = set(live)
-        for names in [n for n in self._copies if n not in keep]:  # buckets DDP rebuilt away
+        for names in [n for n in self._copies if n not in keep]:
             del self._copies[names]
+        if live_tensors is not None:
+            keep_t = set(live_tensors)
+            for key in [k for k in self._tensor_copies if k not in keep_t]:
+                del self._tensor_copies[key]
 
     def clear(self) -> None:
         self._saved.clear()
         self._copies.clear()
         self._saved_tensors.clear()
         self._tensor_copies.clear()
+        self._undo.clear()
 
 
 @dataclass
@@ -423,34 +465,24 @@ class DebugRecord:
     grads_in: Dict[str, Tensor] = field(default_factory=dict)
 
 
-@dataclass
-class HierExchange:
-    """The hierarchical exchange's process groups and the buckets whose collectives are still in flight:
-    ``pending`` in its inter-node all-gather, ``scatter_pending`` in its inter-node all-to-all
-    (``hierarchical_scatter``)."""
-
-    groups: "HierGroups"
-    pending: Optional["_Pending"] = None
-    scatter_pending: Optional["_Pending"] = None
-
-
 class TopKState:
     """Explicit state object passed to the top-k comm hooks (as torch's PowerSGDState is).
 
     Args:
         config: the options.
         process_group: group of the flat exchange (default: the world).
-        hier: the hierarchical exchange's groups (:func:`~lightning_topk.comm.hierarchical.make_groups`),
+        hier: the hierarchical exchange's groups (:func:`~lightning_topk.comm.hierarchical.make_groups`; wrapped in its
+            :class:`~lightning_topk.comm.hierarchical.HierExchange` state on first use),
             needed by :func:`~lightning_topk.comm.hierarchical.hierarchical_topk_hook`.
         num_nodes: nodes of the job (telemetry: which link the flat exchange's bytes cross).
     """
 
-    def __init__(self, config: TopKConfig, process_group: Any = None, hier: Optional["HierGroups"] = None,
+    def __init__(self, config: TopKConfig, process_group: Any = None, hier: Any = None,
                  num_nodes: int = 1) -> None:
         self.config = config
         self.schedule = config.schedule
         self.process_group = process_group
-        self.hier: Optional[HierExchange] = HierExchange(hier) if hier is not None else None
+        self.hier: Any = hier
         self.num_nodes = num_nodes
         # Scale-free exchange (comm/scatter.py): options, the bucket waiting for its owner step, and the
         # owner-side residuals (this rank's region sums not yet forwarded), keyed by bucket.
@@ -459,9 +491,10 @@ class TopKState:
         self.owner_residuals: Dict[str, Tensor] = {}
         self._pending_owner: Dict[str, Tensor] = {}
         self.owner_seen: set = set()  # owner residual keys used by this exchange's buckets
-        # exchange="auto": the cost model (comm/cost.py) and its choice per bucket.
+        # exchange="auto": the cost model and plan (comm/cost.py AutoExchange); a loaded section waits in
+        # _pending_auto until it exists.
         self.auto: Any = None
-        self.plan: Dict[str, str] = {}
+        self._pending_auto: Optional[Dict[str, Any]] = None
         self.step = 0
         # Loss scale of the current backward: a float, or the scaler's scale as a device tensor (no host read).
         self.grad_scale: Scale = 1.0
@@ -489,6 +522,11 @@ class TopKState:
         if name is None:
             name = self._unbound.setdefault(id(p), f"param{len(self._unbound)}")
         return name
+
+    @property
+    def plan(self) -> Dict[str, str]:
+        """``exchange="auto"``'s plan: bucket entries -> exchange (empty for a pinned exchange)."""
+        return self.auto.plan if self.auto is not None else {}
 
     def names_of(self, params: Sequence[Tensor]) -> Tuple[str, ...]:
         return tuple(self.name_of(p) for p in params)
@@ -559,6 +597,10 @@ class TopKState:
             off += n
         return None
 
+    def owner_undo_keys(self) -> List[str]:
+        """The undo log's keys of the live owner residuals (see :meth:`UndoLog.commit`)."""
+        return [owner_undo_key(k) for k in self.owner_residuals]
+
     def bucket_names(self) -> List[Tuple[str, ...]]:
         """The parameter names of each live bucket."""
         return list(self._buckets)
@@ -625,7 +667,7 @@ class TopKState:
         owner = {k: t.clone() for k, t in self._pending_owner.items()}
         owner.update({k: t.detach().cpu().clone() for k, t in self.owner_residuals.items()})
         out["owner_residual"] = owner
-        out["plan"] = dict(self.plan)
+        out["auto"] = self.auto.state_dict() if self.auto is not None else dict(self._pending_auto or {})
         return out
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -638,7 +680,12 @@ class TopKState:
         self._buckets.clear()
         self._owner.clear()
         self.undo.clear()
+        self.undo.step = self.step  # a skip right after the load goes back to the loaded step
         self._pending_load = pending
         self.owner_residuals.clear()
         self._pending_owner = dict(sd.get("owner_residual", {}))
-        self.plan = dict(sd.get("plan", {}))
+        auto = sd.get("auto") or None
+        if self.auto is not None:
+            self.auto.load_state_dict(auto)
+        else:
+            self._pending_auto = auto

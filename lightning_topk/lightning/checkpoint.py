@@ -2,13 +2,14 @@
 
 Layout, beside the Lightning checkpoint ``<dir>/<name>`` (which rank 0 writes)::
 
-    <dir>/<name>                           Lightning's file; ``checkpoint["lightning_topk"]`` holds metadata
-                                           only (format version, save key, world size, node layout, step,
-                                           config, parameter name -> numel)
-    <dir>/.topk-shards/<name>/rank{r}.pt   rank r's residuals and velocities keyed by parameter name, its
-                                           owner residuals (scale-free exchange) and exchange="auto"'s
-                                           choices (plain CPU tensors and JSON types: loaded with
-                                           ``torch.load(weights_only=True)``)
+    <dir>/<name>                           Lightning's file; ``checkpoint["lightning_topk"]`` holds what is
+                                           the same on every rank: format version, save key, world size,
+                                           node layout, step, config, parameter name -> numel, and
+                                           exchange="auto"'s plan and cost model (``auto``), so every rank
+                                           restores one plan whatever its shard holds
+    <dir>/.topk-shards/<name>/rank{r}.pt   rank r's residuals and velocities keyed by parameter name and its
+                                           owner residuals (scale-free exchange) (plain CPU tensors and JSON
+                                           types: loaded with ``torch.load(weights_only=True)``)
 
 The shards live in one hidden folder per checkpoint directory, not beside the checkpoint under a name
 that starts with the checkpoint's: Lightning's SLURM requeue names its checkpoint ``hpc_ckpt_<N+1>``
@@ -27,7 +28,9 @@ Restore rules (:func:`restore_rank_state`), decided identically on every rank, w
 warning (from rank 0) that says what was redistributed or reset:
 
 * same world size: rank r gets shard r exactly (also when the node layout or the flat/hierarchical
-  exchange changed: both apply ``(1/W) * sum_r residual_r`` as the pending update);
+  exchange changed: both apply ``(1/W) * sum_r residual_r`` as the pending update); exchange="auto"'s
+  plan and model come from the main file on every rank, also where a rank's shard is missing or stale,
+  so no rank ever issues other collectives than the rest;
 * different world size W -> W': every new rank gets the average ``(1/W) * sum_r residual_r`` (and the
   same for velocities), after each shard's owner residuals were folded into its residuals (same
   pending update, see :mod:`lightning_topk.comm.scatter`); the choices of exchange="auto" are dropped. The pending update of error feedback is ``(1/W) * sum_r residual_r``; with
@@ -118,12 +121,13 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
     meta = dict(
         format=FORMAT, version=VERSION, save_key=key, name=os.path.basename(os.fspath(filepath)),
         step=int(sd["step"]), global_step=int(checkpoint.get("global_step", -1)),
-        config=asdict(state.config), numels=_param_numels(strategy.lightning_module), **layout_of(strategy),
+        config=asdict(state.config), numels=_param_numels(strategy.lightning_module), auto=sd["auto"],
+        **layout_of(strategy),
     )
     checkpoint[META_KEY] = meta
     shard = dict(format=FORMAT, version=VERSION, save_key=key, rank=int(strategy.global_rank),
                  world_size=meta["world_size"], residual=sd["residual"], velocity=sd["velocity"],
-                 owner_residual=sd["owner_residual"], plan=sd["plan"])
+                 owner_residual=sd["owner_residual"])
     atomic_torch_save(shard, shard_path(filepath, strategy.global_rank))
 
 
@@ -235,6 +239,10 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
                      f"continues at step {gstep} (the checkpoint's global_step)")
         return done(gstep, empty)
     step = int(meta.get("step", gstep))
+    same_world = int(meta.get("world_size", 0)) == world
+    # exchange="auto": one plan for every rank, from the main file (rank 0's), never from a shard
+    auto = meta.get("auto") if same_world and isinstance(meta.get("auto"), dict) else None
+    plan_only = {"auto": auto} if auto else None
     if meta.get("version") != VERSION:
         notes.append(f"top-k state format version {meta.get('version')!r} is not readable by this build "
                      f"(version {VERSION}); residuals reset to zero")
@@ -243,7 +251,7 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
     sdir = find_shard_dir(ckpt_path, meta)
     if sdir is None:
         notes.append(f"shard directory {shard_dir(ckpt_path)!r} not found; residuals of all ranks reset to zero")
-        return done(step, empty)
+        return done(step, empty, plan_only)
     if old_world == world:
         # Everyone checks every shard's header (cheap with mmap) so all ranks take the same decision.
         bad = {r: why for r in range(old_world)
@@ -252,11 +260,11 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
             notes.append("shards not usable: " + ", ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
                          + "; those ranks' residuals reset to zero, the other ranks keep theirs")
         if rank in bad:
-            return done(step, empty)
+            return done(step, empty, plan_only)
         shard, _ = read_shard(join(sdir, f"rank{rank}.pt"), meta, rank)
         # Same world size: per-rank residuals stay valid for any node layout (see module docstring).
         return done(step, {kind: dict(shard[kind]) for kind in KINDS},
-                    {k: dict(shard.get(k, {})) for k in ("owner_residual", "plan")})
+                    {"owner_residual": dict(shard.get("owner_residual", {})), **(plan_only or {})})
     shards, bad = [], {}
     for r in range(old_world):
         s, why = read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)

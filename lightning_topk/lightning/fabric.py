@@ -102,7 +102,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
         pending = restore_rank_state(self, path, {META_KEY: meta} if meta is not None else {})
         if pending is not None:
             if self.topk_state is not None:
-                self.topk_state.load_state_dict(pending)
+                self._load_topk_state(self.topk_state, pending)
             else:
                 self._pending_topk_state = pending
         return out

@@ -17,7 +17,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, HierExchange, StepStats, TopKConfig, TopKState
+from lightning_topk.comm.state import HIERARCHICAL_EXCHANGES, StepStats, TopKConfig, TopKState
 from lightning_topk.lightning.faults import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -64,19 +64,26 @@ class TopKStrategyMixin:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
         state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
-        hook = self._exchange_hook(state)
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
-            state.load_state_dict(self._pending_topk_state)
+            # before the hook is built: exchange="auto" takes the saved plan and model (no new probe)
+            self._load_topk_state(state, self._pending_topk_state)
             self._pending_topk_state = None
-        from lightning_topk.comm.scatter import fold_pending_owner
-
-        if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
-            fold_pending_owner(state)  # owner residuals of a scale-free run resumed with another exchange
+        hook = self._exchange_hook(state)
         self.model.register_comm_hook(state, hook)
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
+
+    def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
+        """Restore ``sd`` into ``state``. The owner residuals of a scale-free run resumed with an exchange
+        that never folds them (only the scale-free and ``auto`` hooks do) go into the rank residuals now."""
+        from lightning_topk.comm.scatter import fold_pending_owner
+
+        state.load_state_dict(sd)
+        if self._exchange() not in ("auto", "scatter", "hierarchical_scatter"):
+            fold_pending_owner(state)
+            state.undo.clear()  # part of the load, not of a step: a skipped step must not undo it
 
     def _exchange(self) -> str:
         """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
@@ -84,14 +91,14 @@ class TopKStrategyMixin:
         return "hierarchical" if self._use_hierarchical() and ex == "auto" else ex
 
     def _exchange_hook(self, state: TopKState) -> Callable:
-        """The comm hook for the chosen exchange; ``auto`` probes links and selection first (collective)."""
+        """The comm hook for the chosen exchange; ``auto`` builds its cost model first (a probe is collective)."""
         from lightning_topk.comm import cost, hierarchical
         from lightning_topk.comm.allgather import topk_allgather_hook
         from lightning_topk.comm.scatter import scatter_topk_hook
 
         ex = self._exchange()
         if ex in HIERARCHICAL_EXCHANGES:
-            state.hier = HierExchange(hierarchical.build_groups(self))
+            state.hier = hierarchical.HierExchange(hierarchical.build_groups(self))
             return hierarchical.hierarchical_topk_hook if ex == "hierarchical" else \
                 hierarchical.hierarchical_scatter_topk_hook
         if ex == "dense":
@@ -106,11 +113,11 @@ class TopKStrategyMixin:
             hier_ok = cfg.hierarchical is not False and not cfg.momentum_correction and cfg.selection_scope == "bucket"
             groups = hierarchical.build_groups(self) if hier_ok else hierarchical.make_groups(
                 nodes, local, self.global_rank, timeout=getattr(self, "_timeout", None))
-            state.hier = HierExchange(groups)
-        model = cost.probe(nodes, local, self.global_rank, cfg.density, cfg.selector, self.root_device,
-                           None if groups is None else groups.intra, None if groups is None else groups.inter)
-        state.auto = cost.AutoExchange(model, cost.candidates_for(cfg, nodes, local, groups is not None),
-                                       self.global_rank)
+            state.hier = hierarchical.HierExchange(groups)
+        saved, state._pending_auto = state._pending_auto, None
+        state.auto = cost.build_auto(cfg, nodes, local, self.global_rank, self.root_device,
+                                     None if groups is None else groups.intra, None if groups is None else groups.inter,
+                                     hierarchical_groups=groups is not None, saved=saved)
         return cost.auto_topk_hook
 
     def _use_hierarchical(self) -> bool:

@@ -32,7 +32,7 @@ class LARS(Optimizer):
         eps: added to the trust-ratio denominator (>= 0).
         nesterov: Nesterov momentum (needs ``momentum > 0``).
         lars_adapt: apply the trust ratio (group option; ``False`` for excluded parameters).
-        kernel: use :func:`lightning_topk.comm.cuda_ops.fused_lars_step` (three launches per group on CUDA
+        kernel: use :func:`lightning_topk.ops.cuda.fused_lars_step` (three launches per group on CUDA
             with CuPy). ``None`` (default): when every parameter of the group is on CUDA and
             CuPy sees a device; ``True``: always (off CUDA it runs that function's torch reference);
             ``False``: never.
@@ -81,12 +81,12 @@ class LARS(Optimizer):
             return self.kernel
         if not all(dev.type == "cuda" for dev, _ in buckets):
             return False
-        from lightning_topk.comm.cuda_ops import cupy_available
+        from lightning_topk.ops.cuda import cupy_available
 
         return cupy_available()
 
     def _kernel_step(self, group: Dict[str, Any], params: List[Tensor]) -> None:
-        from lightning_topk.comm.cuda_ops import fused_lars_step
+        from lightning_topk.ops.cuda import fused_lars_step
 
         first = ["momentum_buffer" not in self.state[p] for p in params]
         for p, f in zip(params, first):

@@ -99,3 +99,18 @@ def test_unbound_parameters_get_unique_names_per_parameter(runs):
         assert sorted(new) == sorted(f"param{i}" for i in range(len(numels)))
         assert sorted(v.numel() for v in new.values()) == sorted(numels)
         _conserved(history)
+
+
+def test_a_skip_after_load_state_dict_returns_to_the_loaded_step():
+    """A controller built before a load (Fabric: setup, then fabric.load) rolls a skipped step back to the
+    loaded exchange step, not to the step it had before the load."""
+    st = TopKState(TopKConfig(nonfinite="skip"))
+    ctl = StepController(st)
+    sd = TopKState(TopKConfig()).state_dict()
+    sd["step"] = 7
+    st.load_state_dict(sd)
+    ctl.begin_step(scaler=True)
+    st.end_exchange()  # what the hooks do at the last bucket
+    assert ctl.finish_step(found_inf=[torch.ones(())]) is Decision.SKIP and st.step == 7
+    st.end_exchange()
+    assert ctl.finish_step(found_inf=[torch.zeros(())]) is Decision.COMMIT and st.step == 8

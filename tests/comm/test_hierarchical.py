@@ -308,7 +308,7 @@ def _hs_auto_switch(rank, h):
     hist = []
     for t in range(4):
         if t == 3:
-            st.auto.candidates, st.auto.choices, st.plan = ["allgather"], {}, {}
+            st.auto.candidates, st.auto.plan = ["allgather"], {}
         x, y = torch.randn(8, 40, generator=g), torch.randint(0, 7, (8,), generator=g)
         rec = _hs_step(ddp, m, st, x, y)
         rec["stats"] = st.last

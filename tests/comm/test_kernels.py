@@ -1,4 +1,4 @@
-"""CUDA kernels of lightning_topk.comm.cuda_ops.
+"""CUDA kernels of lightning_topk.ops.cuda.
 
 No GPU here: (a) every kernel source compiles with nvcc and with NVRTC (what CuPy's RawModule uses)
 into a cubin that exports the expected unmangled kernels; (b) the torch references match brute force;
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_topk.comm import cuda_ops as co
+from lightning_topk.ops import cuda as co
 from tests.helpers.procs import ROOT
 from tests.helpers.syncs import count_syncs
 
@@ -415,7 +415,7 @@ def test_lars_device_tables_are_validated_once_and_cached():
 def test_import_does_not_import_cupy_and_cpu_falls_back():
     code = (
         "import sys, torch\n"
-        "from lightning_topk.comm import cuda_ops as co\n"
+        "from lightning_topk.ops import cuda as co\n"
         "assert 'cupy' not in sys.modules\n"
         "x = torch.randn(50000)\n"
         "c = co.multi_threshold_count(x.abs(), torch.tensor([0.5, 1.0]))\n"
@@ -758,7 +758,7 @@ def test_gpu_scatter_add(dtype):
     tol = {torch.float32: 1e-4, torch.float64: 1e-10, torch.float16: 0.1, torch.bfloat16: 0.5}[dtype]
     assert torch.allclose(got.cpu().double(), ref.double(), atol=tol, rtol=0)
     if dtype == torch.float32:  # a bad index fails a device-side assertion, fatal for the CUDA context: in a child
-        code = ("import torch\nfrom lightning_topk.comm import cuda_ops as co\n"
+        code = ("import torch\nfrom lightning_topk.ops import cuda as co\n"
                 "co.scatter_add_dense(torch.zeros(4, device='cuda'), torch.ones(1, device='cuda'), "
                 "torch.tensor([9], dtype=torch.int32, device='cuda'))\ntorch.cuda.synchronize()\n")
         r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -13,6 +13,7 @@ from lightning_topk.comm.scatter import (
     ScatterOptions,
     bucket_key,
     fill_slots,
+    fold_live_owner,
     fold_owner_residual,
     fold_pending_owner,
     global_index,
@@ -237,6 +238,37 @@ def test_owner_residual_of_a_bucket_gone_is_folded_into_the_rank_residuals():
     assert torch.allclose(sum(t.sum() for t in got.values()), ores.sum(), atol=1e-3)
 
 
+def test_rollback_undoes_folds_into_residuals_pending_from_a_checkpoint():
+    """Folds into parameters without a live buffer go to the pending residuals; a rollback restores those
+    entries (or their absence) and puts the owner residuals back where they were (live or loaded)."""
+    st = TopKState(TopKConfig(density=0.01))
+    names, numels = ["a", "b"], [3000, 2000]
+    live_key, loaded_key = bucket_key(2, 0, names, numels), bucket_key(2, 0, ["a"], [3000])
+    live, loaded = torch.randn(2500), torch.randn(1500)
+    st._pending_owner = {loaded_key: loaded}
+    st.owner_residuals[live_key] = live
+    st.undo.enabled = True
+    fold_live_owner(st, live_key)
+    fold_pending_owner(st)
+    assert not st.owner_residuals and not st._pending_owner and set(st._pending_load) == {("residual", "a"),
+                                                                                           ("residual", "b")}
+    st.undo.rollback()
+    assert st._pending_load is None
+    assert st.owner_residuals == {live_key: live} and st._pending_owner == {loaded_key: loaded}
+    old = {("residual", "a"): torch.ones(3000)}
+    st._pending_load = dict(old)
+    fold_pending_owner(st)
+    assert not torch.equal(st._pending_load[("residual", "a")], old[("residual", "a")])
+    st.undo.commit([], st.owner_undo_keys())  # a committed fold stands
+    assert not st.owner_residuals and not st._pending_owner
+    committed = dict(st._pending_load)
+    st.owner_residuals[live_key] = live
+    fold_pending_owner(st)
+    st.undo.rollback()
+    assert st._pending_load.keys() == committed.keys() and st.owner_residuals == {live_key: live}
+    assert all(torch.equal(st._pending_load[k], t) for k, t in committed.items())
+
+
 def test_slot_filling_and_owner_step_make_no_host_sync(monkeypatch):
     monkeypatch.setenv("LIGHTNING_TOPK_SYNC_FREE", "1")
     plan = slot_plan(40_000, 1_000, 4)
@@ -306,6 +338,111 @@ def test_nonfinite_on_one_rank_skips_on_all_and_rolls_back_rank_and_owner_residu
         assert before and all(torch.equal(before[k], after[k]) for k in before)
         assert owner_before and owner_before.keys() == owner_after.keys()
         assert all(torch.equal(owner_before[k], owner_after[k]) for k in owner_before)
+
+
+def _pending_update(st):
+    """This rank's part of the update still to be applied, per parameter: its rank residuals (live and
+    pending from a checkpoint) plus its owner residuals folded to bucket coordinates (live and loaded)."""
+    out = _snap(st.residuals())
+    parts = [(n, t) for (kind, n), t in (st._pending_load or {}).items() if kind == "residual"]
+    for key, t in [*st._pending_owner.items(), *st.owner_residuals.items()]:
+        parts += fold_owner_residual(key, t).items()
+    for n, t in parts:
+        out[n] = out[n] + t.reshape(-1) if n in out else t.reshape(-1).clone()
+    return out
+
+
+def _fold_step(rank, world, resume, skip):
+    """Train one step (DDP's first iteration), or three, save, and restore into a fresh DDP and state; then
+    one more step, which folds owner residuals at its last bucket (DDP's second iteration: the
+    first-iteration buckets are gone; after a resume: the saved keys are not this layout's). That step
+    commits, or a loss scaler's found_inf skips it (same gradient either way)."""
+    cfg = TopKConfig(density=0.05, min_sparse_numel=0, nonfinite="skip")
+    m = _model()
+    batches = _batches(rank, 4)
+
+    def setup(sd=None):
+        ddp = DDP(m, bucket_cap_mb=0.05)
+        st = TopKState(cfg)
+        st.bind(m.named_parameters())
+        if sd is not None:
+            st.load_state_dict(sd)
+        ddp.register_comm_hook(st, scatter_topk_hook)
+        return ddp, st, StepController(st), torch.optim.SGD(m.parameters(), lr=0.05)
+
+    def step(ddp, st, ctl, opt, x, y, found_inf=0.0):
+        opt.zero_grad()
+        ctl.begin_step(scaler=True)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        decision = ctl.finish_step(found_inf=[torch.tensor(found_inf)])
+        if decision is Decision.COMMIT:
+            opt.step()
+        return decision
+
+    ddp, st, ctl, opt = setup()
+    for x, y in batches[: 3 if resume else 1]:
+        step(ddp, st, ctl, opt, x, y)
+    if resume:  # a fresh model and DDP (DDP's first-iteration buckets again), the state from a checkpoint
+        sd = torch.load(_to_bytes(st.state_dict()), weights_only=True)
+        weights = _snap(m.state_dict())
+        m = _model()
+        m.load_state_dict(weights)
+        ddp, st, ctl, opt = setup(sd)
+    before = dict(pending=_pending_update(st), owner={**_snap(st._pending_owner), **_snap(st.owner_residuals)},
+                  step=st.step)
+    st.debug.enabled = True
+    x, y = batches[3]
+    decision = step(ddp, st, ctl, opt, x, y, found_inf=float(skip))
+    return dict(before=before, decision=decision, pending=_pending_update(st), step=st.step,
+                owner={**_snap(st._pending_owner), **_snap(st.owner_residuals)},
+                grad=_snap(st.debug.grads_in), applied={n: p.grad.reshape(-1).clone() for n, p in m.named_parameters()},
+                copies=sorted(st.undo._tensor_copies), live_owner=sorted(st.owner_residuals))
+
+
+def _fold_steps(rank, world):
+    return {(resume, skip): _fold_step(rank, world, resume, skip) for resume in (False, True) for skip in (False, True)}
+
+
+@pytest.fixture(scope="module")
+def fold_runs():
+    return run_distributed(_fold_steps, WORLD)
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["ddp_rebuild", "first_step_after_resume"])
+def test_skipping_the_folding_step_restores_the_folded_owner_residuals(fold_runs, resume):
+    """The step that folds owner residuals into the rank residuals is skipped: the pending update is the
+    unskipped step's minus exactly that step's contribution, i.e. what it was before the step."""
+    commit = [r[(resume, False)] for r in fold_runs]
+    skip = [r[(resume, True)] for r in fold_runs]
+    for c, s in zip(commit, skip):
+        assert c["decision"] is Decision.COMMIT and s["decision"] is Decision.SKIP
+        assert set(c["before"]["owner"]) - set(c["owner"]), "the step must fold an owner residual"
+        # after the skip, every rank holds exactly what it held before the step
+        assert s["step"] == s["before"]["step"] == c["step"] - 1
+        assert s["owner"].keys() >= s["before"]["owner"].keys()
+        for k, t in s["owner"].items():
+            assert torch.equal(t, s["before"]["owner"].get(k, torch.zeros_like(t))), k
+        assert s["pending"].keys() == s["before"]["pending"].keys()
+        for n, t in s["before"]["pending"].items():
+            assert torch.equal(s["pending"][n], t), n
+    # unskipped: pending after + P x applied = pending before + the ranks' gradients (conservation), so
+    # the skipped run's pending = the unskipped one's minus exactly that step's contribution
+    moved = 0.0
+    for n in commit[0]["applied"]:
+        contribution = sum(c["grad"][n] for c in commit) - WORLD * commit[0]["applied"][n]
+        unskipped = sum(c["pending"][n] for c in commit)
+        skipped = sum(s["pending"][n] for s in skip)
+        assert torch.allclose(skipped, unskipped - contribution, atol=1e-5), n
+        moved += float(contribution.abs().sum())
+    assert moved > 1.0
+
+
+def test_undo_copies_of_folded_owner_residuals_are_freed(fold_runs):
+    """DDP's first-iteration buckets' owner residuals are folded at its second iteration; the undo log
+    keeps a copy only of the owner residuals still alive."""
+    for r in fold_runs:
+        c = r[(False, False)]
+        assert c["live_owner"] and c["copies"] == sorted(f"owner:{k}" for k in c["live_owner"])
 
 
 def _resume(rank, world):

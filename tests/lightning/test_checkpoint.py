@@ -62,6 +62,39 @@ def test_resume_is_bit_exact_across_several_buckets_with_parameter_scope(tmp_pat
         assert_same_state(straight, resumed)
 
 
+def test_resume_with_defaults_under_deterministic_is_bit_exact(tmp_path):
+    # Only density set (exchange="auto"): under deterministic=True the plan comes from documented constants,
+    # not from timings, so the interrupted run and the straight one take the same plan and end bit-exactly.
+    run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,stop,resume", "--defaults"])
+    for r in range(2):
+        straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "resume", r)
+        assert straight["auto"]["timed"] is False and straight["auto"]["plan"]
+        assert resumed["restored"]["auto"]["plan"] == straight["auto"]["plan"]  # from the checkpoint
+        assert straight["global_step"] == resumed["global_step"] and straight["step"] == resumed["step"]
+        for k in straight["params"]:
+            assert torch.equal(straight["params"][k], resumed["params"][k]), k
+        assert straight["residuals"].keys() == resumed["residuals"].keys()
+        for k in straight["residuals"]:
+            assert torch.equal(straight["residuals"][k], resumed["residuals"][k]), k
+    assert load(tmp_path, "straight", 0)["auto"] == load(tmp_path, "straight", 1)["auto"]
+
+
+def test_a_lost_shard_does_not_change_the_plan_of_any_rank(tmp_path):
+    # A probed (timed) model: before, the rank without its shard probed again and could issue other
+    # collectives than the rest. The plan and the model live in the main file, the same for every rank.
+    run_script([SCRIPT, "--out", tmp_path, "--phases", "stop,lost_shard", "--defaults", "--auto-model", "probe"])
+    stop = [load(tmp_path, "stop", r) for r in range(2)]
+    lost = [load(tmp_path, "lost_shard", r) for r in range(2)]
+    saved = stop[0]["auto"]
+    assert saved["timed"] is True and saved["plan"] and stop[1]["auto"] == saved
+    for r in lost:
+        assert r["restored"]["auto"]["plan"] == saved["plan"]
+        assert r["restored"]["auto"]["model"] == saved["model"]  # not probed again
+        assert r["global_step"] > stop[0]["global_step"]  # training went on, on every rank
+    assert lost[0]["auto"]["plan"] == lost[1]["auto"]["plan"]
+    assert any("rank 1: missing" in w for w in lost[0]["warnings"]), lost[0]["warnings"]
+
+
 def test_resume_is_bit_exact_on_the_sync_free_path(tmp_path):
     # LIGHTNING_TOPK_SYNC_FREE=1: the GPU path's selection and flags, forced on CPU.
     run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,stop,resume"],

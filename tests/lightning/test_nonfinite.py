@@ -24,7 +24,7 @@ def _load(d, world):
 @pytest.fixture(scope="module")
 def flat(tmp_path_factory):
     d = tmp_path_factory.mktemp("flat")
-    cases = ",".join([f"skip:{p}" for p in PLUGINS] + ["scale", "raise"])
+    cases = ",".join([f"skip:{p}" for p in PLUGINS] + ["defaults:bf16-mixed", "scale", "raise"])
     run_script([SCRIPT, "--cases", cases, "--out", d])
     return _load(d, 2)
 
@@ -57,6 +57,16 @@ def test_skip_equals_a_run_that_never_saw_the_batch(flat, plugin):
         assert all(r[f"skip:{plugin}"]["scales"] == [1024.0] * 3 + [512.0] * 5 for r in flat)
     else:
         assert scales == [None] * 8
+
+
+def test_skip_with_defaults_under_deterministic_equals_the_never_seen_run_exactly(flat):
+    """Only density (and nonfinite="skip") set: exchange="auto" takes no timing under deterministic=True,
+    so the run and its reference take one plan and the skip is exact, not merely close."""
+    for r in flat:
+        x = r["defaults:bf16-mixed"]
+        assert x["plans"][0] and x["plans"][0] == x["plans"][1]
+        assert x["residuals_finite"] and _max_diff(x["bad"], x["ref"]) == 0.0
+    assert flat[0]["defaults:bf16-mixed"]["plans"] == flat[1]["defaults:bf16-mixed"]["plans"]
 
 
 def test_hierarchical_skip_equals_a_run_that_never_saw_the_batch(hier):

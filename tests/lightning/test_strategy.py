@@ -191,6 +191,31 @@ def test_fabric_nonfinite_skip_and_raise_on_every_rank(tmp_path):
         assert all(torch.equal(r0["params"][k], r1["params"][k]) for k in r0["params"])
 
 
+def test_fabric_load_keeps_the_step_counter_and_folds_stranded_owner_residuals(tmp_path):
+    """A scale-free run's checkpoint loaded by Fabric with a pinned exchange="allgather" (whose hook never
+    folds): the owner residuals go into the rank residuals at the load; a step skipped right after goes
+    back to the loaded exchange step (the density schedule's), not to 0, and keeps the fold."""
+    from lightning_topk.comm.scatter import fold_owner_residual
+
+    for phase in ("save", "resume"):
+        run_script(["tests/scripts/fabric_resume.py", "--phase", phase, "--out", tmp_path])
+    for r in range(2):
+        saved = torch.load(tmp_path / f"save_rank{r}.pt")["saved"]
+        got = torch.load(tmp_path / f"resume_rank{r}.pt")
+        assert saved["step"] == 5 and any(t.any() for t in saved["owner_residual"].values())
+        want = dict(saved["residual"])
+        for key, t in saved["owner_residual"].items():
+            for n, v in fold_owner_residual(key, t).items():
+                want[n] = want[n] + v
+        loaded, skipped = got["loaded"], got["skipped"]
+        assert loaded["step"] == 5 and loaded["owner_residual"] == {}
+        assert loaded["residual"].keys() == want.keys()
+        assert all(torch.allclose(loaded["residual"][n], want[n], atol=1e-7) for n in want)
+        assert skipped["step"] == 5 and skipped["owner_residual"] == {}
+        assert all(torch.equal(skipped["residual"][n], loaded["residual"][n]) for n in want)
+        assert got["trained"]["step"] == 6 and got["trained"]["owner_residual"] == {}
+
+
 def test_density_one_matches_ddp_through_trainer(digits_runs):
     a = digits_runs["dense"]["ranks"][0]["params"]
     b = digits_runs["ddp2"]["ranks"][0]["params"]

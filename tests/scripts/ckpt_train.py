@@ -15,6 +15,10 @@ later Trainers reuse the process group):
                  of hpc_ckpt_N.ckpt); --slow sleeps per step; the caller starts the ranks with SLURM env;
                  --slow-finalize-rank R: rank R's logger takes 2 s to finalize (Lightning's requeue handler
                  finalizes the loggers before it names the hpc checkpoint, so rank R names it last)
+  lost_shard     every rank deletes rank 1's residual shard of OUT/ckpt/last.ckpt, then topk_ddp resumes
+                 it to one more epoch
+
+--defaults: topk_ddp with only density set (exchange="auto"); --auto-model: its auto_model option.
 
 The training DataLoader is resumable (Lightning's state_dict/load_state_dict interface for loaders):
 it records how many batches of the epoch it handed out and skips them after a mid-epoch restore.
@@ -103,12 +107,15 @@ class Restored(pl.Callback):
         self.state = st.state_dict() if st is not None else None
 
 
-EXTRA = {}  # --bucket-cap-mb / --scope
+EXTRA = {}  # --bucket-cap-mb / --scope / --auto-model
+DEFAULTS = []  # --defaults
 
 
 def topk(**kw):
     # Default bucket cap: the model's gradients form one DDP bucket (see docs/faults.md on exactness);
     # with --bucket-cap-mb small and --scope parameter they span several buckets.
+    if DEFAULTS:
+        return TopKDDPStrategy(density=0.01, **EXTRA, **kw)
     return TopKDDPStrategy(density=0.01, min_sparse_numel=1024, momentum_correction=True, exchange="allgather",
                            **EXTRA, **kw)
 
@@ -137,6 +144,7 @@ def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None,
         "residuals": {k: v.clone() for k, v in st.residuals().items()} if st else {},
         "velocities": {k: v.clone() for k, v in st.velocities().items()} if st else {},
         "step": st.step if st else None,
+        "auto": st.auto.state_dict() if st is not None and st.auto is not None else None,
         "buckets": st.totals.buckets if st else None,
         "global_step": trainer.global_step,
         "restored": restored.state,
@@ -161,7 +169,13 @@ def main():
     ap.add_argument("--slow-finalize-rank", type=int, default=None)
     ap.add_argument("--bucket-cap-mb", type=float, default=None)
     ap.add_argument("--scope", default=None)
+    ap.add_argument("--defaults", action="store_true")
+    ap.add_argument("--auto-model", default=None)
     a = ap.parse_args()
+    if a.defaults:
+        DEFAULTS.append(True)
+    if a.auto_model is not None:
+        EXTRA["auto_model"] = a.auto_model
     if a.bucket_cap_mb is not None:
         EXTRA["bucket_cap_mb"] = a.bucket_cap_mb
     if a.scope is not None:
@@ -190,6 +204,18 @@ def main():
             run(a, phase, topk(), 2, ckpt_path=url)
         elif phase == "shrink":
             run(a, phase, topk(), 3, ckpt_path=os.path.join(ck, "last.ckpt"))
+        elif phase == "lost_shard":
+            from lightning_topk.lightning.checkpoint import shard_path
+
+            last = os.path.join(ck, "last.ckpt")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                epochs = torch.load(last, weights_only=False)["epoch"] + 2
+            try:  # every rank, before its own load: no rank can read the shard first
+                os.remove(shard_path(last, 1))
+            except FileNotFoundError:
+                pass
+            run(a, phase, topk(), epochs, ckpt_path=last)
         elif phase == "slurm":
             slow_logger = [] if a.slow_finalize_rank is None else [SlowFinalizeLogger(a.slow_finalize_rank)]
             run(a, phase, topk(), 2, root=os.path.join(a.out, "slurm"), logger=slow_logger or False)

@@ -7,6 +7,8 @@ later Trainers reuse the process group):
 
   skip:<plugin>  nonfinite="skip"; plugin none | 32-true | bf16-mixed (TopKPrecision) | tk16 (TopKPrecision
                  fp16 with GradScaler) | mp16 (Lightning's MixedPrecision with a GradScaler on CPU)
+  defaults:<plugin>  as skip:<plugin> with only density and nonfinite set (exchange="auto") under
+                 Trainer(deterministic=True)
   scale          Lightning's MixedPrecision, the loss scale doubling every step vs a constant scale:
                  residuals after the same steps (in unscaled units they agree)
   raise          nonfinite="raise": every rank must raise FloatingPointError (last: it ends the run)
@@ -87,20 +89,24 @@ def plugin(name, **scaler_kw):
     }[name]()
 
 
-def fit(args, precision=None, drop=None, **strategy_kw):
-    kw = dict(density=0.05, min_sparse_numel=0, dense_steps=1, nonfinite="skip", bucket_cap_mb=0.25,
-              timeout=timedelta(seconds=60))
+def fit(args, precision=None, drop=None, defaults=False, **strategy_kw):
+    if defaults:  # only density and nonfinite set, under Trainer(deterministic=True): exchange="auto"
+        kw = dict(density=0.01, nonfinite="skip", timeout=timedelta(seconds=60))
+    else:
+        kw = dict(density=0.05, min_sparse_numel=0, dense_steps=1, nonfinite="skip", bucket_cap_mb=0.25,
+                  timeout=timedelta(seconds=60))
+        # a pinned exchange: probed timings could make auto's choice differ between the run and its reference
+        kw.setdefault("exchange", "hierarchical" if strategy_kw.get("hierarchical") is True else "allgather")
     kw.update(strategy_kw)
-    # a pinned exchange: auto's timing-based choice could differ between the run and its reference
-    kw.setdefault("exchange", "hierarchical" if kw.get("hierarchical") is True else "allgather")
     model = Net(fault=None if drop is not None else STEP, fault_rank=args.bad_rank, value=float(args.value))
     trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=args.num_nodes, strategy=TopKDDPStrategy(**kw),
                          plugins=[precision] if precision is not None else None, max_epochs=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         use_distributed_sampler=False, num_sanity_val_steps=0)
+                         use_distributed_sampler=False, num_sanity_val_steps=0, deterministic=defaults)
     rank = int(os.environ.get("NODE_RANK", 0)) * 2 + int(os.environ.get("LOCAL_RANK", 0))
     data = batches(rank, drop)
     trainer.fit(model, DataLoader(data, batch_size=None))
+    model.plan = dict(trainer.strategy.topk_state.plan)
     return model
 
 
@@ -120,11 +126,12 @@ def main():
     hier = {} if a.num_nodes == 1 else {"hierarchical": True}
     results = {}
     for case in a.cases.split(","):
-        if case.startswith("skip:"):
+        if case.startswith(("skip:", "defaults:")):
             name = case.split(":", 1)[1]
-            bad = fit(a, plugin(name), **hier)
-            ref = fit(a, plugin(name), drop=STEP, **hier)
-            results[case] = dict(bad=params_of(bad), ref=params_of(ref), scales=bad.scales,
+            d = case.startswith("defaults:")
+            bad = fit(a, plugin(name), defaults=d, **hier)
+            ref = fit(a, plugin(name), drop=STEP, defaults=d, **hier)
+            results[case] = dict(bad=params_of(bad), ref=params_of(ref), scales=bad.scales, plans=(bad.plan, ref.plan),
                                  residuals_finite=all(bool(torch.isfinite(r).all())
                                                       for log in bad.residual_log for r in log.values()))
         elif case == "scale":

@@ -69,7 +69,7 @@ def _kernel_dir_text(name: str) -> str:
     try:
         return importlib.resources.files("lightning_topk.kernels").joinpath(name).read_text()
     except ModuleNotFoundError:  # source checkout whose install does not map lightning_topk.kernels
-        return (Path(__file__).resolve().parent.parent / "kernels" / name).read_text()
+        return (Path(__file__).resolve().parents[2] / "kernels" / name).read_text()
 
 
 @functools.lru_cache(maxsize=None)
@@ -114,7 +114,7 @@ def _cupy_problem() -> Optional[str]:
 
 @functools.lru_cache(maxsize=None)
 def _warn_torch_fallback_on_cuda() -> None:
-    warnings.warn(f"lightning_topk.comm.cuda_ops: CUDA tensors run the torch references, not the kernels: "
+    warnings.warn(f"lightning_topk.ops.cuda: CUDA tensors run the torch references, not the kernels: "
                   f"{_cupy_problem()}", RuntimeWarning, stacklevel=3)
 
 
@@ -122,7 +122,7 @@ def _warn_torch_fallback_on_cuda() -> None:
 def _module(name: str):
     problem = _cupy_problem()
     if problem is not None:
-        raise ImportError(f"lightning_topk.comm.cuda_ops: cannot compile kernels/{name}.cu: {problem}")
+        raise ImportError(f"lightning_topk.ops.cuda: cannot compile kernels/{name}.cu: {problem}")
     import cupy
 
     return cupy.RawModule(code=kernel_source(name), options=NVRTC_OPTIONS)
