@@ -95,6 +95,7 @@ class Cluster:
                 p.kill()
                 p.wait(10)
         self.procs.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _write_conf(root: str, ports: List[int]) -> str:
