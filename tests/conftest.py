@@ -1,5 +1,6 @@
 """Fixtures and markers shared by every test folder. Markers: ``slow`` (long multi-process runs, still in
-CI; ``-m "not slow"`` skips them) and ``gpu`` (needs CUDA and CuPy; skipped without them)."""
+CI; ``-m "not slow"`` skips them), ``gpu`` (needs CUDA and CuPy; skipped without them) and ``slurm`` (starts a
+real SLURM on this host; needs root and Debian's slurm-wlm/munge, which ``.ci/slurm_setup`` installs)."""
 import os
 
 import pytest

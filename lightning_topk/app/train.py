@@ -5,12 +5,13 @@
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import logging
 import os
 import warnings
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -173,12 +174,41 @@ def run(cfg: DictConfig) -> Dict[str, Any]:
 
 
 def _test(trainer: pl.Trainer, model: pl.LightningModule, dm: pl.LightningDataModule) -> Dict[str, float]:
+    """Test (or validate) the model as fit left it. Inside SLURM, Lightning's ``trainer.test(model)`` without a
+    ``ckpt_path`` restores the newest ``hpc_ckpt_<N>.ckpt`` of ``default_root_dir`` instead (after a requeue:
+    an older model), so the run tells Lightning that no checkpoint is to be loaded."""
     from pytorch_lightning.utilities.model_helpers import is_overridden
 
     if is_overridden("test_dataloader", dm, pl.LightningDataModule):
-        out = trainer.test(model, datamodule=dm, verbose=False)
+        run = trainer.test
     elif is_overridden("val_dataloader", dm, pl.LightningDataModule) and getattr(dm, "val_shards", 1) is not None:
-        out = trainer.validate(model, datamodule=dm, verbose=False)  # no test split: report the val metrics
+        run = trainer.validate  # no test split: report the val metrics
     else:
         return {}
+    step = trainer.global_step
+    with _no_checkpoint_restore(trainer):
+        out = run(model, datamodule=dm, verbose=False)
+    log.info("run.test: %s ran on the final weights (global step %d)", run.__name__, step)
     return {k: float(v) for k, v in (out[0] if out else {}).items()}
+
+
+@contextlib.contextmanager
+def _no_checkpoint_restore(trainer: pl.Trainer) -> Iterator[None]:
+    """``trainer.test/validate(model)`` loads no checkpoint inside this block, not even SLURM's hpc one.
+
+    Lightning picks the checkpoint in ``_CheckpointConnector._select_ckpt_path``: a path the user set through
+    ``trainer.ckpt_path`` (``_user_managed``) is taken as is, before the SLURM rule that turns ``None`` into
+    ``"hpc"``. Lightning's public setter cannot mark ``None`` as user-set, so the two attributes are set here.
+    """
+    conn = trainer._checkpoint_connector
+    if not hasattr(conn, "_user_managed"):
+        raise RuntimeError("run.test: this Lightning version has no _CheckpointConnector._user_managed; the final "
+                           "test could restore a SLURM hpc checkpoint instead of the trained weights")
+    conn._ckpt_path, conn._user_managed = None, True
+    try:
+        yield
+    finally:
+        conn._user_managed = False
+    if trainer.ckpt_path is not None:
+        raise RuntimeError(f"run.test: Lightning restored {trainer.ckpt_path} for the final test instead of using "
+                           "the trained weights")

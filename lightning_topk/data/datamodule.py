@@ -1,6 +1,9 @@
 """WebDataModule: WebDataset tar shards for Lightning, correct under DDP, with disk/RAM/device caches."""
 from __future__ import annotations
 
+import multiprocessing
+import signal
+import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import pytorch_lightning as pl
@@ -17,10 +20,57 @@ from .transforms import BatchAugment, resolve_callable
 
 RAM_LEVELS = ("off", "encoded", "decoded")
 BAD_SAMPLE = ("raise", "skip")
-WORKER_START = (None, "fork", "spawn", "forkserver")
+WORKER_START = ("auto", None, "fork", "spawn", "forkserver")
+# CPython releases that fixed gh-112275 (a forked child deadlocks in PyOS_AfterFork_Child when another thread
+# held the interpreter's HEAD_LOCK at the fork); 3.12 and later never had it.
+_FORK_FIXED = {(3, 8): 20, (3, 9): 20, (3, 10): 15, (3, 11): 10}
 MID_EPOCH_RESUME = ("exact", "restart_epoch")
 STATE_FORMAT = "lightning_topk.WebLoader/1"
 GiB = 1 << 30
+
+
+def fork_can_deadlock(version: Optional[Tuple[int, ...]] = None, implementation: Optional[str] = None) -> bool:
+    """Whether this CPython can deadlock in a child forked while another thread runs (gh-112275): CPython
+    before 3.8.20, 3.9.20, 3.10.15 and 3.11.10. Training runs threads (the heartbeat of ``topk_ddp``, loggers,
+    pin-memory threads), so DataLoader workers started with ``fork`` can hang there, rarely and for good."""
+    v = tuple(sys.version_info[:3] if version is None else version)
+    if (implementation or sys.implementation.name) != "cpython" or v[:2] >= (3, 12):
+        return False
+    fixed = _FORK_FIXED.get(v[:2])
+    return True if fixed is None else v[2] < fixed
+
+
+def resolve_worker_start(worker_start: Optional[str]) -> Optional[str]:
+    """``"auto"``: ``"forkserver"`` where :func:`fork_can_deadlock` (and the platform has it), else ``None``
+    (the platform default: fork on Linux). Any other value is returned as is."""
+    if worker_start != "auto":
+        return worker_start
+    if fork_can_deadlock() and "forkserver" in multiprocessing.get_all_start_methods():
+        return "forkserver"
+    return None
+
+
+def start_forkserver() -> None:
+    """Start multiprocessing's fork server (if not running) with the SLURM requeue signal blocked, so that the
+    workers forked from it never receive it: SLURM signals every process of the step, and a worker started by
+    forkserver or spawn would otherwise die of SIGUSR1 (its default action), failing the training step. The
+    signal mask is inherited through fork and exec; this process unblocks it at once (nothing is lost)."""
+    from multiprocessing import forkserver
+
+    from lightning_topk.lightning.faults import requeue_signals
+
+    # Import what every worker needs once, in the fork server, instead of in each worker it forks (only
+    # takes effect when this call starts the server).
+    forkserver.set_forkserver_preload(["__main__", "torch", "lightning_topk.data.datamodule"])
+    sigs = set(requeue_signals())
+    if not sigs or not hasattr(signal, "pthread_sigmask"):
+        forkserver.ensure_running()
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class WebLoader(DataLoader):
@@ -193,7 +243,7 @@ class WebDataModule(pl.LightningDataModule):
                  disk_cache_bytes: int = 20 * GiB, disk_cache_local: bool = False, ram_cache: str = "off",
                  ram_cache_bytes: int = 4 * GiB, gpu_cache: bool = False, gpu_cache_bytes: int = 4 * GiB,
                  on_bad_sample: str = "raise", persistent_workers: bool = False, pin_memory: bool = False,
-                 worker_start: Optional[str] = None, log_cache_stats: bool = True, mid_epoch_resume: str = "exact",
+                 worker_start: Optional[str] = "auto", log_cache_stats: bool = True, mid_epoch_resume: str = "exact",
                  rank: Optional[int] = None, world_size: Optional[int] = None):
         super().__init__()
         if ram_cache not in RAM_LEVELS:
@@ -312,7 +362,10 @@ class WebDataModule(pl.LightningDataModule):
     def _loader(self, ds: ShardStream, **kw) -> WebLoader:
         kw.update(batch_size=None, num_workers=self.num_workers, pin_memory=self.pin_memory)
         if self.num_workers > 0:
-            kw.update(persistent_workers=self.persistent_workers, multiprocessing_context=self.worker_start)
+            start = resolve_worker_start(self.worker_start)
+            if start == "forkserver":
+                start_forkserver()
+            kw.update(persistent_workers=self.persistent_workers, multiprocessing_context=start)
         return WebLoader(ds, **kw)
 
     def _train_position(self) -> Optional[Tuple[int, int]]:

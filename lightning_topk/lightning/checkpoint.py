@@ -1,26 +1,34 @@
 """Per-rank checkpoint shards of the top-k compression state (residuals, momentum-correction velocities).
 
-Layout, next to the Lightning checkpoint ``<ckpt>`` (which rank 0 writes)::
+Layout, beside the Lightning checkpoint ``<dir>/<name>`` (which rank 0 writes)::
 
-    <ckpt>                    Lightning's file; ``checkpoint["lightning_topk"]`` holds what is the same
-                              on every rank: format version, save key, world size, node layout, step,
-                              config, parameter name -> numel, and the sections of exchanges whose state
-                              is rank-independent (``exchanges``: exchange="auto"'s plan and cost
-                              model), so every rank restores one plan whatever its shard holds
-    <ckpt>.topk/rank{r}.pt    rank r's residuals and velocities keyed by parameter name and its
-                              per-rank exchange sections (``exchanges``: the scale-free exchanges'
-                              owner residuals) (plain CPU tensors and JSON types: loaded with
-                              ``torch.load(weights_only=True)``)
+    <dir>/<name>                           Lightning's file; ``checkpoint["lightning_topk"]`` holds what is
+                                           the same on every rank: format version, save key, world size,
+                                           node layout, step, config, parameter name -> numel, and the
+                                           sections of exchanges whose state is rank-independent
+                                           (``exchanges``: exchange="auto"'s plan and cost model), so every
+                                           rank restores one plan whatever its shard holds
+    <dir>/.topk-shards/<name>/rank{r}.pt   rank r's residuals and velocities keyed by parameter name and its
+                                           per-rank exchange sections (``exchanges``: the scale-free
+                                           exchanges' owner residuals) (plain CPU tensors and JSON types:
+                                           loaded with ``torch.load(weights_only=True)``)
 
 Format version 2 keeps one section per exchange (:meth:`Exchange.state_dict
 <lightning_topk.comm.exchanges.base.Exchange.state_dict>`); version 1 files (owner residuals and
 ``auto``'s plan at the top level) are still read and converted.
 
+The shards live in one hidden folder per checkpoint directory, not beside the checkpoint under a name
+that starts with the checkpoint's: Lightning's SLURM requeue names its checkpoint ``hpc_ckpt_<N+1>``
+after counting every entry of the folder that contains ``hpc_ckpt_``, so a ``hpc_ckpt_1.ckpt.topk``
+folder (the layout before this one) counted as a checkpoint. Checkpoints written with that older layout,
+``<dir>/<name>.topk/rank{r}.pt``, are still read (and removed with their checkpoint).
+
 Every rank writes its own shard atomically (:mod:`lightning_topk.files`) before rank 0 writes the
 main file. Remote checkpoints (``s3://``, ``gs://``, any fsspec URL, as Lightning's own checkpoint I/O
-takes) get their shards beside them through fsspec, and are read, checked and removed the same way; no collective is used, so saving works from any point where Lightning saves. The shard
-carries the save key of the main file, so a stale shard (a rank that died before overwriting
-``last.ckpt.topk/rank1.pt``) is detected on load instead of being used silently.
+takes) get their shards beside them through fsspec, and are read, checked and removed the same way; no
+collective is used, so saving works from any point where Lightning saves. The shard carries the save key
+of the main file, so a stale shard (a rank that died before overwriting
+``.topk-shards/last.ckpt/rank1.pt``) is detected on load instead of being used silently.
 
 Restore rules (:func:`restore_rank_state`), decided identically on every rank, with at most one
 warning (from rank 0) that says what was redistributed or reset:
@@ -56,11 +64,28 @@ FORMAT = "lightning_topk.rank_state"
 VERSION = 2
 READABLE = (1, 2)  # versions this build loads (1: converted, see TopKState.load_state_dict)
 META_KEY = "lightning_topk"
-SHARD_SUFFIX = ".topk"
+SHARD_FOLDER = ".topk-shards"  # <dir>/.topk-shards/<checkpoint name>/rank{r}.pt
+SHARD_SUFFIX = ".topk"  # the layout before: <dir>/<checkpoint name>.topk/rank{r}.pt (still read and removed)
 KINDS = ("residual", "velocity")
 
 
+def _split(ckpt_path) -> Tuple[str, str]:
+    """(directory, file name) of a local path or URL."""
+    p = os.fspath(ckpt_path)
+    if is_url(p):
+        d, _, name = p.rstrip("/").rpartition("/")
+        return d, name
+    return os.path.split(p)
+
+
 def shard_dir(ckpt_path) -> str:
+    """Where the shards of ``ckpt_path`` are written: ``<dir>/.topk-shards/<name>``."""
+    d, name = _split(ckpt_path)
+    return join(d, SHARD_FOLDER, name) if d else join(SHARD_FOLDER, name)
+
+
+def legacy_shard_dir(ckpt_path) -> str:
+    """The shard directory of the older layout, ``<ckpt>.topk`` (read and removed, never written)."""
     return os.fspath(ckpt_path) + SHARD_SUFFIX
 
 
@@ -125,23 +150,25 @@ def _shared(name: str) -> bool:
 
 
 def remove_rank_state(strategy, filepath) -> None:
-    """Remove this rank's shard; global rank 0 also removes the shard directory."""
+    """Remove this rank's shard; global rank 0 also removes the shard directory (either layout)."""
     remove(shard_path(filepath, strategy.global_rank))
     if strategy.is_global_zero:
         remove(shard_dir(filepath), recursive=True)
+        remove(legacy_shard_dir(filepath), recursive=True)
 
 
 # ---- load ---------------------------------------------------------------------------------------
 def find_shard_dir(ckpt_path, meta: Dict[str, Any]) -> Optional[str]:
-    """The shard directory of a checkpoint: next to it, next to its symlink target, or by saved name."""
+    """The shard directory of a checkpoint: beside it, beside its symlink target, or by saved name; in the
+    current layout (``.topk-shards/<name>``) first, then in the older one (``<name>.topk``)."""
     url = is_url(ckpt_path)
     path = os.fspath(ckpt_path) if url else local_path(ckpt_path)
-    cands = [shard_dir(path)] if url else [shard_dir(path), shard_dir(os.path.realpath(path))]
+    files = [path] if url else [path, os.path.realpath(path)]
     name = meta.get("name")
     # The saved name only ever selects a sibling: no separators, no '..' (cannot leave the directory).
     if isinstance(name, str) and name and os.path.basename(name) == name and name not in (".", ".."):
-        cands.append(join((posixpath if url else os.path).dirname(path), name + SHARD_SUFFIX))
-    for c in cands:
+        files.append(join((posixpath if url else os.path).dirname(path), name))
+    for c in [shard_dir(f) for f in files] + [legacy_shard_dir(f) for f in files]:
         if isdir(c):
             return c
     return None

@@ -13,12 +13,26 @@ rank that was lost when a collective fails, and SLURM requeue at a step boundary
   requeue``) inside the signal handler, i.e. at a different point of the step on each rank, and its
   ``barrier`` then meets another rank's gradient collective. This callback only records the signal
   and runs Lightning's handler on all ranks together after the next optimizer step (one 1-element
-  all-reduce per step, only when SLURM auto-requeue is active). ``topk_ddp`` adds it by itself.
+  all-reduce per step, only when SLURM auto-requeue is active), once per ``fit``: later signals (a rank
+  that got it one step later, or SLURM delivering it twice) are ignored. ``topk_ddp`` adds it by itself.
+* :class:`AgreedHpcPath`: Lightning's handler names the requeue checkpoint ``hpc_ckpt_<N+1>.ckpt`` on
+  each rank by listing ``default_root_dir`` (``hpc_ckpt_<N>`` being the highest there), so a rank that
+  lists after rank 0 wrote its file picks ``N+2`` and its residual shard lands under another name.
+  When the process group starts, rank 0 picks ``N+1`` and broadcasts it; every rank's requeue save
+  then uses that name (and ``N+2``, ... for later saves of the same run).
+* SLURM signals every process of the job step, DataLoader workers included. Lightning's handler is
+  installed before the training DataLoader forks its workers (``fit_loop.setup_data`` creates the
+  iterator before ``on_train_start``), so a forked worker ran it: it saved a stale checkpoint (the
+  worker's copy of the model, from before the first step) over the real one's name and called
+  ``scontrol requeue`` a second time. Under SLURM auto-requeue a process forked from a training process
+  ignores the requeue signal (:func:`ignore_requeue_signal_in_children`); workers started with
+  forkserver get it ignored from the fork server (see ``lightning_topk.data.datamodule``).
 """
 from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -205,10 +219,12 @@ class RequeueSync(pl.Callback):
 
     def __init__(self) -> None:
         self._requested = False
+        self._handled = False
         self._handler: Any = None
         self._signum: Optional[int] = None
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        self._requested = self._handled = False
         env = _slurm_requeue_env(trainer.strategy)
         if env is None:
             return
@@ -227,6 +243,14 @@ class RequeueSync(pl.Callback):
             return
         if trainer.strategy.reduce_boolean_decision(self._requested, all=False):
             self._requested = False
+            if self._handled:
+                # A rank whose signal came after the others' (they arrive at different times, and SLURM may
+                # deliver it twice: to the step's tasks and through srun), or a second signal: the requeue
+                # checkpoint is written and the job requeued already; a second save could be cut off by the
+                # requeue's SIGTERM/SIGKILL halfway.
+                log.info("lightning_topk: requeue signal again after the requeue checkpoint of this run; ignored")
+                return
+            self._handled = True
             self._handler(self._signum, None)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
@@ -244,6 +268,65 @@ def _slurm_requeue_env(strategy):
     return None
 
 
+class AgreedHpcPath:
+    """Stands in for ``trainer._checkpoint_connector.hpc_save_path`` (which Lightning's SLURM handler calls
+    on every rank): the k-th requeue save of this run is ``hpc_ckpt_<first + k - 1>.ckpt`` on every rank."""
+
+    def __init__(self, first: int) -> None:
+        self.next = int(first)
+
+    def __call__(self, folderpath: Any) -> str:
+        number, self.next = self.next, self.next + 1
+        return os.path.join(folderpath, f"hpc_ckpt_{number}.ckpt")  # as Lightning's own hpc_save_path
+
+
+_HPC_NAME = re.compile(r"hpc_ckpt_(\d+)\.ckpt$")
+
+
+def agree_hpc_path(strategy, trainer) -> Optional[int]:
+    """Rank 0 chooses the number of the next requeue checkpoint (Lightning's rule: one more than the highest
+    ``hpc_ckpt_<N>`` in ``default_root_dir``) and broadcasts it; every rank then saves under that name.
+    Collective: called on every rank right after the process group starts. Returns the number."""
+    connector = getattr(trainer, "_checkpoint_connector", None)
+    lightning_rule = getattr(type(connector), "hpc_save_path", None)
+    number = None
+    if strategy.global_rank == 0 and callable(lightning_rule):
+        m = _HPC_NAME.search(os.fspath(lightning_rule(trainer.default_root_dir)))
+        number = int(m.group(1)) if m else None
+    number = strategy.broadcast(number, src=0)
+    if number is None:  # Lightning names it differently now: leave its rule alone
+        log.warning("lightning_topk: could not read Lightning's hpc checkpoint name; each rank names its requeue "
+                    "checkpoint itself")
+        return None
+    connector.hpc_save_path = AgreedHpcPath(number)
+    return number
+
+
+_IGNORED_IN_CHILDREN: set = set()
+
+
+def _ignore_in_child() -> None:
+    for signum in _IGNORED_IN_CHILDREN:
+        try:
+            if signal.getsignal(signum) not in (signal.SIG_IGN, None):
+                signal.signal(signum, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread of the child: nothing to do
+            pass
+
+
+def ignore_requeue_signal_in_children(signum: int) -> None:
+    """Processes forked from this one from now on (DataLoader workers) ignore ``signum``: SLURM sends the
+    requeue signal to every process of the step, and only the training process may act on it."""
+    if not _IGNORED_IN_CHILDREN and hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_ignore_in_child)
+    _IGNORED_IN_CHILDREN.add(int(signum))
+
+
+def requeue_signals() -> tuple:
+    """The signals that children of this process must ignore (see :func:`ignore_requeue_signal_in_children`)."""
+    return tuple(sorted(_IGNORED_IN_CHILDREN))
+
+
 def _mid_accumulation(trainer) -> bool:
     loop = trainer.fit_loop.epoch_loop
     try:
@@ -257,9 +340,12 @@ def start(strategy) -> Optional[Heartbeat]:
     """After the process group exists: add :class:`RequeueSync` under SLURM, and start and return the
     heartbeat (None on one process or without a TCP store)."""
     trainer = getattr(strategy.lightning_module, "_trainer", None)
-    if trainer is not None and _slurm_requeue_env(strategy) is not None:
+    env = _slurm_requeue_env(strategy)
+    if trainer is not None and env is not None:
         if not any(isinstance(cb, RequeueSync) for cb in trainer.callbacks):
             trainer.callbacks.append(RequeueSync())
+        agree_hpc_path(strategy, trainer)
+        ignore_requeue_signal_in_children(env.requeue_signal)
     if not (dist.is_available() and dist.is_initialized() and strategy.world_size > 1):
         return None
     try:

@@ -9,6 +9,7 @@ import subprocess
 
 import pytest
 import pytorch_lightning as pl
+import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from lightning_fabric.plugins.environments import SLURMEnvironment
@@ -147,3 +148,47 @@ def test_sbatch_script_headers_and_command(tmp_path):
     env.pop("SLURM_JOB_ID")
     p = subprocess.run(["bash", str(SBATCH)], capture_output=True, text=True, env=env, timeout=30)
     assert p.returncode != 0 and "run this script with sbatch" in p.stderr
+
+
+class _Scalar(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, _):
+        return (self.w - 1.0).pow(2).sum() + 0 * batch.sum()
+
+    def test_step(self, batch, _):
+        self.log("test/w", self.w.detach().clone().squeeze())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class _Ones(pl.LightningDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(4, 1), batch_size=2)
+
+    def test_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(2, 1), batch_size=2)
+
+
+def test_final_test_runs_on_the_final_weights_inside_slurm(monkeypatch, tmp_path, caplog):
+    """Inside SLURM, ``trainer.test(model)`` restores the newest hpc_ckpt_<N>.ckpt of default_root_dir when one
+    exists (after a requeue: an older model); the app's final test must use the weights fit ended with."""
+    slurm_env(monkeypatch, nodes=1, per_node=1, node=0, local=0)
+    model, dm = _Scalar(), _Ones()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, default_root_dir=tmp_path, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, datamodule=dm)
+    trainer.save_checkpoint(tmp_path / "hpc_ckpt_1.ckpt")  # what a requeue in the middle of the run leaves
+    with torch.no_grad():
+        model.w.fill_(5.0)  # the weights "after the rest of training"
+    with caplog.at_level("INFO", logger="lightning_topk.app.train"):
+        metrics = train._test(trainer, model, dm)
+    assert metrics == {"test/w": 5.0}
+    assert trainer.ckpt_path is None and float(model.w) == 5.0
+    assert "test ran on the final weights (global step 2)" in caplog.text
+    # Lightning's own rule is unchanged outside the app's final test: a later test(model) restores hpc.
+    trainer.test(model, datamodule=dm, verbose=False)
+    assert str(trainer.ckpt_path).endswith("hpc_ckpt_1.ckpt")

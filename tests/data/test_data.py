@@ -331,3 +331,23 @@ def test_batch_augment_crop_flip_normalise():
     assert set(raw.round().unique().tolist()) <= set(range(96))
     flips = [BatchAugment(flip=True, seed=s)(x) for s in range(8)]
     assert any(torch.equal(f[0], x[0].flip(-1).float() / 255) for f in flips)
+
+
+def test_worker_start_auto_avoids_fork_where_cpython_can_deadlock(shards1):
+    """gh-112275: CPython < 3.11.10 (and older lines before their fixes) can deadlock in a child forked while
+    another thread runs; training always runs threads, so the default starts workers with forkserver there."""
+    from lightning_topk.data.datamodule import fork_can_deadlock, resolve_worker_start
+
+    assert fork_can_deadlock((3, 11, 7), "cpython") and fork_can_deadlock((3, 10, 14), "cpython")
+    assert not fork_can_deadlock((3, 11, 10), "cpython") and not fork_can_deadlock((3, 12, 0), "cpython")
+    assert not fork_can_deadlock((3, 10, 15), "cpython") and not fork_can_deadlock((3, 11, 7), "pypy")
+    assert resolve_worker_start("spawn") == "spawn" and resolve_worker_start(None) is None
+    dm = make_dm(shards1, num_workers=1, rank=0, world_size=1)
+    assert dm.worker_start == "auto"
+    loader = dm.train_dataloader()
+    ctx = loader.multiprocessing_context
+    want = "forkserver" if fork_can_deadlock() else None
+    assert (ctx.get_start_method() if ctx is not None else None) == want
+    ids, _, _ = run_epoch(dm, loader)  # the workers start and deliver the same epoch as the main process
+    ref = make_dm(shards1, num_workers=0, rank=0, world_size=1)
+    assert ids == run_epoch(ref, ref.train_dataloader())[0]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_topk.lightning.checkpoint import shard_dir, shard_path
 from tests.helpers.procs import SCRIPTS, fake_scontrol, run_script
 
 sys.path.insert(0, str(SCRIPTS))
@@ -108,7 +109,7 @@ def test_resume_is_bit_exact_on_the_sync_free_path(tmp_path):
 def test_resume_from_file_url_checkpoint_is_bit_exact(tmp_path):
     # Shards go through the same URL handling as Lightning's checkpoint I/O (fsspec), not plain paths.
     run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,url_stop,url_resume"])
-    assert sorted(os.listdir(tmp_path / "url" / "e1.ckpt.topk")) == ["rank0.pt", "rank1.pt"]
+    assert sorted(os.listdir(shard_dir(tmp_path / "url" / "e1.ckpt"))) == ["rank0.pt", "rank1.pt"]
     for r in range(2):
         straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "url_resume", r)
         assert resumed["ckpt_path"].startswith("file://")
@@ -120,16 +121,17 @@ def test_resume_from_file_url_checkpoint_is_bit_exact(tmp_path):
 def test_shards_written_per_rank_and_pruned_with_their_checkpoint(runs):
     ck = runs / "ckpt"
     # resume used save_top_k=1: ModelCheckpoint removed epoch 0's file, and its shards went with it
-    assert not (ck / "epoch=0-step=22.ckpt").exists() and not (ck / "epoch=0-step=22.ckpt.topk").exists()
+    assert not (ck / "epoch=0-step=22.ckpt").exists() and not os.path.exists(shard_dir(ck / "epoch=0-step=22.ckpt"))
     for name in ("epoch=1-step=44.ckpt", "last.ckpt"):
-        assert sorted(os.listdir(ck / f"{name}.topk")) == ["rank0.pt", "rank1.pt"]
+        assert sorted(os.listdir(shard_dir(ck / name))) == ["rank0.pt", "rank1.pt"]
     meta = torch.load(ck / "last.ckpt", weights_only=True)["lightning_topk"]
     assert meta["world_size"] == 2 and meta["num_nodes"] == 1 and meta["local_world_size"] == 2
     assert meta["step"] == 44 and meta["version"] == 2 and meta["numels"]["net.head.3.weight"] == 1280
-    shard = torch.load(ck / "last.ckpt.topk" / "rank1.pt", weights_only=True)
+    shard = torch.load(shard_path(ck / "last.ckpt", 1), weights_only=True)
     assert shard["rank"] == 1 and shard["save_key"] == meta["save_key"]
     assert set(shard["residual"]) == set(meta["numels"])
-    assert not any(f.startswith(".tmp") for f in os.listdir(ck / "last.ckpt.topk"))
+    assert not any(f.startswith(".tmp") for f in os.listdir(shard_dir(ck / "last.ckpt")))
+    assert sorted(os.listdir(ck)) == [".topk-shards", "epoch=1-step=44.ckpt", "last.ckpt"]
 
 
 def test_plain_ddp_resumes_from_topk_checkpoint(runs):
@@ -165,7 +167,7 @@ def test_world_size_change_averages_residuals(runs):
     run_script([SCRIPT, "--out", runs, "--phases", "shrink", "--devices", "1"])
     x = load(runs, "shrink", 0)
     assert len(x["warnings"]) == 1 and "world size changed from 2 to 1" in x["warnings"][0]
-    shards = [torch.load(runs / "ckpt" / "last.ckpt.topk" / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    shards = [torch.load(shard_path(runs / "ckpt" / "last.ckpt", r), weights_only=True) for r in range(2)]
     for kind in ("residual", "velocity"):
         assert x["restored"][kind].keys() == shards[0][kind].keys()
         for k, got in x["restored"][kind].items():
@@ -193,7 +195,7 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
         job.kill_all()  # what SLURM does to the old allocation
     assert scontrol_log.read_text().split() == ["requeue", "4242"]
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
-    assert hpc.exists() and sorted(os.listdir(f"{hpc}.topk")) == ["rank0.pt", "rank1.pt"]
+    assert hpc.exists() and sorted(os.listdir(shard_dir(hpc))) == ["rank0.pt", "rank1.pt"]
     saved_at = torch.load(hpc, weights_only=True)["global_step"]
     assert 5 <= saved_at < 22
 
@@ -209,3 +211,33 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
         assert resumed["restored"]["step"] == saved_at
         assert resumed["warnings"] == []
         assert_same_state(load(runs, "straight", r), resumed)
+
+
+def test_slurm_requeue_every_rank_saves_under_rank_zeros_name(tmp_path):
+    """Rank 1 names its requeue checkpoint 2 s after rank 0 wrote hpc_ckpt_1.ckpt (its logger is slow to
+    finalize, which Lightning's handler does first). Each rank used to list the folder itself and rank 1
+    picked hpc_ckpt_2: its residual shard was lost to the resumed job. Now all shards are under rank 0's
+    name, and a leftover shard folder of a save that never completed does not shift the next number."""
+    from lightning_topk.lightning import checkpoint as ckmod
+
+    env, scontrol_log = fake_scontrol(tmp_path)
+    out = tmp_path / "run"
+    (out / "slurm").mkdir(parents=True)
+    # Shards of a hpc_ckpt_5 whose main file was never written (rank 0 died): not a checkpoint.
+    os.makedirs(shard_dir(out / "slurm" / "hpc_ckpt_5.ckpt"))
+    job = Ranks(SCRIPT, ["--out", out, "--phases", "slurm", "--slow", "0.1", "--slow-finalize-rank", "1"], 2,
+                tmp_path / "logs", slurm_job=4343, extra_env=env)
+    try:
+        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 3, 120, "3 training steps", job)
+        job.signal(0, signal.SIGUSR1)  # RequeueSync runs the handler on both ranks after the next step
+        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
+    finally:
+        job.kill_all()
+    names = sorted(f for f in os.listdir(out / "slurm") if "hpc_ckpt" in f)
+    assert names == ["hpc_ckpt_1.ckpt"], names
+    assert sorted(os.listdir(out / "slurm" / ".topk-shards")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_5.ckpt"]
+    hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
+    meta = torch.load(hpc, weights_only=True)["lightning_topk"]
+    for r in range(2):
+        shard, why = ckmod.read_shard(shard_path(hpc, r), meta, r)
+        assert why == "" and shard["residual"], (r, why)

@@ -56,7 +56,8 @@ def restore(path, checkpoint, rank, world, cfg=None, m=None):
 def test_shards_are_atomic_weights_only_and_restore_exactly(tmp_path):
     path = tmp_path / "a.ckpt"
     checkpoint, states, _ = save_world(path, 2)
-    assert sorted(os.listdir(f"{path}.topk")) == ["rank0.pt", "rank1.pt"]  # no temporary files left
+    assert sorted(os.listdir(ck.shard_dir(path))) == ["rank0.pt", "rank1.pt"]  # no temporary files left
+    assert ck.shard_dir(path) == str(tmp_path / ".topk-shards" / "a.ckpt")
     meta = checkpoint["lightning_topk"]
     assert meta["world_size"] == 2 and meta["numels"] == {"0.weight": 12, "0.bias": 3, "1.weight": 6, "1.bias": 2}
     for r in range(2):
@@ -146,8 +147,8 @@ def test_saved_name_cannot_leave_the_directory(tmp_path):
     out, notes = restore(path, checkpoint, 0, 1)
     assert out["residual"] == {} and "not found" in notes[0]
     checkpoint["lightning_topk"]["name"] = "elsewhere.ckpt"  # a sibling, by its saved name: allowed
-    os.replace(f"{tmp_path / 'elsewhere.ckpt'}.topk", tmp_path / "ckpts" / "elsewhere.ckpt.topk")
-    assert ck.find_shard_dir(path, checkpoint["lightning_topk"]).endswith("elsewhere.ckpt.topk")
+    os.renames(ck.shard_dir(tmp_path / "elsewhere.ckpt"), ck.shard_dir(tmp_path / "ckpts" / "elsewhere.ckpt"))
+    assert ck.find_shard_dir(path, checkpoint["lightning_topk"]) == ck.shard_dir(tmp_path / "ckpts" / "elsewhere.ckpt")
 
 
 def test_symlinked_last_finds_the_target_shards(tmp_path):
@@ -163,14 +164,14 @@ def test_remove_and_weights_only(tmp_path):
     save_world(path, 2)
     m = model()
     ck.remove_rank_state(Stand(1, 2, m), path)
-    assert os.listdir(f"{path}.topk") == ["rank0.pt"]
+    assert os.listdir(ck.shard_dir(path)) == ["rank0.pt"]
     ck.remove_rank_state(Stand(0, 2, m), path)
-    assert not os.path.exists(f"{path}.topk")
+    assert not os.path.exists(ck.shard_dir(path))
     s = Stand(0, 1, m)
     s.topk_state = TopKState(s.topk_config)
     weights_only = {"epoch": 0, "global_step": 1, "state_dict": {}}
     ck.save_rank_state(s, weights_only, path)
-    assert "lightning_topk" not in weights_only and not os.path.exists(f"{path}.topk")
+    assert "lightning_topk" not in weights_only and not os.path.exists(ck.shard_dir(path))
 
 
 def test_remote_shards_through_fsspec_save_restore_stale_and_remove():
@@ -180,7 +181,7 @@ def test_remote_shards_through_fsspec_save_restore_stale_and_remove():
     path = "memory://bucket/run/last.ckpt"
     try:
         checkpoint, states, m = save_world(path, 2)
-        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("memory://bucket/run/last.ckpt.topk", detail=False)) \
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("memory://bucket/run/.topk-shards/last.ckpt", detail=False)) \
             == ["rank0.pt", "rank1.pt"]
         for r in range(2):
             out, notes = restore(path, checkpoint, r, 2, m=m)
@@ -189,12 +190,12 @@ def test_remote_shards_through_fsspec_save_restore_stale_and_remove():
                 assert torch.equal(out["residual"][name], t)
         # A stale rank-1 shard (saved at another step) is detected on the remote copy too.
         newer, _, _ = save_world("memory://bucket/run/other.ckpt", 2, step=9)
-        fs.copy("memory://bucket/run/other.ckpt.topk/rank1.pt", "memory://bucket/run/last.ckpt.topk/rank1.pt")
+        fs.copy(ck.shard_path("memory://bucket/run/other.ckpt", 1), ck.shard_path(path, 1))
         out, notes = restore(path, checkpoint, 1, 2, m=m)
         assert out["residual"] == {} and any("rank 1: stale" in n for n in notes)
         for r in (1, 0):  # rank 0 removes the directory after its own shard
             ck.remove_rank_state(Stand(r, 2, m), path)
-        assert not fs.exists("memory://bucket/run/last.ckpt.topk")
+        assert not fs.exists("memory://bucket/run/.topk-shards/last.ckpt")
     finally:
         fs.rm("memory://bucket", recursive=True)
 
@@ -243,3 +244,45 @@ def test_a_v1_checkpoint_still_loads_into_per_exchange_sections():
             for name, v in fold_owner_residual(key, t).items():
                 total[name] = total[name] + v
     assert all(torch.allclose(out["residual"][k], total[k] / 2, atol=1e-6) for k in total)
+
+
+def _to_legacy_layout(path):
+    """Move the shards of ``path`` to where versions before the .topk-shards folder wrote them."""
+    os.rename(ck.shard_dir(path), f"{path}.topk")
+
+
+def test_old_layout_is_still_read_and_removed(tmp_path):
+    path = tmp_path / "hpc_ckpt_1.ckpt"
+    checkpoint, states, m = save_world(path, 2)
+    _to_legacy_layout(path)
+    assert ck.find_shard_dir(path, checkpoint["lightning_topk"]) == f"{path}.topk"
+    for r in range(2):
+        out, notes = restore(path, checkpoint, r, 2, m=m)
+        assert notes == []
+        for name, t in states[r].residuals().items():
+            assert torch.equal(out["residual"][name], t)
+    os.symlink(path.name, tmp_path / "last.ckpt")  # a symlinked last.ckpt finds the old layout too
+    out, notes = restore(tmp_path / "last.ckpt", checkpoint, 1, 2, m=m)
+    assert notes == [] and torch.equal(out["residual"]["1.bias"], states[1].residuals()["1.bias"])
+    for r in (1, 0):
+        ck.remove_rank_state(Stand(r, 2, m), path)
+    assert not os.path.exists(f"{path}.topk")
+
+
+def test_new_layout_wins_over_old_and_is_invisible_to_lightnings_hpc_scan(tmp_path):
+    from pytorch_lightning.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    path = tmp_path / "hpc_ckpt_1.ckpt"
+    stale, _, _ = save_world(tmp_path / "hpc_ckpt_1.ckpt", 1, seed=1, step=3)
+    _to_legacy_layout(path)
+    checkpoint, states, m = save_world(path, 1, seed=2, step=5)
+    out, notes = restore(path, checkpoint, 0, 1, m=m)
+    assert notes == [] and torch.equal(out["residual"]["1.bias"], states[0].residuals()["1.bias"])
+    os.remove(f"{path}.topk/rank0.pt")
+    os.rmdir(f"{path}.topk")
+    path.write_bytes(b"")  # the main file rank 0 writes after the shards
+    # Lightning names the next requeue checkpoint after the highest hpc_ckpt_<N> entry of the folder;
+    # the shards (one hidden folder) do not count: the next one is hpc_ckpt_2, not hpc_ckpt_3 or beyond.
+    assert os.path.basename(_CheckpointConnector.hpc_save_path(str(tmp_path))) == "hpc_ckpt_2.ckpt"
+    save_world(tmp_path / "hpc_ckpt_9.ckpt", 1)  # shards only (rank 0 died before the main file)
+    assert os.path.basename(_CheckpointConnector.hpc_save_path(str(tmp_path))) == "hpc_ckpt_2.ckpt"

@@ -5,6 +5,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -151,3 +152,52 @@ def test_heartbeat_stop_joins_its_thread():
     from tests.helpers.dist import run_distributed
 
     assert run_distributed(_heartbeat_stop, 2) == [False, False]
+
+
+CHILD_SIGNALS = r"""
+import multiprocessing as mp, os, signal, time
+from lightning_topk.lightning import faults
+from lightning_topk.data.datamodule import start_forkserver
+
+RAN = []
+
+def handler(signum, frame):
+    RAN.append(os.getpid())
+
+def report(q):
+    os.kill(os.getpid(), signal.SIGUSR1)  # what SLURM does to every process of the step
+    time.sleep(0.3)
+    q.put("survived, handler ran" if RAN else "survived, handler not run")
+
+def child(method):
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=report, args=(q,))
+    p.start()
+    p.join(60)
+    return q.get(timeout=5) if p.exitcode == 0 else f"died ({p.exitcode})"
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGUSR1, handler)  # Lightning's requeue handler, installed before the workers start
+    faults.ignore_requeue_signal_in_children(signal.SIGUSR1)
+    start_forkserver()
+    print(child("fork"), child("forkserver"), sep="|")
+    os.kill(os.getpid(), signal.SIGUSR1)
+    time.sleep(0.1)
+    print(RAN == [os.getpid()])  # the training process still handles it
+"""
+
+
+def test_requeue_signal_is_ignored_by_forked_and_forkserver_children(tmp_path):
+    """SLURM signals every process of the step. A DataLoader worker forked after Lightning installed its SIGUSR1
+    handler ran it (a stale checkpoint over the real one, a second scontrol requeue); one started by forkserver
+    died of it. Under SLURM auto-requeue both kinds survive it without acting; the training process handles it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "child_signals.py"
+    script.write_text(CHILD_SIGNALS)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines() == ["survived, handler not run|survived, handler not run", "True"], p.stdout

@@ -12,7 +12,9 @@ later Trainers reuse the process group):
   url_stop       topk_ddp, 1 epoch, then trainer.save_checkpoint("file://OUT/url/e1.ckpt") (a URL path)
   url_resume     topk_ddp resumes ckpt_path="file://OUT/url/e1.ckpt" to 2 epochs
   slurm          topk_ddp, 2 epochs, default_root_dir OUT/slurm, ckpt_path=None (SLURM auto-resume
-                 of hpc_ckpt_N.ckpt); --slow sleeps per step; the caller starts the ranks with SLURM env
+                 of hpc_ckpt_N.ckpt); --slow sleeps per step; the caller starts the ranks with SLURM env;
+                 --slow-finalize-rank R: rank R's logger takes 2 s to finalize (Lightning's requeue handler
+                 finalizes the loggers before it names the hpc checkpoint, so rank R names it last)
   lost_shard     every rank deletes rank 1's residual shard of OUT/ckpt/last.ckpt, then topk_ddp resumes
                  it to one more epoch
 
@@ -76,6 +78,27 @@ class Progress(pl.Callback):
             time.sleep(self.slow)
 
 
+class SlowFinalizeLogger(pl.loggers.logger.Logger):
+    """A logger that logs nothing and takes 2 s to finalize on one rank (like one flushing to slow storage)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.slow_rank = rank
+
+    name = "slow"
+    version = 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def finalize(self, status):
+        if status == "finished" and int(os.environ.get("SLURM_PROCID", "-1")) == self.slow_rank:
+            time.sleep(2.0)
+
+
 class Restored(pl.Callback):
     """Records the compression state as restored, before the first exchange applies it."""
 
@@ -97,13 +120,13 @@ def topk(**kw):
                            **EXTRA, **kw)
 
 
-def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None, seed=0):
+def run(a, phase, strategy, max_epochs, ckpt_path=None, callbacks=(), root=None, seed=0, logger=False):
     pl.seed_everything(seed, workers=True)
     model = ImageClassifier(SmallCNN(width=16), lr=0.05)
     restored = Restored()
     trainer = pl.Trainer(
         accelerator="cpu", devices=a.devices, strategy=strategy, max_epochs=max_epochs,
-        callbacks=[restored, Progress(a.out, a.slow), *callbacks], logger=False,
+        callbacks=[restored, Progress(a.out, a.slow), *callbacks], logger=logger,
         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
         enable_progress_bar=False, enable_model_summary=False, deterministic=True, use_distributed_sampler=False,
         limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=root or a.out,
@@ -143,6 +166,7 @@ def main():
     ap.add_argument("--phases", default="straight,stop,ddp_from_topk,topk_from_ddp,resume")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--slow", type=float, default=0.0)
+    ap.add_argument("--slow-finalize-rank", type=int, default=None)
     ap.add_argument("--bucket-cap-mb", type=float, default=None)
     ap.add_argument("--scope", default=None)
     ap.add_argument("--defaults", action="store_true")
@@ -193,7 +217,8 @@ def main():
                 pass
             run(a, phase, topk(), epochs, ckpt_path=last)
         elif phase == "slurm":
-            run(a, phase, topk(), 2, root=os.path.join(a.out, "slurm"))
+            slow_logger = [] if a.slow_finalize_rank is None else [SlowFinalizeLogger(a.slow_finalize_rank)]
+            run(a, phase, topk(), 2, root=os.path.join(a.out, "slurm"), logger=slow_logger or False)
         else:
             raise SystemExit(f"unknown phase {phase!r}")
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and "SLURM_PROCID" not in os.environ:

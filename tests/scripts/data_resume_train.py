@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--shards", required=True, nargs="+")
     ap.add_argument("--phases", default="straight,stop,resume,replay")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--worker-start", default=None)
+    ap.add_argument("--worker-start", default="auto")  # the default of WebDataModule
     ap.add_argument("--ram-cache", default="off")
     ap.add_argument("--gpu-cache", action="store_true")
     ap.add_argument("--strategy", default="ddp", choices=["ddp", "topk"])
