@@ -38,6 +38,26 @@ def _restore_environ():
     os.environ.update(saved)
 
 
+@pytest.fixture(autouse=True)
+def _restore_rank_zero():
+    """A Trainer built in this process under a SLURM environment (tests/app/test_slurm.py) sets Lightning's
+    process-wide ``rank_zero_only.rank`` to that task's rank; later tests would then see no rank-zero
+    warning at all. Restored after each test."""
+    import importlib
+
+    mods = []
+    for name in ("lightning_fabric.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "pytorch_lightning.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        try:
+            mods.append(importlib.import_module(name).rank_zero_only)
+        except ImportError:
+            continue
+    saved = [getattr(m, "rank", 0) for m in mods]
+    yield
+    for m, r in zip(mods, saved):
+        m.rank = r
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny tensors on a shared 2-core machine: OpenMP waits would dominate. Restored afterwards."""
