@@ -183,16 +183,28 @@ def _key_of(t: float) -> int:
 
 def _mask_ge(x: Tensor, key: int) -> Tensor:
     """A bool mask, padded with False to a multiple of 8 entries: ``|x| >= t`` for the fp32 t with this
-    key, True for NaN as well. On CPU in chunks through a cache-sized key buffer, so x is read once and
-    only the mask is written (a full-size |x| costs a 4-byte write and a second read per entry), and
-    the compare writes int32 (a compare into bool is not vectorised on CPU: 8x slower here)."""
+    key, True for NaN as well (see :func:`_key_pass`)."""
+    mask, _ = _key_pass(x, key)
+    assert mask is not None
+    return mask
+
+
+def _key_pass(x: Tensor, key: Optional[int], stats: bool = False) -> Tuple[Optional[Tensor], Tuple[float, float]]:
+    """One read of x through its fp32 keys: the mask of keys >= ``key`` (if given; padded with False to a
+    multiple of 8 entries) and, if ``stats``, (max|x|, mean|x|) (a NaN in x gives a NaN maximum).
+
+    On CPU in chunks through a cache-sized key buffer, so x is read once and only the mask is written
+    (a full-size |x| costs a 4-byte write and a second read per entry), and the compare writes int32 (a
+    compare into bool is not vectorised on CPU: 8x slower here), copied into the bool mask."""
     n = x.numel()
-    n8 = -(-n // 8) * 8
-    mask = _WS.get(n8, x.device, torch.bool)
-    mask[n:].fill_(False)
+    mask = None
+    if key is not None:
+        mask = _WS.get(-(-n // 8) * 8, x.device, torch.bool)
+        mask[n:].fill_(False)
     chunk = _CHUNK if x.device.type == "cpu" else n
     tmp = _WS.get(min(n, chunk), x.device, torch.int32)
     bits = x.view(torch.int32) if x.dtype == torch.float32 else None
+    sums, maxs = [], []
     for s in range(0, n, chunk):
         e = min(n, s + chunk)
         kc = tmp[: e - s]
@@ -201,9 +213,16 @@ def _mask_ge(x: Tensor, key: int) -> Tensor:
         else:   # other dtypes: their fp32 value (as the fallback's |x| in fp32 would be)
             kc.view(torch.float32).copy_(x[s:e])
             kc.bitwise_and_(0x7FFFFFFF)
-        torch.ge(kc, key, out=kc)
-        mask[s:e].copy_(kc)
-    return mask
+        if stats:
+            maxs.append(kc.max())                       # the largest key is the key of max|x|
+            sums.append(kc.view(torch.float32).sum())
+        if mask is not None and key is not None:
+            torch.ge(kc, key, out=kc)
+            mask[s:e].copy_(kc)
+    if not stats:
+        return mask, (0.0, 0.0)
+    amax = float(torch.stack(maxs).max().view(torch.float32))
+    return mask, (amax, float(torch.stack(sums).sum()) / n)
 
 
 def _flagged(mask: Tensor) -> Tensor:
@@ -258,47 +277,42 @@ def _keep_largest(ck: Tensor, k: int) -> Optional[Tensor]:
     return pos
 
 
-def _abs_max_mean(x: Tensor) -> Tuple[float, float]:
-    """max|x| and mean|x| in one read of x: |x| of each chunk goes to a cache-sized buffer (CPU) and is
-    reduced there. A NaN in x gives a NaN maximum."""
-    n = x.numel()
-    chunk = _CHUNK if x.device.type == "cpu" else n
-    tmp = _WS.get(min(n, chunk), x.device, torch.int32).view(torch.float32)
-    sums, maxs = [], []
-    for s in range(0, n, chunk):
-        ac = tmp[: min(n, s + chunk) - s]
-        if x.dtype == torch.float32:
-            torch.abs(x[s:s + chunk], out=ac)
-        else:
-            ac.copy_(x[s:s + chunk]).abs_()
-        sums.append(ac.sum())
-        maxs.append(ac.max())
-    amax, total = torch.stack([torch.stack(maxs).max(), torch.stack(sums).sum()]).tolist()
-    return amax, total / n
+def _sample_top(x: Tensor, k: int) -> Tuple[Tensor, int, int]:
+    """(the sample's `top` largest values in ascending order, m, margin) for MSTopK's search.
+
+    Only the top of the sample can decide a comparison of its count with k: any threshold at or below
+    its `top`-th largest value has more than k m / n sampled entries above it. So the search runs on
+    the `top` largest, sorted (the same decisions as on the whole sorted sample). ``margin``: a few
+    sigmas of sampling noise above k m / n."""
+    s = _sample(x)
+    m = s.numel()
+    ks = k * m / x.numel()
+    margin = int(ks + 4 * ks ** 0.5 + 8)
+    top = min(m, 2 * margin + 64)
+    return torch.topk(s, top, sorted=True).values.flip(0), m, margin
 
 
-def _mstopk_brackets(x: Tensor, k: int):
-    """MSTopK's threshold search on a random sample of |x|.
+def _safe_lower(st: Tensor, m: int, margin: int) -> Optional[float]:
+    """The sample's margin-th largest value: MSTopK's lower bracket unless its search ends lower."""
+    return float(st[st.numel() - margin]) if margin < m else None
+
+
+def _mstopk_brackets(x: Tensor, k: int, stats: Optional[Tuple[float, float]] = None, sample=None):
+    """MSTopK's threshold search on a random sample of |x|; ``stats``: (max|x|, mean|x|) if known,
+    ``sample``: :func:`_sample_top`'s result if known.
 
     Returns ``(t1, t2_tight, t2, span)``: upper bracket t1 (about count <= k), the search's own lower
     bracket, a safer lower bracket a few sigmas of sampling noise lower, and a step for widening.
     Returns ``"exact"`` when fewer than k entries exceed the mean, None when it cannot bracket.
     """
     n = x.numel()
-    amax, mean = _abs_max_mean(x)
+    amax, mean = stats if stats is not None else _key_pass(x, None, stats=True)[1]
     if not (amax < float("inf")) or amax <= mean:
         return None
-    s = _sample(x)
-    m = s.numel()
+    st, m, margin = sample if sample is not None else _sample_top(x, k)
+    top = st.numel()
     scale = n / m
-    ks = k / scale
-    margin = int(ks + 4 * ks ** 0.5 + 8)
-    # Only the top of the sample can decide a comparison of its count with k: any threshold at or
-    # below its `top`-th largest value has more than k / scale sampled entries above it. So the
-    # search runs on the `top` largest, sorted (the same decisions as on the whole sorted sample).
-    top = min(m, 2 * margin + 64)
-    st = torch.topk(s, top, sorted=True).values.flip(0)   # ascending
-    ts = s.new_empty(1)
+    ts = st.new_empty(1)
 
     def est(t: float) -> float:
         # count(sample >= t) by binary search in the sorted top of the sample (saturates at `top`)
@@ -323,13 +337,19 @@ def _mstopk_brackets(x: Tensor, k: int):
     # The sample's count has noise ~sqrt(k m / n): aim the lower bracket a few sigmas low so that one
     # full pass usually confirms it.
     t2_tight = t2
-    if margin < m:
-        t2 = min(t2, float(st[top - margin]))
+    safe = _safe_lower(st, m, margin)
+    if safe is not None:
+        t2 = min(t2, safe)
     return t1, t2_tight, t2, max(t1 - t2, 1e-3 * (amax - mean))
 
 
 def _mstopk(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
-    br = _mstopk_brackets(x, k)
+    # The lower bracket is almost always the sample's margin-th largest value, known before max|x| and
+    # mean|x|: the one pass that reads them also builds the mask at that value.
+    sample = _sample_top(x, k)
+    pre = _safe_lower(*sample)
+    mask, stats = _key_pass(x, None if pre is None else _key_of(pre), stats=True)
+    br = _mstopk_brackets(x, k, stats, sample)
     if br == "exact":
         return _exact(x, k)
     if br is None:
@@ -339,7 +359,9 @@ def _mstopk(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
     # bracket is then checked on the candidates alone, which are few.
     span = span0
     for _ in range(8):
-        cand = _flagged(_mask_ge(x, _key_of(t2)))  # |x| >= t2, in index order
+        if t2 != pre or mask is None:
+            mask = _mask_ge(x, _key_of(t2))
+        cand = _flagged(mask)  # |x| >= t2, in index order
         if cand.numel() >= k:
             break
         t2 = max(0.0, t2 - span)
