@@ -10,7 +10,8 @@ fresh 100 MB tensor costs more in page faults (~150 ms for 25M floats here) than
 """
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+import contextlib
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -21,6 +22,11 @@ _SMALL_NUMEL = 1 << 15   # below this, torch.topk is as fast as anything
 _DENSE_SHARE = 0.2       # k above this share of n: torch.topk
 _SAMPLE = 1 << 16        # sample size for the threshold estimate
 _MSTOPK_ROUNDS = 24      # binary-search rounds of MSTopK (on the sample)
+
+# Intra-op threads of topk_select's CPU work (None: torch's setting). One: torch.topk on a 1-D tensor
+# runs on one thread anyway, and on a shared or oversubscribed CPU every multi-threaded op of the
+# selection waits for a second core to be scheduled (measured: benchmarks/bench_select.py, BENCHMARKS.md).
+CPU_THREADS: Optional[int] = 1
 
 # "auto": MSTopK (both entry points) uses the CuPy kernels (multi-threshold count + compaction) for
 # CUDA tensors when CuPy sees a device; "always": that code path everywhere (off CUDA the kernels'
@@ -62,6 +68,7 @@ _WS = _Workspace()
 def clear_workspace() -> None:
     """Free the cached selection buffers (they are kept to avoid re-allocation per call)."""
     _WS.clear()
+    _SAMPLE_POS.clear()
 
 
 def check_topk_args(x: Tensor, k: int, method: str) -> None:
@@ -101,6 +108,10 @@ def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tenso
 
     Tiny tensors, k close to n, and inputs with non-finite values fall back to ``torch.topk``
     (non-finite entries count as largest, so they are always selected).
+
+    The one full pass over ``x`` (per threshold tried) compares the magnitudes' fp32 bit patterns with
+    the threshold's in cache-sized chunks, so no full-size |x| is written; the candidates come from a
+    scan of the mask eight flags at a time (:func:`_flagged`).
     """
     check_topk_args(x, k, method)
     n = x.numel()
@@ -108,19 +119,27 @@ def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tenso
         return _all_or_nothing(x, k)
     if method == "torch" or n <= _SMALL_NUMEL or k > _DENSE_SHARE * n:
         return _torch_topk(x, k)
-    a = _WS.get(n, x.device, torch.float32)
-    torch.abs(x, out=a) if x.dtype == torch.float32 else a.copy_(x.abs())
-    mask = _WS.get(n, x.device, torch.bool)
-    if method == "exact":
-        idx = _exact(a, mask, k)
-    elif _kernel_path(x):
-        out = _mstopk_kernels(x, a, k)
+    if method == "mstopk" and _kernel_path(x):
+        out = _mstopk_kernels(x, k)
         return out if out is not None else _torch_topk(x, k)
-    else:
-        idx = _mstopk(a, mask, k)
-    if idx is None:
-        return _torch_topk(x, k)
-    return x.index_select(0, idx), idx
+    with _cpu_threads(x):
+        out = _exact(x, k) if method == "exact" else _mstopk(x, k)
+    return out if out is not None else _torch_topk(x, k)
+
+
+@contextlib.contextmanager
+def _cpu_threads(x: Tensor) -> Iterator[None]:
+    """Run the CPU selection on ``CPU_THREADS`` intra-op threads (None: torch's setting)."""
+    want = CPU_THREADS if x.device.type == "cpu" else None
+    have = torch.get_num_threads()
+    if want is None or want == have:
+        yield
+        return
+    torch.set_num_threads(want)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(have)
 
 
 def _torch_topk(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
@@ -131,24 +150,100 @@ def _torch_topk(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     return x.index_select(0, idx), idx
 
 
-def _sample(a: Tensor) -> Tensor:
-    # Fixed seed: selection is deterministic run to run (needed for bit-exact resume).
-    g = torch.Generator(device=a.device).manual_seed(0x5EED)
-    m = min(max(1, a.numel() // 4), _SAMPLE)
-    return a[torch.randint(0, a.numel(), (m,), device=a.device, generator=g)]
+def _sample(x: Tensor) -> Tensor:
+    """|x| (fp32) at a fixed random sample of positions, in ascending order of position."""
+    n = x.numel()
+    key = (n, str(x.device))
+    pos = _SAMPLE_POS.get(key)
+    if pos is None:
+        # Fixed seed: selection is deterministic run to run (needed for bit-exact resume). Sorted: the
+        # gather then walks memory forwards (half the time of the random order here).
+        g = torch.Generator(device=x.device).manual_seed(0x5EED)
+        m = min(max(1, n // 4), _SAMPLE)
+        pos = torch.sort(torch.randint(0, n, (m,), device=x.device, generator=g)).values
+        if len(_SAMPLE_POS) >= 16:
+            _SAMPLE_POS.clear()
+        _SAMPLE_POS[key] = pos
+    return x.index_select(0, pos).abs().float()
 
 
-def _exact(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
-    n = a.numel()
-    s = _sample(a)
-    if not bool(torch.isfinite(s.max())) or not bool(torch.isfinite(a.max())):
+_SAMPLE_POS: Dict[Tuple[int, str], Tensor] = {}   # sample positions per (numel, device)
+
+
+# fp32 magnitudes are compared through their bit patterns read as int32 ("keys"): for |x| >= 0 the
+# order is the same, and NaN (whatever its sign) has a key above the key of inf.
+_KEY_INF = 0x7F800000
+_CHUNK = 1 << 20   # entries per chunk of the CPU mask pass: its 4 MB of keys stay in cache
+
+
+def _key_of(t: float) -> int:
+    """The key of the fp32 rounding of t >= 0 (what ``fp32_tensor >= t`` compares with)."""
+    return int(torch.tensor(t, dtype=torch.float32).view(torch.int32))
+
+
+def _mask_ge(x: Tensor, key: int) -> Tensor:
+    """A bool mask, padded with False to a multiple of 8 entries: ``|x| >= t`` for the fp32 t with this
+    key, True for NaN as well (see :func:`_key_pass`)."""
+    mask, _ = _key_pass(x, key)
+    assert mask is not None
+    return mask
+
+
+def _key_pass(x: Tensor, key: Optional[int], stats: bool = False) -> Tuple[Optional[Tensor], Tuple[float, float]]:
+    """One read of x through its fp32 keys: the mask of keys >= ``key`` (if given; padded with False to a
+    multiple of 8 entries) and, if ``stats``, (max|x|, mean|x|) (a NaN in x gives a NaN maximum).
+
+    On CPU in chunks through a cache-sized key buffer, so x is read once and only the mask is written
+    (a full-size |x| costs a 4-byte write and a second read per entry), and the compare writes int32 (a
+    compare into bool is not vectorised on CPU: 8x slower here), copied into the bool mask."""
+    n = x.numel()
+    mask = None
+    if key is not None:
+        mask = _WS.get(-(-n // 8) * 8, x.device, torch.bool)
+        mask[n:].fill_(False)
+    chunk = _CHUNK if x.device.type == "cpu" else n
+    tmp = _WS.get(min(n, chunk), x.device, torch.int32)
+    bits = x.view(torch.int32) if x.dtype == torch.float32 else None
+    sums, maxs = [], []
+    for s in range(0, n, chunk):
+        e = min(n, s + chunk)
+        kc = tmp[: e - s]
+        if bits is not None:
+            torch.bitwise_and(bits[s:e], 0x7FFFFFFF, out=kc)
+        else:   # other dtypes: their fp32 value (as the fallback's |x| in fp32 would be)
+            kc.view(torch.float32).copy_(x[s:e])
+            kc.bitwise_and_(0x7FFFFFFF)
+        if stats:
+            maxs.append(kc.max())                       # the largest key is the key of max|x|
+            sums.append(kc.view(torch.float32).sum())
+        if mask is not None and key is not None:
+            torch.ge(kc, key, out=kc)
+            mask[s:e].copy_(kc)
+    if not stats:
+        return mask, (0.0, 0.0)
+    amax = float(torch.stack(maxs).max().view(torch.float32))
+    return mask, (amax, float(torch.stack(sums).sum()) / n)
+
+
+def _flagged(mask: Tensor) -> Tensor:
+    """``torch.nonzero(mask)`` (ascending int64 positions) for a mask padded to a multiple of 8: the
+    8-byte words with any flag set first (an eighth of the elements to scan), then the flags in them."""
+    words = mask.view(torch.int64)
+    w = torch.nonzero(words).squeeze(1)
+    q = torch.nonzero(words.index_select(0, w).view(torch.bool)).squeeze(1)
+    return w.index_select(0, q >> 3).mul_(8).add_(q & 7)
+
+
+def _exact(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
+    n = x.numel()
+    s = _sample(x).view(torch.int32)   # keys of the sample
+    if int(s.max()) >= _KEY_INF:       # non-finite entries: torch.topk path
         return None
     ratio = 1.15 if k * s.numel() / n >= 1000 else 1.4
     for _ in range(6):
         ks = min(s.numel(), max(1, int(k * s.numel() / n * ratio) + 8))
-        t = float(torch.topk(s, ks, sorted=False).values.min())
-        torch.ge(a, t, out=mask)
-        cand = torch.nonzero(mask).squeeze(1)  # the count comes with the candidates: no extra pass
+        t = int(torch.topk(s, ks, sorted=False).values.min())
+        cand = _flagged(_mask_ge(x, t))   # the count comes with the candidates: no extra pass
         c = cand.numel()
         if c >= k:
             if c > 3 * k + 1024:   # threshold far too low: raise it
@@ -158,45 +253,71 @@ def _exact(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
         ratio *= 1.5 if c > 0.5 * k else 3.0
     else:
         return None
-    return _keep_largest(a, cand, k)
+    xv = x.index_select(0, cand)
+    ck = xv.abs().float().view(torch.int32)
+    if int(ck.max()) >= _KEY_INF:   # every non-finite entry is a candidate: torch.topk path
+        return None
+    pos = _keep_largest(ck, k)
+    if pos is None:
+        return xv, cand
+    return xv.index_select(0, pos), cand.index_select(0, pos)
 
 
-def _keep_largest(a: Tensor, cand: Tensor, k: int) -> Tensor:
-    """The k candidates of largest magnitude (exact)."""
-    drop = cand.numel() - k
+def _keep_largest(ck: Tensor, k: int) -> Optional[Tensor]:
+    """Positions of the k largest of the candidates' keys ``ck`` (exact); None: all of them."""
+    drop = ck.numel() - k
     if drop == 0:
-        return cand
-    ca = a.index_select(0, cand)
+        return None
     if drop <= k:  # drop the smallest candidates: a smaller top-k than picking the largest
-        _, pos = torch.topk(ca, drop, largest=False, sorted=False)
-        keep = torch.ones(cand.numel(), dtype=torch.bool, device=a.device)
+        _, pos = torch.topk(ck, drop, largest=False, sorted=False)
+        keep = torch.ones(ck.numel(), dtype=torch.bool, device=ck.device)
         keep[pos] = False
-        return cand[keep]
-    _, pos = torch.topk(ca, k, sorted=False)
-    return cand.index_select(0, pos)
+        return torch.nonzero(keep).squeeze(1)
+    _, pos = torch.topk(ck, k, sorted=False)
+    return pos
 
 
-def _mstopk_brackets(a: Tensor, k: int):
-    """MSTopK's threshold search on a sorted random sample.
+def _sample_top(x: Tensor, k: int) -> Tuple[Tensor, int, int]:
+    """(the sample's `top` largest values in ascending order, m, margin) for MSTopK's search.
+
+    Only the top of the sample can decide a comparison of its count with k: any threshold at or below
+    its `top`-th largest value has more than k m / n sampled entries above it. So the search runs on
+    the `top` largest, sorted (the same decisions as on the whole sorted sample). ``margin``: a few
+    sigmas of sampling noise above k m / n."""
+    s = _sample(x)
+    m = s.numel()
+    ks = k * m / x.numel()
+    margin = int(ks + 4 * ks ** 0.5 + 8)
+    top = min(m, 2 * margin + 64)
+    return torch.topk(s, top, sorted=True).values.flip(0), m, margin
+
+
+def _safe_lower(st: Tensor, m: int, margin: int) -> Optional[float]:
+    """The sample's margin-th largest value: MSTopK's lower bracket unless its search ends lower."""
+    return float(st[st.numel() - margin]) if margin < m else None
+
+
+def _mstopk_brackets(x: Tensor, k: int, stats: Optional[Tuple[float, float]] = None, sample=None):
+    """MSTopK's threshold search on a random sample of |x|; ``stats``: (max|x|, mean|x|) if known,
+    ``sample``: :func:`_sample_top`'s result if known.
 
     Returns ``(t1, t2_tight, t2, span)``: upper bracket t1 (about count <= k), the search's own lower
     bracket, a safer lower bracket a few sigmas of sampling noise lower, and a step for widening.
     Returns ``"exact"`` when fewer than k entries exceed the mean, None when it cannot bracket.
     """
-    n = a.numel()
-    amax = float(a.max())
-    mean = float(a.mean())
+    n = x.numel()
+    amax, mean = stats if stats is not None else _key_pass(x, None, stats=True)[1]
     if not (amax < float("inf")) or amax <= mean:
         return None
-    s = torch.sort(_sample(a)).values
-    m = s.numel()
+    st, m, margin = sample if sample is not None else _sample_top(x, k)
+    top = st.numel()
     scale = n / m
-    ts = s.new_empty(1)
+    ts = st.new_empty(1)
 
     def est(t: float) -> float:
-        # count(sample >= t) by binary search in the sorted sample: one round costs O(log m)
+        # count(sample >= t) by binary search in the sorted top of the sample (saturates at `top`)
         ts.fill_(t)
-        return float(m - int(torch.searchsorted(s, ts)[0])) * scale
+        return float(top - int(torch.searchsorted(st, ts)[0])) * scale
 
     if est(mean) < k:  # fewer than k entries above the mean (large density): exact is the right tool
         return "exact"
@@ -215,18 +336,22 @@ def _mstopk_brackets(a: Tensor, k: int):
             break
     # The sample's count has noise ~sqrt(k m / n): aim the lower bracket a few sigmas low so that one
     # full pass usually confirms it.
-    ks = k / scale
-    margin = int(ks + 4 * ks ** 0.5 + 8)
     t2_tight = t2
-    if margin < m:
-        t2 = min(t2, float(s[m - margin]))
+    safe = _safe_lower(st, m, margin)
+    if safe is not None:
+        t2 = min(t2, safe)
     return t1, t2_tight, t2, max(t1 - t2, 1e-3 * (amax - mean))
 
 
-def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
-    br = _mstopk_brackets(a, k)
+def _mstopk(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
+    # The lower bracket is almost always the sample's margin-th largest value, known before max|x| and
+    # mean|x|: the one pass that reads them also builds the mask at that value.
+    sample = _sample_top(x, k)
+    pre = _safe_lower(*sample)
+    mask, stats = _key_pass(x, None if pre is None else _key_of(pre), stats=True)
+    br = _mstopk_brackets(x, k, stats, sample)
     if br == "exact":
-        return _exact(a, mask, k)
+        return _exact(x, k)
     if br is None:
         return None
     t1, t2_tight, t2, span0 = br
@@ -234,15 +359,19 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
     # bracket is then checked on the candidates alone, which are few.
     span = span0
     for _ in range(8):
-        torch.ge(a, t2, out=mask)
-        cand = torch.nonzero(mask).squeeze(1)  # a >= t2, in index order
+        if t2 != pre or mask is None:
+            mask = _mask_ge(x, _key_of(t2))
+        cand = _flagged(mask)  # |x| >= t2, in index order
         if cand.numel() >= k:
             break
         t2 = max(0.0, t2 - span)
         span *= 2
     else:
         return None
-    ca = a.index_select(0, cand)
+    xv = x.index_select(0, cand)
+    ca = xv.abs().float()
+    if not bool(torch.isfinite(ca).all()):   # every non-finite entry is a candidate: torch.topk path
+        return None
     span = span0
     for _ in range(40):
         upper = ca >= t1
@@ -252,23 +381,26 @@ def _mstopk(a: Tensor, mask: Tensor, k: int) -> Optional[Tensor]:
         span *= 2
     else:
         return None
-    above = cand[upper]
     in_band = ~upper
     tight = in_band & (ca >= t2_tight)  # the search's own bracket, if it holds enough entries
     if int(torch.count_nonzero(upper)) + int(torch.count_nonzero(tight)) >= k:
         in_band = tight
-    band = cand[in_band]
-    return torch.cat([above, band[: k - above.numel()]])
+    above = torch.nonzero(upper).squeeze(1)
+    band = torch.nonzero(in_band).squeeze(1)
+    pos = torch.cat([above, band[: k - above.numel()]])
+    return xv.index_select(0, pos), cand.index_select(0, pos)
 
 
-def _mstopk_kernels(x: Tensor, a: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
+def _mstopk_kernels(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
     """MSTopK through the CUDA kernels: candidate brackets are checked in ONE multi-threshold count
     pass, then the compaction kernel packs exactly k entries (torch references off CUDA)."""
     from lightning_topk.ops import cuda as cuda_ops
 
-    br = _mstopk_brackets(a, k)
+    br = _mstopk_brackets(x, k)
     if br is None or br == "exact":
         return None
+    a = _WS.get(x.numel(), x.device, torch.float32)
+    torch.abs(x, out=a) if x.dtype == torch.float32 else a.copy_(x.abs())
     t1, t2_tight, t2, span = br
     ups = [t1 + span * (2 ** j - 1) for j in range(16)]
     downs = [max(0.0, t2 - span * (2 ** j - 1)) for j in range(16)]
