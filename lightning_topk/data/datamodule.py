@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import platform
+import re
 import signal
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -40,13 +42,37 @@ def fork_can_deadlock(version: Optional[Tuple[int, ...]] = None, implementation:
     return True if fixed is None else v[2] < fixed
 
 
+_MAIN_GUARD = re.compile(r"""^\s*if\s+__name__\s*==\s*(['"])__main__\1\s*:""", re.M)
+
+
+def main_is_guarded(path: Optional[str] = None) -> bool:
+    """Whether the main script (``path``, default ``__main__.__file__``) can be imported without running:
+    forkserver and spawn workers import it (as ``__mp_main__``), so an unguarded training script would run
+    again in every worker. No file (``python -c``, a REPL): nothing is imported, True."""
+    if path is None:
+        path = getattr(sys.modules.get("__main__"), "__file__", None)
+        if path is None:
+            return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return bool(_MAIN_GUARD.search(f.read()))
+    except OSError:
+        return False
+
+
 def resolve_worker_start(worker_start: Optional[str]) -> Optional[str]:
-    """``"auto"``: ``"forkserver"`` where :func:`fork_can_deadlock` (and the platform has it), else ``None``
-    (the platform default: fork on Linux). Any other value is returned as is."""
+    """``"auto"``: ``"forkserver"`` where :func:`fork_can_deadlock` (and the platform has it) and the main
+    script is guarded (:func:`main_is_guarded`), else ``None`` (the platform default: fork on Linux), with a
+    warning when the unguarded script is what keeps fork. Any other value is returned as is."""
     if worker_start != "auto":
         return worker_start
     if fork_can_deadlock() and "forkserver" in multiprocessing.get_all_start_methods():
-        return "forkserver"
+        if main_is_guarded():
+            return "forkserver"
+        rank_zero_warn("lightning_topk: DataLoader workers start with fork, which can deadlock on this CPython "
+                       f"{platform.python_version()} while other threads run (gh-112275). Forkserver would "
+                       "re-run this script in every worker: add an `if __name__ == \"__main__\":` guard to it "
+                       "(then workers start with forkserver), or set worker_start explicitly.")
     return None
 
 

@@ -351,3 +351,16 @@ def test_worker_start_auto_avoids_fork_where_cpython_can_deadlock(shards1):
     ids, _, _ = run_epoch(dm, loader)  # the workers start and deliver the same epoch as the main process
     ref = make_dm(shards1, num_workers=0, rank=0, world_size=1)
     assert ids == run_epoch(ref, ref.train_dataloader())[0]
+
+
+def test_worker_start_auto_keeps_fork_for_an_unguarded_main_script(tmp_path):
+    """Forkserver (and spawn) workers import the main script: an unguarded training script would run again
+    in every worker (it hung: the popen-launched Trainer script of test_data_ddp). "auto" keeps fork there."""
+    from lightning_topk.data.datamodule import main_is_guarded
+
+    guarded, bare = tmp_path / "guarded.py", tmp_path / "bare.py"
+    guarded.write_text("import torch\n\ndef main():\n    pass\n\n\nif __name__ == '__main__':\n    main()\n")
+    bare.write_text("import torch\ntrainer = None  # trainer.fit(...) at the top level\n")
+    assert main_is_guarded(str(guarded)) and not main_is_guarded(str(bare))
+    assert not main_is_guarded(str(tmp_path / "missing.py"))
+    assert main_is_guarded()  # pytest's own __main__ is guarded
