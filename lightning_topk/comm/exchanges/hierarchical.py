@@ -312,20 +312,24 @@ class HierarchicalExchange(Exchange):
         _flush(state, self, drain)
 
     @classmethod
-    def _intra(cls, model: Any, n: int, k: int) -> Tuple[float, float, int]:
-        L = model.local
-        intra = model.tier(model.intra)
-        comp = model.select(n / L) + BOOKKEEPING_PASSES * model.pass_per_elem * n
-        return comp, intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L), math.ceil(k / L)
-
-    @classmethod
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
+        """The intra-node reduce-scatter, selection on the shard and intra-node all-gather, plus the
+        inter-node tier (:meth:`_inter`); infinite without several nodes of several processes."""
         N, L = model.nodes, model.local
         if N < 2 or L < 2:
             return math.inf, math.inf
-        comp, comm, ks = cls._intra(model, n, k)
-        inter = model.tier(model.inter)
-        return comp + model.add_per_entry * N * ks, comm + (N - 1) * (inter.alpha + L * ks * (value_bytes + 4) / inter.beta)
+        intra = model.tier(model.intra)
+        comp = model.select(n / L) + BOOKKEEPING_PASSES * model.pass_per_elem * n
+        comm = intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L)
+        comp_inter, comm_inter = cls._inter(model, n, math.ceil(k / L), value_bytes + 4)
+        return comp + comp_inter, comm + comm_inter
+
+    @classmethod
+    def _inter(cls, model: Any, n: int, ks: int, eb: int) -> Tuple[float, float]:
+        """(compute, link) seconds of the inter-node tier: an all-gather of ``ks`` entries per rank, all L
+        ranks of a node at once."""
+        N, L, inter = model.nodes, model.local, model.tier(model.inter)
+        return model.add_per_entry * N * ks, (N - 1) * (inter.alpha + L * ks * eb / inter.beta)
 
     @classmethod
     def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
@@ -348,15 +352,12 @@ class HierarchicalScatterExchange(OwnerResidualsMixin, HierarchicalExchange):
         return _hook(state, bucket, scatter=True)
 
     @classmethod
-    def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
-        N, L = model.nodes, model.local
-        if N < 2 or L < 2:
-            return math.inf, math.inf
-        comp, comm, ks = cls._intra(model, n, k)
-        inter = model.tier(model.inter)
+    def _inter(cls, model: Any, n: int, ks: int, eb: int) -> Tuple[float, float]:
+        """The scale-free exchange among the N ranks with this local rank, on the shard (all L at once)."""
+        N, L, inter = model.nodes, model.local, model.tier(model.inter)
         plan = slot_plan(math.ceil(n / L), ks, N)
-        comp += model.select(plan.region) + model.add_per_entry * (ks + N * plan.slot + N * plan.out)
-        return comp, comm + (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * (value_bytes + 4) / inter.beta)
+        comp = model.select(plan.region) + model.add_per_entry * (ks + N * plan.slot + N * plan.out)
+        return comp, (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * eb / inter.beta)
 
     @classmethod
     def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
