@@ -19,7 +19,7 @@ is not held up.
 """
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration
 # and rejects a string "dist.GradBucket".
-from typing import Any, List, Optional, Tuple
+from typing import Any, Tuple
 
 import torch
 import torch.distributed as dist
@@ -31,17 +31,16 @@ from lightning_topk.comm.exchanges.dense import dense_hook
 from lightning_topk.comm.exchanges.kit import (
     _all_gather,
     _link,
-    accumulate,
-    bucket_k,
     deliver,
     factor,
+    flat_group,
     fp32_view,
-    param_ks,
     rebuild,
-    record_grads,
     record_sent,
     select,
     send_values,
+    sparse_k,
+    take_bucket,
 )
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import TopKState, clock
@@ -50,8 +49,7 @@ from lightning_topk.comm.wire import index_dtype_for, pack, ring_allgather_wire,
 
 def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse allgather with error feedback (see module docstring)."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
+    group, world = flat_group(state)
     cfg = state.config
     grad = bucket.buffer()
     n = grad.numel()
@@ -59,25 +57,13 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     names = state.names_of(params)
     device = grad.device
     stats = state.current
-    ks: Optional[List[int]] = None
-    numels: Optional[List[int]] = None
-    if cfg.selection_scope == "parameter" and state.density_now() < 1.0:
-        numels = [p.numel() for p in params]
-        ks = param_ks(state, numels)
-        k = sum(ks)
-    else:
-        k = bucket_k(state, n)
+    k, ks, numels = sparse_k(state, params, n)
     if k == 0:  # a dense schedule step or a small bucket
         return dense_hook(state, bucket)
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
                     bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t0 = clock(device)
-    if state.debug.enabled:
-        record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if cfg.error_feedback else None
-    acc, vel = accumulate(state, b, grad)
-    acc = acc[:n]
-    state.flags.note_input(names, acc)
+    _, acc, vel = take_bucket(state, params, names, grad)
     f = factor(state.grad_scale, world)
 
     idx = select(state, acc, k, ks, numels)

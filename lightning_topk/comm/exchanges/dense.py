@@ -11,7 +11,16 @@ import torch.distributed as dist
 
 from lightning_topk.comm.cost import BOOKKEEPING_PASSES
 from lightning_topk.comm.exchanges.base import Exchange, Layout
-from lightning_topk.comm.exchanges.kit import _link, accumulate, deliver, factor, fp32_view, record_grads, record_sent
+from lightning_topk.comm.exchanges.kit import (
+    _link,
+    accumulate,
+    deliver,
+    factor,
+    flat_group,
+    fp32_view,
+    record_grads,
+    record_sent,
+)
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import TopKState, clock
 from lightning_topk.comm.wire import ring_allreduce_wire, to_wire
@@ -22,8 +31,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
     added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); otherwise no
     buffer is made and the cost is a cast and a copy, as DDP's own compression hooks."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
+    group, world = flat_group(state)
     grad = bucket.buffer()
     n = grad.numel()
     params = bucket.parameters()

@@ -50,6 +50,36 @@ def param_ks(state: TopKState, numels: Sequence[int]) -> List[int]:
     return [n if n < state.config.min_sparse_numel else max(1, math.ceil(d * n)) for n in numels]
 
 
+def flat_group(state: TopKState) -> Tuple[Any, int]:
+    """The flat exchange's process group (the world by default) and its size."""
+    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    return group, dist.get_world_size(group)
+
+
+def sparse_k(state: TopKState, params: Sequence[Tensor], n: int) -> Tuple[int, Optional[List[int]], Optional[List[int]]]:
+    """(k, per-parameter ks, parameter numels) of a bucket of ``n`` entries now: per parameter under
+    ``selection_scope="parameter"`` (the last two None otherwise); k = 0 means "send dense"."""
+    if state.config.selection_scope == "parameter" and state.density_now() < 1.0:
+        numels = [p.numel() for p in params]
+        ks = param_ks(state, numels)
+        return sum(ks), ks, numels
+    return bucket_k(state, n), None, None
+
+
+def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ...],
+                grad: Tensor) -> Tuple[Optional[_BucketBuffers], Tensor, Optional[Tensor]]:
+    """A sparse exchange's first steps on a bucket: the debug record of the local gradient, its residual
+    buffers (with error feedback), ``acc = residual + grad/scale`` cut to the bucket, and the input check.
+    Returns (buffers, acc, velocity)."""
+    if state.debug.enabled:
+        record_grads(state, names, [p.numel() for p in params], grad)
+    b = state.buffers(params, grad.device) if state.config.error_feedback else None
+    acc, vel = accumulate(state, b, grad)
+    acc = acc[:grad.numel()]
+    state.flags.note_input(names, acc)
+    return b, acc, vel
+
+
 def factor(scale: Scale, world: int) -> Scale:
     """Turns a sum of unscaled values over ``world`` ranks into the scaled average DDP expects."""
     return scale / world

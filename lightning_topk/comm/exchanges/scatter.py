@@ -58,19 +58,18 @@ from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (
     Gather,
     _link,
-    accumulate,
-    bucket_k,
     deliver,
     factor,
+    flat_group,
     fp32_view,
     future_on,
     gather_entries,
-    param_ks,
     rebuild,
-    record_grads,
     record_sent,
     select,
     send_values,
+    sparse_k,
+    take_bucket,
 )
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import Scale, StepStats, TopKState, clock, owner_undo_key
@@ -420,8 +419,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     """DDP comm hook: scale-free top-k exchange (see the module docstring); its own state is
     ``state.exchange_for("scatter")``."""
     ex: ScatterExchange = state.exchange_for("scatter")
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
-    world = dist.get_world_size(group)
+    group, world = flat_group(state)
     rank = dist.get_rank(group)
     grad = bucket.buffer()
     n = grad.numel()
@@ -429,13 +427,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     params = bucket.parameters()
     names = state.names_of(params)
     device = grad.device
-    ks = numels = None
-    if cfg.selection_scope == "parameter" and state.density_now() < 1.0:
-        numels = [p.numel() for p in params]
-        ks = param_ks(state, numels)
-        k = sum(ks)
-    else:
-        k = bucket_k(state, n)
+    k, ks, numels = sparse_k(state, params, n)
     if k == 0 or world == 1:
         ex.flush(state)
         if bucket.is_last():
@@ -445,12 +437,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     stats = state.current
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), scatter_buckets=1)
     t0 = clock(device)
-    if state.debug.enabled:
-        record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if cfg.error_feedback else None
-    acc, _ = accumulate(state, b, grad)
-    acc = acc[:n]
-    state.flags.note_input(names, acc)
+    b, acc, _ = take_bucket(state, params, names, grad)
     idx = select(state, acc, k, ks, numels)
     wire = send_values(state, acc, idx, None)
     packed, fits = scatter_send(state, acc, idx, wire, plan)
