@@ -466,3 +466,18 @@ def test_scatter_trains_as_well_as_the_flat_allgather_on_4_processes(dataset, ep
     flat, scatter = run_distributed(_train_both, 4, (dataset, epochs))[0]
     assert flat > floor and scatter > floor, (flat, scatter)
     assert abs(scatter - flat) <= 0.01, (flat, scatter)  # same seed, data and epochs: within 1 point
+
+
+def test_release_folds_exactly_the_bucket_of_those_parameters():
+    """A bucket leaving the scale-free exchange folds its own owner residual (flat or per-shard key), never
+    that of a bucket which merely shares a parameter name's tail."""
+    st = TopKState(TopKConfig(density=0.01))
+    owners = _owners(st)
+    both, only_b = bucket_key(2, 0, ["a", "b"], [3, 2]), bucket_key(2, 0, ["b"], [2])
+    shard = bucket_key(2, 0, ["a", "b"], [3, 2], 1, 2)
+    for key in (both, only_b, shard):
+        owners.live[key] = torch.ones(4)
+    owners.fold_names(st, ["b"], [2])
+    assert set(owners.live) == {both, shard}
+    owners.fold_names(st, ["a", "b"], [3, 2])
+    assert not owners.live

@@ -323,10 +323,13 @@ class OwnerResiduals:
             state.undo.on_rollback(lambda: self.live.__setitem__(key, t))
             _add_to_residuals(state, fold_owner_residual(key, t))
 
-    def fold_names(self, state: TopKState, names: Sequence[str]) -> None:
-        """Fold the live owner residuals of the bucket of exactly these parameters."""
-        want = list(names)
-        for key in [k for k in self.live if _parse_key(k)[4] == want]:
+    def fold_names(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
+        """Fold the live owner residuals of the bucket of exactly these parameters (its key ends with them,
+        see :func:`bucket_key`; no parsing on the hook's path)."""
+        if not self.live:
+            return
+        tail = "/" + "|".join(f"{nm}={n}" for nm, n in zip(names, numels))
+        for key in [k for k in self.live if k.endswith(tail)]:
             self.fold(state, key)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -502,7 +505,7 @@ class OwnerResidualsMixin:
     owners: OwnerResiduals
 
     def release(self, state: TopKState, names: Sequence[str], numels: Sequence[int]) -> None:
-        self.owners.fold_names(state, names)
+        self.owners.fold_names(state, names, numels)
 
     def end_step(self, state: TopKState) -> None:
         self.owners.fold_unclaimed(state)
