@@ -1,0 +1,486 @@
+"""Sparse local SGD, the functional core (torch only): the outer round of ``local_steps`` > 0.
+
+Every replica (a node: its processes all-reduce gradients densely every inner step, so they hold the same
+weights) runs H inner optimizer steps alone. Then, on every rank:
+
+1. the pseudo-gradient ``Δ = θ_anchor − θ_local`` (``θ_anchor`` = where this round started: ``θ_outer``);
+2. a non-finite Δ on any rank is decided once on every rank (one all-reduce of a flag, before anything
+   changes): the round is skipped (``θ_local := θ_outer``, buffers untouched) or raises;
+3. error feedback: ``e = outer_ef_decay · e + Δ`` (SparseLoCo);
+4. top-k of ``|e|`` in each chunk of ``outer_chunk`` entries at ``outer_density`` (``outer_chunk=0``: one
+   top-k over the rank's whole shard);
+5. the selected values are quantized to ``outer_value_bits`` (32: fp32; 16: bf16; 8/4/2: integer codes
+   ``round(v / s)`` clamped to ``±(2^(b-1) − 1)`` with one fp32 scale ``s = max|v| / (2^(b-1) − 1)`` per chunk;
+   2 bits is ternary); ``e`` keeps what was not sent, rounding error included
+   (``sent + e_new = decay · e_old + Δ``);
+6. one all-gather of the fixed-size packets (codes, scales, in-chunk indices: int16 for chunks up to
+   32768) among the replicas; every rank decodes the same sum and averages it over the replicas;
+7. the outer optimizer: SGD on the averaged pseudo-gradient ``g``: ``m = μ m + g``; step ``g + μ m``
+   (Nesterov, DiLoCo) or ``m``; ``θ_outer −= outer_lr · step``. ``μ = 0`` with error feedback is SparseLoCo;
+8. ``θ_local := θ_outer`` on every replica.
+
+With several processes per node the flat parameter vector's chunks are split among the node's local ranks
+(shard l to local rank l): each rank runs 3-7 on its shard over the group of the ranks with its local rank
+(one per node), and an intra-node all-gather of the updated shards rebuilds ``θ_outer``. So the inter-node
+link carries each node's packet once, split over its processes.
+
+``outer_streaming``: the all-gather of step 6 is launched asynchronously and its result applied one round
+late (at the end of the next round, before that round's exchange is launched): compute goes on while it
+travels. The next round then starts from the ``θ_outer`` that does not yet include it, and its Δ is taken
+from that start (``θ_anchor``).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+VALUE_BITS = (32, 16, 8, 4, 2)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# ---- chunks, selection, quantization ---------------------------------------------------------------
+def chunk_size(n: int, chunk: int) -> int:
+    """Entries per chunk for a shard of ``n`` entries (``chunk=0``: the whole shard is one chunk)."""
+    return max(1, n) if chunk <= 0 else chunk
+
+
+def chunk_k(c: int, density: float) -> int:
+    """Entries sent per chunk of ``c``."""
+    return c if density >= 1.0 else max(1, min(c, math.ceil(density * c)))
+
+
+def qmax(bits: int) -> int:
+    return (1 << (bits - 1)) - 1
+
+
+def quantize(values: Tensor, bits: int) -> Tuple[Tensor, Optional[Tensor]]:
+    """Wire form of ``values`` [C, k] (fp32): (codes, per-chunk fp32 scales or None). 32: fp32 values; 16:
+    bf16; 8/4/2: int8 codes in ``[-q, q]``, ``q = 2^(bits-1) - 1`` (round half to even: deterministic)."""
+    if bits == 32:
+        return values, None
+    if bits == 16:
+        return values.to(torch.bfloat16), None
+    q = qmax(bits)
+    scale = values.abs().amax(dim=1) / q
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = torch.round(values / safe.unsqueeze(1)).clamp_(-q, q).to(torch.int8)
+    return codes, scale
+
+
+def dequantize(codes: Tensor, scale: Optional[Tensor], bits: int) -> Tensor:
+    """fp32 values of a wire form (the sender computes its error feedback with this too: bit-identical)."""
+    if bits >= 16:
+        return codes.float()
+    return codes.float() * scale.unsqueeze(1)
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """int8 codes in ``[-q, q]`` -> uint8, ``8 // bits`` codes per byte (zero-padded)."""
+    u = (codes.reshape(-1).to(torch.int16) + qmax(bits)).to(torch.uint8)
+    if bits == 8:
+        return u
+    per = 8 // bits
+    pad = (-u.numel()) % per
+    if pad:
+        u = torch.cat([u, u.new_zeros(pad)])
+    u = u.view(-1, per).to(torch.int32)
+    shifts = torch.arange(per, dtype=torch.int32, device=u.device) * bits
+    return (u << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack_codes(b: Tensor, count: int, bits: int) -> Tensor:
+    """Inverse of :func:`pack_codes`: ``count`` int8 codes."""
+    if bits == 8:
+        u = b[:count].to(torch.int16)
+    else:
+        per = 8 // bits
+        shifts = torch.arange(per, dtype=torch.int32, device=b.device) * bits
+        u = ((b.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).reshape(-1)[:count].to(torch.int16)
+    return (u - qmax(bits)).to(torch.int8)
+
+
+@dataclass(frozen=True)
+class PacketLayout:
+    """Byte layout of one rank's packet: ``C`` chunks of ``c`` entries, ``k`` sent per chunk."""
+
+    C: int
+    c: int
+    k: int
+    bits: int
+
+    @property
+    def dense(self) -> bool:
+        return self.k >= self.c
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        return torch.int16 if self.c <= 32768 else torch.int32
+
+    @property
+    def value_bytes(self) -> int:
+        n = self.C * self.k
+        raw = 4 * n if self.bits == 32 else 2 * n if self.bits == 16 else -(-n * self.bits // 8)
+        return -(-raw // 4) * 4  # padded: the next field (and the next rank's packet) stays 4-byte aligned
+
+    @property
+    def scale_bytes(self) -> int:
+        return 4 * self.C if self.bits <= 8 else 0
+
+    @property
+    def index_bytes(self) -> int:
+        raw = 0 if self.dense else self.C * self.k * (2 if self.index_dtype == torch.int16 else 4)
+        return -(-raw // 4) * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self.value_bytes + self.scale_bytes + self.index_bytes
+
+
+def select_chunks(e: Tensor, lay: PacketLayout) -> Tensor:
+    """In-chunk indices [C, k] (int64) of the largest ``|e|`` of each chunk (``e`` has ``C*c`` entries)."""
+    x = e.view(lay.C, lay.c)
+    if lay.dense:
+        return torch.arange(lay.c, device=e.device).expand(lay.C, lay.c)
+    return torch.topk(x.abs(), lay.k, dim=1, sorted=False).indices
+
+
+def compress(e: Tensor, lay: PacketLayout) -> Tuple[Tensor, Tensor]:
+    """Select and quantize from the error buffer ``e`` (changed in place: it keeps what was not sent).
+    Returns (packet bytes, the dense fp32 vector that was sent: what the receivers decode)."""
+    idx = select_chunks(e, lay)
+    x = e.view(lay.C, lay.c)
+    values = torch.gather(x, 1, idx)
+    codes, scale = quantize(values, lay.bits)
+    deq = dequantize(codes, scale, lay.bits)
+    sent = torch.zeros_like(x)
+    sent.scatter_(1, idx, deq)
+    x.scatter_(1, idx, values - deq)  # EF keeps the rounding error (0 for fp32)
+    vb = pack_codes(codes, lay.bits) if lay.bits <= 8 else codes.contiguous().reshape(-1).view(torch.uint8)
+    parts = [vb, vb.new_zeros(lay.value_bytes - vb.numel())]
+    if scale is not None:
+        parts.append(scale.float().contiguous().view(torch.uint8))
+    if not lay.dense:
+        ib = idx.to(lay.index_dtype).contiguous().reshape(-1).view(torch.uint8)
+        parts += [ib, ib.new_zeros(lay.index_bytes - ib.numel())]
+    return torch.cat(parts), sent.view(-1)
+
+
+def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
+    """``out`` (fp32, ``C*c``) += the dense vector one packet carries."""
+    nv, off = lay.C * lay.k, 0
+    vb = packet[:lay.value_bytes]
+    off += lay.value_bytes
+    if lay.bits == 16:
+        vb = vb[:2 * nv]
+    if lay.bits == 32:
+        codes = vb.view(torch.float32).view(lay.C, lay.k)
+    elif lay.bits == 16:
+        codes = vb.view(torch.bfloat16).view(lay.C, lay.k)
+    else:
+        codes = unpack_codes(vb, nv, lay.bits).view(lay.C, lay.k)
+    scale = None
+    if lay.scale_bytes:
+        scale = packet[off:off + lay.scale_bytes].view(torch.float32)
+        off += lay.scale_bytes
+    vals = dequantize(codes, scale, lay.bits)
+    x = out.view(lay.C, lay.c)
+    if lay.dense:
+        x.add_(vals)
+        return out
+    ni = nv * (2 if lay.index_dtype == torch.int16 else 4)
+    idx = packet[off:off + ni].view(lay.index_dtype).view(lay.C, lay.k).long()
+    x.scatter_add_(1, idx, vals)
+    return out
+
+
+# ---- the outer optimizer -------------------------------------------------------------------------
+def outer_sgd_(theta: Tensor, mom: Tensor, g: Tensor, lr: float, momentum: float, nesterov: bool) -> None:
+    """``θ -= lr · step`` (torch SGD's update, dampening 0): ``m = μ m + g``; step = ``g + μ m`` (Nesterov) or
+    ``m``; with ``μ = 0`` the step is ``g``."""
+    if momentum == 0.0:
+        theta.sub_(g, alpha=lr)
+        return
+    mom.mul_(momentum).add_(g)
+    step = g.add(mom, alpha=momentum) if nesterov else mom
+    theta.sub_(step, alpha=lr)
+
+
+# ---- the outer state --------------------------------------------------------------------------------
+@dataclass
+class OuterOptions:
+    steps: int
+    lr: float = 1.0
+    momentum: float = 0.0
+    nesterov: bool = True
+    density: float = 1.0
+    chunk: int = 4096
+    bits: int = 32
+    ef_decay: float = 1.0
+    streaming: bool = False
+    nonfinite: str = "raise"
+
+
+@dataclass
+class OuterStats:
+    """Telemetry of the last outer round on this rank."""
+
+    rounds: int = 0
+    bytes: int = 0           # this rank's packet times (replicas - 1): what leaves it in a ring all-gather
+    density: float = 0.0
+    time_s: float = 0.0      # host time blocked on the outer exchange (launch, wait, decode, update)
+    hidden_frac: float = 0.0  # streaming: share of the exchange's flight time spent behind compute
+    skipped: int = 0
+
+
+class OuterState:
+    """θ_outer, outer momentum, error-feedback buffer, local step position and any streamed exchange in
+    flight, for the parameters ``named`` (name -> tensor, in a fixed order).
+
+    Args:
+        opts: the options.
+        named: the model's parameters by name (their order defines the flat vector).
+        inter: group of the replicas this rank exchanges with (default: the world); ``local``/``local_rank``
+            and ``intra``: the node's processes and the group that shares a replica (shards of the vector).
+        flag_group: group over which a non-finite pseudo-gradient is decided (default: the world).
+    """
+
+    def __init__(self, opts: OuterOptions, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
+                 intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None) -> None:
+        self.opts = opts
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.numels = [p.numel() for p in self.params]
+        self.n = sum(self.numels)
+        self.inter, self.intra, self.local, self.local_rank = inter, intra, local, local_rank
+        self.flag_group = flag_group
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        c = chunk_size(-(-self.n // local), opts.chunk)
+        C_all = -(-self.n // c)
+        Cs = -(-C_all // local)
+        self.shard = Cs * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
+        self.lo = local_rank * self.shard
+        self.layout = PacketLayout(Cs, c, chunk_k(c, opts.density), opts.bits)
+        self.theta = self.flat_params()  # θ_outer
+        self.anchor: Optional[Tensor] = None  # streaming: where this round started (θ_outer when sent)
+        self.mom = torch.zeros(self.shard, device=dev)
+        self.ef = torch.zeros(self.shard, device=dev)
+        self.position = 0  # inner optimizer steps since the last outer round
+        self.pending: Optional[Tensor] = None  # streaming: an averaged pseudo-gradient not applied yet
+        self._flight: Optional[Tuple[Any, Tensor, float]] = None  # (work, gathered bytes, launch time)
+        self._done_at: Optional[float] = None
+        self.stats = OuterStats()
+
+    # ---- flat views ------------------------------------------------------------------------------
+    def flat_params(self) -> Tensor:
+        """θ_local as one fp32 vector, zero-padded to ``local * shard``."""
+        dev = self.params[0].device if self.params else torch.device("cpu")
+        out = torch.zeros(self.local * self.shard, dtype=torch.float32, device=dev)
+        off = 0
+        with torch.no_grad():
+            for p, k in zip(self.params, self.numels):
+                out[off:off + k].copy_(p.detach().reshape(-1))
+                off += k
+        return out
+
+    def write_params(self, flat: Tensor) -> None:
+        off = 0
+        with torch.no_grad():
+            for p, k in zip(self.params, self.numels):
+                p.copy_(flat[off:off + k].view_as(p))
+                off += k
+
+    def _mine(self, flat: Tensor) -> Tensor:
+        return flat[self.lo:self.lo + self.shard]
+
+    # ---- rounds -----------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """After an inner optimizer step that happened: counts it; at the H-th runs the outer round.
+        Returns whether an outer round ran."""
+        self.position += 1
+        if self._flight is not None and self._done_at is None and self._flight[0].is_completed():
+            self._done_at = time.perf_counter()
+        if self.position < self.opts.steps:
+            return False
+        self.position = 0
+        self.outer_round()
+        return True
+
+    def outer_round(self) -> None:
+        t0 = time.perf_counter()
+        o = self.opts
+        local = self.flat_params()
+        anchor = self.anchor if self.anchor is not None else self.theta
+        delta = self._mine(anchor) - self._mine(local)
+        fault = self._fault(delta)
+        hidden = 0.0
+        if fault and o.nonfinite == "raise":
+            raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) on some rank "
+                                     "at the end of an outer round; set nonfinite='skip' to skip such rounds")
+        if self._flight is not None or self.pending is not None:  # streaming: apply the previous round now
+            hidden = self._apply_pending()
+        if fault and o.nonfinite == "skip":
+            self.stats.skipped += 1
+            self.write_params(self.theta)  # θ_local := θ_outer; buffers untouched
+            if o.streaming:
+                self.anchor = self.theta.clone()
+            self.stats.time_s = time.perf_counter() - t0
+            return
+        self.ef.mul_(o.ef_decay).add_(delta)
+        packet, _ = compress(self.ef, self.layout)
+        gathered, work = self._launch(packet)
+        if o.streaming:
+            self._flight = (work, gathered, time.perf_counter())
+            self._done_at = None
+            self.anchor = self.theta.clone()
+        else:
+            if work is not None:
+                work.wait()
+            self._update(self._decode(gathered))
+        self.write_params(self.theta)
+        R = self._replicas()
+        self.stats.rounds += 1
+        self.stats.bytes = (R - 1) * self.layout.nbytes
+        self.stats.density = self.layout.k / self.layout.c
+        self.stats.time_s = time.perf_counter() - t0
+        self.stats.hidden_frac = hidden
+
+    def _replicas(self) -> int:
+        return dist.get_world_size(self.inter) if dist.is_available() and dist.is_initialized() else 1
+
+    def _fault(self, delta: Tensor) -> bool:
+        """Non-finite Δ on any rank, decided once on every rank (one all-reduce of a flag)."""
+        flag = (~torch.isfinite(delta)).any().float().reshape(1)
+        if self.opts.nonfinite != "propagate" and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(flag, group=self.flag_group)
+            return bool(flag.item() > 0)
+        return False
+
+    def _launch(self, packet: Tensor) -> Tuple[Tensor, Any]:
+        R = self._replicas()
+        if R == 1:
+            return packet, None
+        out = torch.empty(R * packet.numel(), dtype=torch.uint8, device=packet.device)
+        work = _all_gather(out, packet, group=self.inter, async_op=True)
+        return out, work
+
+    def _decode(self, gathered: Tensor) -> Tensor:
+        R = gathered.numel() // self.layout.nbytes
+        acc = torch.zeros(self.shard, dtype=torch.float32, device=gathered.device)
+        for r in range(R):  # fixed order: every rank decodes the same sum
+            decode_into(acc, gathered[r * self.layout.nbytes:(r + 1) * self.layout.nbytes], self.layout)
+        return acc.div_(R)
+
+    def _apply_pending(self) -> float:
+        """Finish a streamed exchange (wait, decode) and apply it; returns the share of its flight hidden."""
+        hidden = 0.0
+        if self._flight is not None:
+            work, gathered, t_launch = self._flight
+            t_wait = time.perf_counter()
+            if work is not None:
+                work.wait()
+            t_end = time.perf_counter()
+            done = self._done_at if self._done_at is not None else t_end
+            flight = max(done, t_wait) - t_launch
+            hidden = (t_wait - t_launch) / flight if flight > 0 else 1.0
+            hidden = min(1.0, hidden if self._done_at is None else 1.0)
+            self.pending = self._decode(gathered)
+            self._flight = None
+            self._done_at = None
+        if self.pending is not None:
+            self._update(self.pending)
+            self.pending = None
+        return hidden
+
+    def finish_flight(self) -> None:
+        """Wait for a streamed exchange and keep its decoded result as ``pending`` (applied at the next round
+        end, as without the wait): before a checkpoint."""
+        if self._flight is not None:
+            work, gathered, _ = self._flight
+            if work is not None:
+                work.wait()
+            self.pending = self._decode(gathered)
+            self._flight = None
+            self._done_at = None
+
+    def _update(self, g: Tensor) -> None:
+        """Outer SGD on this rank's shard, then (several processes per node) the intra-node all-gather."""
+        o = self.opts
+        mine = self._mine(self.theta)
+        outer_sgd_(mine, self.mom, g, o.lr, o.momentum, o.nesterov)
+        if self.local > 1:
+            out = torch.empty_like(self.theta)
+            _all_gather(out, mine.contiguous(), group=self.intra)
+            self.theta = out
+
+    # ---- checkpoint --------------------------------------------------------------------------------
+    def _per_name(self, flat: Tensor, lo: int = 0, full: bool = True) -> Dict[str, Tensor]:
+        """Per-parameter CPU copies of a full flat vector (``full``) or of this rank's shard (zeros elsewhere)."""
+        if not full:
+            whole = torch.zeros(self.local * self.shard, dtype=torch.float32, device=flat.device)
+            whole[self.lo:self.lo + self.shard] = flat
+            flat = whole
+        out, off = {}, 0
+        for name, k in zip(self.names, self.numels):
+            out[name] = flat[off:off + k].detach().cpu().clone()
+            off += k
+        return out
+
+    def _from_names(self, d: Dict[str, Tensor], full: bool, like: Tensor) -> Tensor:
+        whole = torch.zeros(self.local * self.shard, dtype=torch.float32, device=like.device)
+        off = 0
+        for name, k in zip(self.names, self.numels):
+            t = d.get(name)
+            if t is None or t.numel() != k:
+                raise ValueError(f"topk_local: saved outer state has no entry of size {k} for parameter {name!r}")
+            whole[off:off + k].copy_(t.reshape(-1))
+            off += k
+        return whole if full else whole[self.lo:self.lo + self.shard].clone()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's outer state (a streamed exchange in flight is finished first and kept as pending)."""
+        self.finish_flight()
+        sd: Dict[str, Any] = {
+            "position": self.position, "shard": [self.local, self.local_rank, self.shard],
+            "theta_outer": self._per_name(self.theta), "theta_local": self._per_name(self.flat_params()),
+            "momentum": self._per_name(self.mom, full=False), "ef": self._per_name(self.ef, full=False),
+            "rounds": self.stats.rounds,
+        }
+        if self.anchor is not None:
+            sd["anchor"] = self._per_name(self.anchor)
+        if self.pending is not None:
+            sd["pending"] = self._per_name(self.pending, full=False)
+        return sd
+
+    def load_state_dict(self, sd: Dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (same layout of local ranks), θ_local into the parameters included."""
+        if list(sd.get("shard", [])) != [self.local, self.local_rank, self.shard]:
+            raise ValueError(f"topk_local: saved outer state is sharded as {sd.get('shard')} (processes per node, "
+                             f"local rank, shard size), this run as {[self.local, self.local_rank, self.shard]}; "
+                             "resume with the same devices per node and outer_chunk")
+        like = self.theta
+        self.theta = self._from_names(sd["theta_outer"], True, like)
+        self.mom = self._from_names(sd["momentum"], False, like)
+        self.ef = self._from_names(sd["ef"], False, like)
+        self.anchor = self._from_names(sd["anchor"], True, like) if "anchor" in sd else None
+        self.pending = self._from_names(sd["pending"], False, like) if "pending" in sd else None
+        self.position = int(sd["position"])
+        self.stats.rounds = int(sd.get("rounds", 0))
+        self._flight = None
+        self.write_params(self._from_names(sd["theta_local"], True, like))
+
+
+def wire_bytes_per_param(density: float, bits: int, chunk: int = 4096) -> float:
+    """Packet bytes per parameter of one outer round (values, scales, indices)."""
+    c = chunk if chunk > 0 else 1 << 20
+    lay = PacketLayout(1, c, chunk_k(c, density), bits)
+    return lay.nbytes / c
+
+
+def names_of(named: Sequence[Tuple[str, Tensor]]) -> List[str]:
+    return [n for n, _ in named]

@@ -1,0 +1,163 @@
+"""Sparse local SGD's functional core (lightning_topk.comm.outer): quantizer bounds, packet round trip,
+error-feedback conservation, and the outer round on real gloo processes (flat, and 2 nodes x 2 sharded)."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from lightning_topk.comm.outer import (
+    VALUE_BITS,
+    OuterOptions,
+    OuterState,
+    PacketLayout,
+    chunk_k,
+    compress,
+    decode_into,
+    dequantize,
+    pack_codes,
+    qmax,
+    quantize,
+    unpack_codes,
+)
+from tests.helpers.dist import run_distributed
+
+
+@pytest.mark.parametrize("bits", VALUE_BITS)
+def test_quantizer_round_trip_error_is_bounded_per_bit_width(bits):
+    g = torch.Generator().manual_seed(bits)
+    v = torch.randn(16, 50, generator=g) * torch.logspace(-3, 2, 16).unsqueeze(1)
+    codes, scale = quantize(v, bits)
+    back = dequantize(codes, scale, bits)
+    err = (back - v).abs()
+    amax = v.abs().amax(dim=1, keepdim=True)
+    if bits == 32:
+        assert torch.equal(back, v)
+    elif bits == 16:  # bf16: 8 significant bits, round to nearest
+        assert bool((err <= v.abs() * 2.0 ** -8).all())
+    else:  # half a quantization step per chunk
+        assert bool((err <= amax / qmax(bits) / 2 * (1 + 1e-6)).all())
+        assert int(codes.abs().max()) <= qmax(bits)
+        # and it does not round to zero when there is room: the chunk's largest value is exact up to fp32
+        assert torch.allclose(back.abs().amax(dim=1), amax.squeeze(1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("bits", (8, 4, 2))
+def test_packed_codes_round_trip(bits):
+    q = qmax(bits)
+    codes = torch.randint(-q, q + 1, (37,), generator=torch.Generator().manual_seed(1)).to(torch.int8)
+    packed = pack_codes(codes, bits)
+    assert packed.numel() == -(-37 * bits // 8)
+    assert torch.equal(unpack_codes(packed, 37, bits), codes)
+
+
+@pytest.mark.parametrize("bits", VALUE_BITS)
+@pytest.mark.parametrize("density", (0.05, 1.0))
+def test_error_feedback_conservation_and_decode(bits, density):
+    """sent + new buffer == decay * old buffer + delta (exactly where nothing was sent; within an ulp where
+    the sent value was quantized), and the packet decodes to exactly what the sender counts as sent."""
+    g = torch.Generator().manual_seed(3)
+    C, c = 6, 64
+    lay = PacketLayout(C, c, chunk_k(c, density), bits)
+    old = torch.randn(C * c, generator=g)
+    delta = torch.randn(C * c, generator=g) * 0.1
+    acc = old * 0.9 + delta
+    e = old.clone().mul_(0.9).add_(delta)
+    packet, sent = compress(e, lay)
+    assert packet.numel() == lay.nbytes
+    total = sent + e
+    unsent = sent == 0
+    assert torch.equal(total[unsent], acc[unsent])
+    assert torch.allclose(total, acc, rtol=0, atol=1e-6 * float(acc.abs().max()))
+    if bits == 32:
+        assert torch.equal(total, acc)
+    nz = int((sent != 0).sum())
+    assert nz <= C * lay.k
+    out = torch.zeros(C * c)
+    assert torch.equal(decode_into(out, packet, lay), sent)
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+
+
+def _flat(m):
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def _h1_equals_ddp(rank, world):
+    """H=1, density 1, fp32, outer_lr 1, momentum 0: the outer round is the average of the replicas, which
+    after one inner SGD step is plain DDP's step."""
+    torch.manual_seed(10 + rank)
+    x, y = torch.randn(32, 20), torch.randint(0, 5, (32,))
+    m = _model()
+    st = OuterState(OuterOptions(steps=1, density=1.0, bits=32, lr=1.0, momentum=0.0), list(m.named_parameters()))
+    ref = _model()
+    opt, ropt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        ran = st.step()
+        ropt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+        ropt.step()
+    return ran, _flat(m), _flat(ref)
+
+
+def test_h1_dense_fp32_equals_ddp():
+    out = run_distributed(_h1_equals_ddp, world=2)
+    for ran, got, ref in out:
+        assert ran
+        assert torch.allclose(got, ref, atol=1e-6)
+    assert torch.equal(out[0][1], out[1][1])  # replicas agree bit for bit
+
+
+def _sharded(rank, world, streaming):
+    """2 nodes x 2: the node's ranks hold the same replica; shards over the inter groups; then resume from a
+    state dict taken inside a round equals the uninterrupted run."""
+    from lightning_topk.comm.exchanges.hierarchical import make_groups
+
+    h = make_groups(2, 2, rank)
+    opts = OuterOptions(steps=3, density=0.1, chunk=128, bits=4, lr=0.7, momentum=0.9, nesterov=True,
+                        ef_decay=0.95, streaming=streaming)
+    torch.manual_seed(20 + h.node_rank)  # data per node (a node is one replica)
+    data = [(torch.randn(16, 20), torch.randint(0, 5, (16,))) for _ in range(8)]
+
+    def run(stop=None, sd=None):
+        m = _model()
+        st = OuterState(opts, list(m.named_parameters()), inter=h.inter, intra=h.intra, local=2,
+                        local_rank=h.local_rank)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        start = 0
+        if sd is not None:
+            st.load_state_dict(sd)
+            start = 4
+        for x, y in data[start:stop]:
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+            st.step()
+        st.finish_flight()
+        return m, st
+
+    full, st_full = run()
+    _, st_half = run(stop=4)
+    sd = st_half.state_dict()
+    resumed, _ = run(sd=sd)
+    return _flat(full), _flat(resumed), st_full.stats.bytes, st_full.layout.nbytes, sd["position"]
+
+
+@pytest.mark.parametrize("streaming", (False, True))
+def test_two_nodes_sharded_rounds_agree_and_resume_inside_a_round(streaming):
+    out = run_distributed(_sharded, world=4, args=(streaming,))
+    for full, resumed, nbytes, packet, pos in out:
+        assert pos == 1  # the save was inside the second round
+        assert torch.equal(full, resumed)
+        assert nbytes == packet  # one other replica: (R - 1) packets
+    # every rank ends on the same θ (θ_local := θ_outer after the last round, and 8 % 3 == 2 steps since)
+    # the node's two ranks hold the same replica bit for bit
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[2][0], out[3][0])
