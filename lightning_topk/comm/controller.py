@@ -55,6 +55,7 @@ class StepController:
         self.state = state
         self.device = device
         self._scaler = False
+        self.last_decision: Optional[Decision] = None  # of the last finish_step (the strategy resets it)
         state.undo.step = state.step
         state.undo.enabled = state.config.nonfinite == "skip"
         if state.exchange is not None:
@@ -173,4 +174,5 @@ class StepController:
             st.step = st.undo.step  # a skipped step did not happen: the density schedule stays put
         st.flags.clear()
         st.undo.step = st.step
-        return Decision.COMMIT if commit else Decision.SKIP
+        self.last_decision = Decision.COMMIT if commit else Decision.SKIP
+        return self.last_decision

@@ -24,6 +24,7 @@ SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
+OUTER_BITS = (32, 16, 8, 4, 2)  # outer_value_bits (sparse local SGD)
 # Where exchange="auto" gets its cost model (see comm/exchanges/auto.py).
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 Scale = Union[float, Tensor]
@@ -93,6 +94,30 @@ class TopKConfig:
             the plan is the same in every run) or ``"auto"``: ``"constants"`` under deterministic
             algorithms (``Trainer(deterministic=True)``), else ``"probe"``.
         auto_link_gbps: inter-node bandwidth in Gbit/s that the ``"constants"`` model assumes (a number > 0).
+        local_steps: sparse local SGD (:mod:`lightning_topk.comm.outer`, ``docs/local_sgd.md``): H > 0 inner
+            optimizer steps per outer round (int >= 0). 0 is the per-step exchange above. With H > 0 the comm
+            hook only all-reduces gradients densely inside a node (one process per node: no collective at
+            all), ``exchange`` must be ``"auto"`` or ``"local"`` (it becomes ``"local"``), and every H
+            optimizer steps that happened the outer round exchanges the top-k of the error-feedback buffer of
+            the pseudo-gradient θ_outer − θ_local among the nodes and takes an outer SGD step. ``density``,
+            ``selector``, ``value_dtype`` and the residual options then do not apply; ``nonfinite`` applies
+            to the inner steps and to the pseudo-gradient (``"skip"``: the round is skipped and θ_local reset
+            to θ_outer). Needs ``momentum_correction=False`` and ``hierarchical`` not ``True``.
+        outer_lr: outer SGD learning rate (a number > 0); 1 with ``outer_momentum=0`` and dense fp32 values
+            is plain averaging of the replicas.
+        outer_momentum: outer SGD momentum in [0, 1) (0.9 with Nesterov: DiLoCo; 0 with error feedback:
+            SparseLoCo).
+        outer_nesterov: Nesterov momentum for the outer step (only with ``outer_momentum`` > 0).
+        outer_density: share of each chunk's entries sent per outer round, in (0, 1] (1: dense, no indices).
+        outer_chunk: entries per top-k chunk of the flat parameter vector (int >= 0; each chunk sends
+            ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; indices are int16
+            up to 32768); 0 = one top-k over the rank's whole shard.
+        outer_value_bits: bits per value sent: 32 (fp32), 16 (bf16), 8, 4 or 2 (integer codes with one
+            scale per chunk, round half to even; 2 is ternary). The rounding error stays in the buffer.
+        outer_ef_decay: error-feedback decay in [0, 1]: ``e = outer_ef_decay * e + Δ`` (0: no error
+            feedback).
+        outer_streaming: launch the outer all-gather asynchronously and apply its result one round late,
+            so the next round's compute overlaps it.
     """
 
     density: float = 0.01
@@ -113,6 +138,15 @@ class TopKConfig:
     auto_sparse_penalty: float = 3.0
     auto_model: str = "auto"
     auto_link_gbps: float = 10.0
+    local_steps: int = 0
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.0
+    outer_nesterov: bool = True
+    outer_density: float = 0.05
+    outer_chunk: int = 4096
+    outer_value_bits: int = 8
+    outer_ef_decay: float = 1.0
+    outer_streaming: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -129,14 +163,26 @@ class TopKConfig:
             value_dtype_of(self.value_dtype)
         except ValueError as e:
             raise ValueError(f"topk_ddp: {e}") from None
-        for name in ("error_feedback", "momentum_correction", "log_telemetry"):
+        for name in ("error_feedback", "momentum_correction", "log_telemetry", "outer_nesterov", "outer_streaming"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
             raise bad("momentum", "a number in [0, 1)")
-        for name in ("dense_steps", "warmup_steps", "min_sparse_numel"):
+        for name in ("dense_steps", "warmup_steps", "min_sparse_numel", "local_steps", "outer_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "an int >= 0")
+        if not _is_number(self.outer_lr) or self.outer_lr <= 0:
+            raise bad("outer_lr", "a number > 0")
+        if not _is_number(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
+            raise bad("outer_momentum", "a number in [0, 1)")
+        if not _is_number(self.outer_density) or not 0.0 < self.outer_density <= 1.0:
+            raise bad("outer_density", "a number in (0, 1]")
+        if not _is_number(self.outer_ef_decay) or not 0.0 <= self.outer_ef_decay <= 1.0:
+            raise bad("outer_ef_decay", "a number in [0, 1]")
+        for name in ("outer_lr", "outer_momentum", "outer_density", "outer_ef_decay"):
+            setattr(self, name, float(getattr(self, name)))
+        if not _is_int(self.outer_value_bits) or self.outer_value_bits not in OUTER_BITS:
+            raise bad("outer_value_bits", f"one of {list(OUTER_BITS)}")
         if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
             raise bad("auto_sparse_penalty", "a number >= 1")
         self.auto_sparse_penalty = float(self.auto_sparse_penalty)
@@ -171,6 +217,19 @@ class TopKConfig:
         if self.hierarchical is False and self.exchange in HIERARCHICAL_EXCHANGES:
             raise ValueError(f"topk_ddp: hierarchical=false contradicts exchange={self.exchange!r}; leave "
                              "hierarchical='auto'")
+        if self.local_steps > 0:
+            if self.exchange not in ("auto", "local"):
+                raise ValueError(f"topk_ddp: local_steps={self.local_steps} runs the 'local' exchange; "
+                                 f"exchange={self.exchange!r} contradicts it (set exchange='auto' or 'local', or "
+                                 "local_steps=0)")
+            if self.momentum_correction:
+                raise ValueError("topk_ddp: momentum_correction is not supported with local_steps > 0 (no "
+                                 "per-step top-k); set momentum_correction=false or local_steps=0")
+            if self.hierarchical is True:
+                raise ValueError("topk_ddp: hierarchical=true contradicts local_steps > 0; leave hierarchical='auto'")
+        elif self.exchange == "local":
+            raise ValueError("topk_ddp: exchange='local' needs local_steps > 0 (inner optimizer steps per outer "
+                             "round); set local_steps or another exchange")
         if self.exchange != "auto":
             registry.get(self.exchange).check(self)  # the pinned exchange's declared requirements
 
@@ -244,6 +303,12 @@ class StepStats:
     hierarchical_scatter_buckets: int = 0
     scatter_buckets: int = 0
     nonfinite_buckets: int = 0
+    # sparse local SGD (local_steps > 0): the last outer round on this rank
+    outer_bytes: float = 0.0  # wire bytes this rank sent in it (ring all-gather: (replicas - 1) packets)
+    outer_bytes_per_step: float = 0.0  # outer_bytes / local_steps
+    outer_density: float = 0.0
+    outer_time_s: float = 0.0  # host time blocked in it
+    outer_hidden_frac: float = 0.0  # outer_streaming: share of the exchange's flight behind compute
     _events: List[Tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -301,6 +366,11 @@ class StepStats:
             "topk/buckets_hierarchical": float(self.hierarchical_buckets),
             "topk/buckets_hierarchical_scatter": float(self.hierarchical_scatter_buckets),
             "topk/buckets_scatter": float(self.scatter_buckets),
+            "topk/outer_bytes": float(self.outer_bytes),
+            "topk/outer_bytes_per_step": float(self.outer_bytes_per_step),
+            "topk/outer_density": float(self.outer_density),
+            "topk/outer_time_s": float(self.outer_time_s),
+            "topk/outer_hidden_frac": float(self.outer_hidden_frac),
         }
 
 

@@ -63,12 +63,16 @@ class _FabricTopKMixin(TopKStrategyMixin):
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         ctl = self.topk_controller
         fabric_step = super(TopKStrategyMixin, self).optimizer_step
-        if ctl is not None and ctl.finish_step(self._topk_module.named_parameters()) is Decision.SKIP:
+        skip = ctl is not None and ctl.finish_step(self._topk_module.named_parameters()) is Decision.SKIP
+        if skip:
             if _scaler_of(self.precision) is not None:
                 _poison_for_scaler(optimizer)  # the scaler skips and backs off on every rank alike
             else:
                 _drop_grads(self._topk_module, optimizer)
-        return fabric_step(optimizer, **kwargs)
+        out = fabric_step(optimizer, **kwargs)
+        if ctl is not None and not skip and self.topk_state is not None:  # local SGD counts steps that happened
+            self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
+        return out
 
     def topk_metrics(self) -> Dict[str, float]:
         """``topk/*`` of the last exchange, reduced over all ranks (a collective: call on every rank)."""

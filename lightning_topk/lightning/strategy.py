@@ -71,6 +71,9 @@ class TopKStrategyMixin:
             self._load_topk_state(state, self._pending_topk_state)
             self._pending_topk_state = None
         state.exchange = self._build_exchange(state)
+        bind = getattr(state.exchange, "bind", None)
+        if bind is not None:  # local SGD: θ_outer := the weights DDP just broadcast (a loaded section: its own)
+            bind(self.lightning_module.named_parameters())
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
         from lightning_topk.comm.exchanges import exchange_hook
 
@@ -88,6 +91,8 @@ class TopKStrategyMixin:
     def _exchange(self) -> str:
         """The exchange after the precedence of the older ``hierarchical`` option (see TopKConfig)."""
         ex = self.topk_config.exchange
+        if self.topk_config.local_steps > 0:
+            return "local"
         return "hierarchical" if self._use_hierarchical() and ex == "auto" else ex
 
     def _build_exchange(self, state: TopKState) -> Any:
@@ -104,6 +109,8 @@ class TopKStrategyMixin:
             ex = "allgather"  # nothing to choose between
         if ex != "auto":
             registry.check(cfg, layout, ex)
+            if ex == "local" and local > 1:  # intra-node all-reduce; outer shards over the inter-node groups
+                state.groups = build_groups(self)
             if getattr(registry.get(ex), "needs_groups", False):
                 state.groups = build_groups(self)
             return state.exchange_for(ex, layout=layout)
@@ -146,6 +153,8 @@ class TopKStrategyMixin:
         ctl = self.topk_controller
         if ctl is None or getattr(self.precision_plugin, "finishes_topk_step", False):
             # No exchange yet, or a plugin that decides after unscaling (TopKPrecision with fp16).
+            if ctl is not None:
+                ctl.last_decision = None
             out = super().optimizer_step(optimizer, closure, model, **kwargs)
         else:
             scaler = _scaler_of(self.precision_plugin)
@@ -159,9 +168,21 @@ class TopKStrategyMixin:
                         _drop_grads(self.lightning_module, optimizer)
                 return result
 
+            if ctl is not None:
+                ctl.last_decision = None
             out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
+        self._after_step()
         self._log_topk()
         return out
+
+    def _after_step(self) -> None:
+        """Tell the exchange about an optimizer step that happened (local SGD counts them; a step the
+        controller skipped, or one Lightning skipped because the closure returned None, does not count)."""
+        ctl, state = self.topk_controller, self.topk_state
+        if ctl is not None and state is not None and ctl.last_decision is Decision.COMMIT:
+            state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
+        if ctl is not None:
+            ctl.last_decision = None
 
     def _log_topk(self) -> None:
         """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
@@ -187,6 +208,10 @@ class TopKStrategyMixin:
         # Called on every rank: each writes its own shard, then rank 0 writes the main file.
         from lightning_topk.lightning.checkpoint import save_rank_state
 
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        if ex is not None and hasattr(ex, "inner_optimizer_states"):
+            # local SGD: each replica's inner optimizer state is its own (Lightning's file holds rank 0's)
+            ex.inner_optimizer_states = checkpoint.get("optimizer_states")
         save_rank_state(self, checkpoint, filepath)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -197,6 +222,9 @@ class TopKStrategyMixin:
 
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self._pending_topk_state = restore_rank_state(self, checkpoint_path, checkpoint)
+        section = ((self._pending_topk_state or {}).get("exchanges") or {}).get("local") or {}
+        if self.topk_config.local_steps > 0 and section.get("inner_optimizer_states") is not None:
+            checkpoint["optimizer_states"] = section["inner_optimizer_states"]  # this replica's own
         return checkpoint
 
     @override

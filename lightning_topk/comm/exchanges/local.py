@@ -1,0 +1,166 @@
+"""Sparse local SGD as an exchange (``local_steps`` > 0, ``exchange="local"``).
+
+Every inner step the comm hook all-reduces each bucket densely *inside the node* (the node's processes then
+hold one replica); with one process per node it issues no collective at all and hands DDP the local
+gradient. Every ``local_steps`` optimizer steps that happened, :meth:`LocalExchange.after_optimizer_step`
+runs the outer round of :class:`~lightning_topk.comm.outer.OuterState` (pseudo-gradient, error feedback,
+per-chunk top-k, quantized values, all-gather among the nodes, outer SGD, ``θ_local := θ_outer``).
+
+Usage without Lightning::
+
+    state = TopKState(TopKConfig(local_steps=50, outer_density=0.02, outer_value_bits=4))
+    ddp.register_comm_hook(state, exchange_hook)           # after state.exchange = state.exchange_for("local")
+    state.exchange.bind(model.named_parameters())          # θ_outer := the weights now (before the first step)
+    ... loss.backward(); optimizer.step(); state.exchange.after_optimizer_step(model.named_parameters())
+"""
+# No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_topk.comm.exchanges.base import Exchange, Layout
+from lightning_topk.comm.exchanges.kit import future_on
+from lightning_topk.comm.exchanges.registry import register
+from lightning_topk.comm.outer import OuterOptions, OuterState
+from lightning_topk.comm.state import TopKState, clock
+from lightning_topk.comm.wire import ring_allreduce_wire
+
+log = logging.getLogger(__name__)
+
+
+def outer_options(config: Any) -> OuterOptions:
+    return OuterOptions(steps=config.local_steps, lr=config.outer_lr, momentum=config.outer_momentum,
+                        nesterov=config.outer_nesterov, density=config.outer_density, chunk=config.outer_chunk,
+                        bits=config.outer_value_bits, ef_decay=config.outer_ef_decay,
+                        streaming=config.outer_streaming, nonfinite=config.nonfinite)
+
+
+@register("local")
+class LocalExchange(Exchange):
+    """Intra-node dense all-reduce per inner step; the sparse outer round every ``local_steps`` steps."""
+
+    sparse = False
+    momentum_correction = False
+    parameter_scope = True
+
+    def __init__(self, state: Any, layout: Optional[Layout] = None, groups: Any = None, **kwargs: Any) -> None:
+        super().__init__(state, layout)
+        self.state = state
+        self.groups = groups
+        self.outer: Optional[OuterState] = None
+        self._section: Optional[Dict[str, Any]] = None
+        self.inner_optimizer_states: Optional[List[Any]] = None  # per-rank inner optimizer state (checkpoint)
+
+    @classmethod
+    def check(cls, config: Any, layout: Optional[Layout] = None) -> None:
+        if getattr(config, "local_steps", 0) <= 0:
+            raise ValueError("topk_ddp: exchange='local' needs local_steps > 0 (inner optimizer steps per outer "
+                             "round); set local_steps or another exchange")
+        super().check(config, layout)
+
+    # ---- parameters -----------------------------------------------------------------------------------
+    def bind(self, named_parameters: Iterable[Tuple[str, Tensor]]) -> None:
+        """θ_outer := these parameters now (call before the first optimizer step, on every rank); a loaded
+        section is applied here (θ_local included)."""
+        named = [(n, p) for n, p in named_parameters if p.requires_grad]
+        g = self.groups
+        local = g.local_world if g is not None else 1
+        self.outer = OuterState(outer_options(self.state.config), named,
+                                inter=g.inter if g is not None else self.state.process_group,
+                                intra=g.intra if g is not None else None, local=local,
+                                local_rank=g.local_rank if g is not None else 0,
+                                flag_group=self.state.process_group)
+        if self._section is not None:
+            self._load(self._section)
+            self._section = None
+        elif self.state.step > 0:
+            log.warning("topk_local: resuming at step %d without a saved outer state (another world size, or a "
+                        "checkpoint of another strategy): the outer round restarts from these weights, error "
+                        "feedback and outer momentum at zero", self.state.step)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
+        grad = bucket.buffer()
+        n = grad.numel()
+        names = state.names_of(bucket.parameters())
+        stats = state.current
+        state.flags.note_input(names, grad)
+        L = self.groups.local_world if self.groups is not None else 1
+        self._outer_stats(stats)
+        state.add_stats(stats, buckets=1, numel=n, numel_sent=0, bytes_dense=n * grad.element_size(),
+                        dense_buckets=1)
+        if L > 1:
+            eb = grad.element_size()
+            state.add_stats(stats, bytes_sent=n * eb, bytes_intra=n * eb, bytes_wire=ring_allreduce_wire(n * eb, L))
+            t = clock(grad.device)
+            fut = dist.all_reduce(grad, group=self.groups.intra, async_op=True).get_future()
+
+            def finish(_f: torch.futures.Future) -> Tensor:
+                state.add_time(stats, "comm_time_s", t)
+                grad.div_(L)
+                state.flags.note_result(grad)
+                return grad
+
+            out = fut.then(finish)
+        else:
+            state.flags.note_result(grad)
+            out = future_on(grad.device)
+            out.set_result(grad)
+        if bucket.is_last():
+            state.end_exchange()
+        return out
+
+    def _outer_stats(self, stats: Any) -> None:
+        """The last outer round's figures on every step's stats (telemetry logs the last step)."""
+        o = self.outer
+        if o is None or o.stats.rounds == 0:
+            return
+        stats.outer_bytes = float(o.stats.bytes)
+        stats.outer_bytes_per_step = o.stats.bytes / max(1, o.opts.steps)
+        stats.outer_density = o.stats.density
+        stats.outer_time_s = o.stats.time_s
+        stats.outer_hidden_frac = o.stats.hidden_frac
+
+    def after_optimizer_step(self, params: Any) -> None:
+        """Count an inner optimizer step that happened; run the outer round at the H-th."""
+        if self.outer is None:
+            raise RuntimeError("topk_local: the exchange was not bound to the parameters before the first step; "
+                               "call state.exchange.bind(model.named_parameters()) after building it")
+        if self.outer.step():
+            st = self.state
+            nbytes = self.outer.stats.bytes
+            link = "bytes_inter" if st.num_nodes > 1 else "bytes_intra"
+            for s in (st.totals,):
+                s.bytes_wire += nbytes
+                s.bytes_sent += self.outer.layout.nbytes
+                setattr(s, link, getattr(s, link) + nbytes)
+            st.totals.comm_time_s += self.outer.stats.time_s
+            self._outer_stats(st.last)
+
+    def flush(self, state: Any) -> None:
+        if self.outer is not None:
+            self.outer.finish_flight()
+
+    # ---- checkpoint --------------------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        if self.outer is None:
+            return dict(self._section or {})
+        sd = self.outer.state_dict()
+        if self.inner_optimizer_states is not None:
+            sd["inner_optimizer_states"] = self.inner_optimizer_states
+        return sd
+
+    def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
+        if not sd:
+            return
+        if self.outer is None:
+            self._section = dict(sd)  # applied at bind (after DDP broadcast rank 0's weights)
+        else:
+            self._load(sd)
+
+    def _load(self, sd: Dict[str, Any]) -> None:
+        assert self.outer is not None
+        self.outer.load_state_dict(sd)

@@ -1,0 +1,102 @@
+"""Sparse local SGD (strategy topk_local) with a Trainer on sklearn digits, as simulated nodes (one process
+per node: start with tests.helpers.procs.run_nodes). Every rank writes OUT/<tag>_rank<r>.pt: its final
+flat weights, test accuracy, samples trained, and the outer round count.
+
+  --strategy ddp | local      plain DDPStrategy, or TopKDDPStrategy(local_steps=H, ...)
+  --epochs E                  max_epochs
+  --save PATH                 trainer.save_checkpoint(PATH) at the end (a resume point)
+  --resume PATH               ckpt_path=PATH
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from tests.helpers.digits import digits  # noqa: E402
+
+from lightning_topk import TopKDDPStrategy  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+class Net(pl.LightningModule):
+    def __init__(self, opt: str, lr: float) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        self.opt, self.lr = opt, lr
+
+    def setup(self, stage):
+        torch.set_num_threads(1)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        if self.opt == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tag", required=True)
+    ap.add_argument("--strategy", default="local")
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=120)
+    ap.add_argument("--opt", default="adamw")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--H", type=int, default=4)
+    ap.add_argument("--density", type=float, default=0.05)
+    ap.add_argument("--bits", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--outer-lr", type=float, default=1.0)
+    ap.add_argument("--outer-momentum", type=float, default=0.0)
+    ap.add_argument("--ef-decay", type=float, default=1.0)
+    ap.add_argument("--streaming", action="store_true")
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--save")
+    ap.add_argument("--resume")
+    a = ap.parse_args()
+
+    train, test = digits()
+    if a.strategy == "ddp":
+        strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
+    else:
+        strategy = TopKDDPStrategy(local_steps=a.H, outer_density=a.density, outer_value_bits=a.bits,
+                                   outer_chunk=a.chunk, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
+                                   outer_ef_decay=a.ef_decay, outer_streaming=a.streaming,
+                                   process_group_backend="gloo")
+    pl.seed_everything(0, workers=True)
+    model = Net(a.opt, a.lr)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_epochs=a.epochs,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accumulate_grad_batches=a.accumulate, deterministic=True,
+                         log_every_n_steps=1)
+    trainer.fit(model, DataLoader(train, batch_size=a.batch, shuffle=True), ckpt_path=a.resume)
+    if a.save:
+        trainer.save_checkpoint(a.save)
+    x, y = test.tensors
+    with torch.no_grad():
+        acc = (model.net(x).argmax(1) == y).float().mean().item()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    st = getattr(trainer.strategy, "topk_state", None)
+    ex = st.exchange if st is not None else None
+    outer = getattr(ex, "outer", None)
+    torch.save({"flat": flat, "acc": acc, "steps": trainer.global_step,
+                "rounds": outer.stats.rounds if outer is not None else 0,
+                "position": outer.position if outer is not None else -1,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
+               os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
+
+
+if __name__ == "__main__":
+    main()
