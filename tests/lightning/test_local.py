@@ -1,0 +1,64 @@
+"""Sparse local SGD (local_steps > 0, strategy topk_local) with a real Trainer, two simulated nodes of one
+process each on gloo (tests/scripts/local_train.py): bit-exact resume inside an outer round (streaming on,
+per-rank AdamW state), convergence on sklearn digits next to plain DDP, and bad options named."""
+import pytest
+import torch
+
+from lightning_topk import TopKConfig, TopKDDPStrategy
+from tests.helpers.procs import run_nodes
+
+SCRIPT = "tests/scripts/local_train.py"
+
+
+def _run(tmp_path, tag, *args):
+    run_nodes([SCRIPT, "--out", tmp_path, "--tag", tag, *args], num_nodes=2)
+    return [torch.load(tmp_path / f"{tag}_rank{r}.pt") for r in range(2)]
+
+
+def test_resume_inside_an_outer_round_is_bit_exact(tmp_path):
+    # 6 steps per epoch, H=4: the checkpoint after epoch 1 is 2 steps into the second round, with a streamed
+    # exchange in flight; each replica has its own weights and AdamW state there.
+    common = ["--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9", "--ef-decay", "0.95", "--streaming"]
+    straight = _run(tmp_path, "straight", "--epochs", "3", *common)
+    stop = _run(tmp_path, "stop", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common)
+    assert stop[0]["position"] == 2
+    assert not torch.equal(stop[0]["flat"], stop[1]["flat"])  # inside a round the replicas differ
+    resumed = _run(tmp_path, "resumed", "--epochs", "3", "--resume", str(tmp_path / "e1.ckpt"), *common)
+    for r in range(2):
+        assert resumed[r]["steps"] == straight[r]["steps"] == 18
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+    assert straight[0]["rounds"] == 4 and straight[0]["metrics"]["topk/outer_bytes"] > 0
+
+
+def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
+    ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--epochs", "10")
+    local = _run(tmp_path, "local", "--epochs", "10", "--H", "8", "--density", "0.1", "--bits", "4",
+                 "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    assert local[0]["steps"] == ddp[0]["steps"] == 60
+    assert torch.equal(local[0]["flat"], local[1]["flat"]) or local[0]["position"] != 0
+    assert local[0]["acc"] >= ddp[0]["acc"] - 0.02, (local[0]["acc"], ddp[0]["acc"])
+    m = local[0]["metrics"]
+    # 10% of the entries at 4 bits + int16 indices + one scale per 1024 entries, every 8 steps, one peer
+    assert 0.099 < m["topk/outer_density"] < 0.102
+    assert m["topk/outer_bytes_per_step"] == pytest.approx(m["topk/outer_bytes"] / 8)
+
+
+@pytest.mark.parametrize("kw, name", [
+    ({"local_steps": -1}, "local_steps"),
+    ({"local_steps": 4, "outer_density": 0.0}, "outer_density"),
+    ({"local_steps": 4, "outer_value_bits": 3}, "outer_value_bits"),
+    ({"local_steps": 4, "outer_momentum": 1.0}, "outer_momentum"),
+    ({"local_steps": 4, "outer_lr": 0}, "outer_lr"),
+    ({"local_steps": 4, "outer_ef_decay": 1.5}, "outer_ef_decay"),
+    ({"local_steps": 4, "outer_chunk": -1}, "outer_chunk"),
+    ({"local_steps": 4, "outer_streaming": "yes"}, "outer_streaming"),
+    ({"local_steps": 4, "exchange": "allgather"}, "exchange='allgather'"),
+    ({"local_steps": 4, "momentum_correction": True}, "momentum_correction"),
+    ({"exchange": "local"}, "local_steps > 0"),
+])
+def test_bad_local_options_are_named(kw, name):
+    with pytest.raises(ValueError, match=name):
+        TopKConfig(**kw)
+    with pytest.raises(ValueError, match=name):
+        TopKDDPStrategy(**kw)
