@@ -54,6 +54,10 @@ class ThroughputMonitor(pl.Callback):
                         numel_sent=totals.numel_sent, bytes_inter=totals.bytes_inter, bytes_intra=totals.bytes_intra,
                         select_seconds=totals.select_time_s, comm_seconds=totals.comm_time_s,
                         bytes_wire=totals.bytes_wire, bytes_dense_wire=totals.bytes_dense_wire)
+        cfg = getattr(trainer.strategy, "topk_config", None)
+        if cfg is not None:
+            vals.update(local_steps=cfg.local_steps, outer_density=cfg.outer_density,
+                        outer_value_bits=cfg.outer_value_bits, outer_streaming=float(cfg.outer_streaming))
         for k, v in vals.items():
             trainer.callback_metrics[f"{PREFIX}{k}"] = torch.tensor(float(v), dtype=torch.float64)
 
@@ -84,6 +88,9 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
                            "global_step": int(stats.get("global_step", trainer.global_step)),
                            "epochs": int(stats.get("epochs", trainer.current_epoch)), "output_dir": os.path.abspath(output_dir)}
     out["metrics"] = {k: float(v) for k, v in test_metrics.items()}
+    mode = exchange_mode(stats)
+    if mode:
+        out["mode"] = mode
     if "samples" in stats:
         secs = stats["train_seconds"]
         out.update(samples=int(stats["samples"]), train_seconds=round(secs, 3),
@@ -108,6 +115,18 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
         path = ckpt.last_model_path or (last if os.path.isfile(last) else "") or ckpt.best_model_path or None
     out["checkpoint"] = path
     return out
+
+
+def exchange_mode(stats: Mapping[str, float]) -> Optional[str]:
+    """How gradients travelled: sparse local SGD (with its settings) or the per-step exchange; None
+    without top-k telemetry."""
+    if "local_steps" not in stats:
+        return None
+    h = int(stats["local_steps"])
+    if h <= 0:
+        return "per-step exchange"
+    return (f"sparse local SGD: {h} local steps per outer round, outer density {stats['outer_density']:g}, "
+            f"{int(stats['outer_value_bits'])}-bit values" + (", streaming" if stats.get("outer_streaming") else ""))
 
 
 def save(summary: Mapping[str, Any], path: str) -> None:
@@ -135,6 +154,8 @@ def render(summary: Mapping[str, Any], console=None) -> None:
     table.add_column(overflow="fold")
     table.add_row("strategy", f"{summary['strategy']} ({summary['world_size']} processes, "
                               f"{summary['num_nodes']} node{'s' if summary['num_nodes'] > 1 else ''})")
+    if summary.get("mode"):
+        table.add_row("mode", summary["mode"])
     for k, v in summary.get("metrics", {}).items():
         table.add_row(k, f"{v:.4f}")
     if "samples_per_second" in summary:

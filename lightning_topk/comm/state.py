@@ -139,12 +139,12 @@ class TopKConfig:
     auto_model: str = "auto"
     auto_link_gbps: float = 10.0
     local_steps: int = 0
-    outer_lr: float = 1.0
-    outer_momentum: float = 0.0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
     outer_nesterov: bool = True
-    outer_density: float = 0.05
+    outer_density: float = 0.1
     outer_chunk: int = 4096
-    outer_value_bits: int = 8
+    outer_value_bits: int = 4
     outer_ef_decay: float = 1.0
     outer_streaming: bool = False
 
