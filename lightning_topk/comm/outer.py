@@ -75,7 +75,7 @@ def quantize(values: Tensor, bits: int) -> Tuple[Tensor, Optional[Tensor]]:
 
 def dequantize(codes: Tensor, scale: Optional[Tensor], bits: int) -> Tensor:
     """fp32 values of a wire form (the sender computes its error feedback with this too: bit-identical)."""
-    if bits >= 16:
+    if bits >= 16 or scale is None:
         return codes.float()
     return codes.float() * scale.unsqueeze(1)
 

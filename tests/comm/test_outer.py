@@ -161,3 +161,31 @@ def test_two_nodes_sharded_rounds_agree_and_resume_inside_a_round(streaming):
     # every rank ends on the same θ (θ_local := θ_outer after the last round, and 8 % 3 == 2 steps since)
     # the node's two ranks hold the same replica bit for bit
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[2][0], out[3][0])
+
+
+def _fault(rank, world, mode):
+    """A non-finite pseudo-gradient on rank 1 only: decided once on every rank."""
+    m = _model()
+    st = OuterState(OuterOptions(steps=2, density=0.5, bits=8, nonfinite=mode), list(m.named_parameters()))
+    theta0 = _flat(m).clone()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.01 * (rank + 1))
+    assert not st.step()
+    if rank == 1:
+        with torch.no_grad():
+            next(m.parameters()).view(-1)[3] = float("nan")
+    try:
+        st.step()
+    except FloatingPointError as e:
+        return "raised", str(e)
+    return "skipped", st.stats.skipped, torch.equal(_flat(m), theta0), float(st.ef.abs().sum()), st.position
+
+
+@pytest.mark.parametrize("mode", ("skip", "raise"))
+def test_nonfinite_pseudo_gradient_decided_on_every_rank(mode):
+    out = run_distributed(_fault, world=2, args=(mode,))
+    if mode == "raise":
+        assert all(o[0] == "raised" and "nonfinite='skip'" in o[1] for o in out)
+    else:  # the round is skipped everywhere: θ_local := θ_outer, the error buffer untouched
+        assert all(o == ("skipped", 1, True, 0.0, 0) for o in out), out

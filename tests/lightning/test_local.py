@@ -62,3 +62,22 @@ def test_bad_local_options_are_named(kw, name):
         TopKConfig(**kw)
     with pytest.raises(ValueError, match=name):
         TopKDDPStrategy(**kw)
+
+
+def test_skipped_inner_step_inside_a_round_does_not_count_on_any_rank(tmp_path):
+    # rank 0's loss is inf at step 5 (inside the second round): the controller skips it on both ranks, the
+    # outer position does not advance, so the 12 steps make 11 that happened: 2 rounds and 3 steps.
+    out = _run(tmp_path, "skip", "--epochs", "2", "--H", "4", "--inject-step", "5", "--nonfinite", "skip")
+    for r in range(2):
+        assert out[r]["steps"] == 12
+        assert (out[r]["rounds"], out[r]["position"]) == (2, 3), r
+        assert bool(torch.isfinite(out[r]["flat"]).all())
+
+
+def test_fabric_equals_the_trainer(tmp_path):
+    trainer = _run(tmp_path, "trainer", "--epochs", "2", "--H", "4")
+    fabric = _run(tmp_path, "fabric", "--fabric", "--epochs", "2", "--H", "4")
+    for r in range(2):
+        assert fabric[r]["rounds"] == trainer[r]["rounds"] == 3
+        assert torch.equal(fabric[r]["flat"], trainer[r]["flat"]), r
+    assert fabric[0]["metrics"]["topk/outer_bytes"] == trainer[0]["metrics"]["topk/outer_bytes"] > 0

@@ -6,6 +6,8 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --epochs E                  max_epochs
   --save PATH                 trainer.save_checkpoint(PATH) at the end (a resume point)
   --resume PATH               ckpt_path=PATH
+  --inject-step S             rank 0's loss is inf at global step S (with --nonfinite skip: skipped on every rank)
+  --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
 """
 import argparse
 import os
@@ -18,16 +20,16 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from tests.helpers.digits import digits  # noqa: E402
-
-from lightning_topk import TopKDDPStrategy  # noqa: E402
+from lightning_topk import TopKDDPStrategy
+from tests.helpers.digits import digits
 
 warnings.filterwarnings("ignore")
 
 
 class Net(pl.LightningModule):
-    def __init__(self, opt: str, lr: float) -> None:
+    def __init__(self, opt: str, lr: float, inject_step=None) -> None:
         super().__init__()
+        self.inject_step = inject_step
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
         self.opt, self.lr = opt, lr
@@ -37,7 +39,10 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, _):
         x, y = batch
-        return nn.functional.cross_entropy(self.net(x), y)
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        if self.global_step == self.inject_step and self.global_rank == 0:
+            loss = loss * float("inf")
+        return loss
 
     def configure_optimizers(self):
         if self.opt == "adamw":
@@ -63,6 +68,9 @@ def main() -> None:
     ap.add_argument("--ef-decay", type=float, default=1.0)
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--inject-step", type=int)
+    ap.add_argument("--nonfinite", default="raise")
+    ap.add_argument("--fabric", action="store_true")
     ap.add_argument("--save")
     ap.add_argument("--resume")
     a = ap.parse_args()
@@ -73,10 +81,12 @@ def main() -> None:
     else:
         strategy = TopKDDPStrategy(local_steps=a.H, outer_density=a.density, outer_value_bits=a.bits,
                                    outer_chunk=a.chunk, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
-                                   outer_ef_decay=a.ef_decay, outer_streaming=a.streaming,
+                                   outer_ef_decay=a.ef_decay, outer_streaming=a.streaming, nonfinite=a.nonfinite,
                                    process_group_backend="gloo")
+    if a.fabric:
+        return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
-    model = Net(a.opt, a.lr)
+    model = Net(a.opt, a.lr, a.inject_step)
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accumulate_grad_batches=a.accumulate, deterministic=True,
@@ -96,6 +106,42 @@ def main() -> None:
                 "position": outer.position if outer is not None else -1,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
+
+
+def fabric_main(a, train, test) -> None:
+    from lightning.fabric import Fabric
+
+    from lightning_topk.lightning.fabric import fabric_strategy_class
+
+    strategy = fabric_strategy_class("lightning.fabric")(
+        local_steps=a.H, outer_density=a.density, outer_value_bits=a.bits, outer_chunk=a.chunk, outer_lr=a.outer_lr,
+        outer_momentum=a.outer_momentum, outer_streaming=a.streaming, process_group_backend="gloo")
+    fabric = Fabric(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    opt = torch.optim.AdamW(net.parameters(), lr=a.lr)
+    net, opt = fabric.setup(net, opt)
+    from torch.utils.data.distributed import DistributedSampler
+
+    sampler = DistributedSampler(train, num_replicas=2, rank=fabric.global_rank, shuffle=True, seed=0)
+    loader = DataLoader(train, batch_size=a.batch, sampler=sampler)
+    steps = 0
+    for epoch in range(a.epochs):
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            fabric.backward(nn.functional.cross_entropy(net(x), y))
+            opt.step()
+            steps += 1
+    x, y = test.tensors
+    with torch.no_grad():
+        acc = (net(x).argmax(1) == y).float().mean().item()
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    outer = fabric.strategy.topk_state.exchange.outer
+    torch.save({"flat": flat, "acc": acc, "steps": steps, "rounds": outer.stats.rounds, "position": outer.position,
+                "metrics": fabric.strategy.topk_metrics()}, os.path.join(a.out, f"{a.tag}_rank{fabric.global_rank}.pt"))
 
 
 if __name__ == "__main__":
