@@ -32,6 +32,9 @@ ENTRIES: Dict[str, List[str]] = {
     "topk_scatter_0.01": ["--strategy", "topk_ddp", "--density", "0.01", "--exchange", "scatter"],
     "topk_hier_0.01": ["--strategy", "topk_ddp", "--density", "0.01", "--exchange", "hierarchical"],
     "topk_0.001": ["--strategy", "topk_ddp", "--density", "0.001"],
+    "topk_local": ["--strategy", "topk_ddp", "--local-steps", "16"],  # the topk_local defaults
+    "topk_local_stream": ["--strategy", "topk_ddp", "--local-steps", "16", "--outer-streaming"],
+    "topk_local_h64": ["--strategy", "topk_ddp", "--local-steps", "64", "--outer-streaming"],
     "local": ["--strategy", "local"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
@@ -264,7 +267,7 @@ def plot(results: Dict[str, Dict[str, dict]], path: str) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rates", default="100mbit,1gbit", help="comma-separated link rates (tc syntax)")
+    p.add_argument("--rates", default="100mbit,1gbit", help="comma-separated link rates (tc syntax, e.g. 10mbit)")
     p.add_argument("--only", default=",".join(DEFAULT_ONLY), help=f"comma-separated entries from: {', '.join(ENTRIES)}")
     p.add_argument("--layouts", default="2x2,4x1", help="comma-separated NODESxPROCS layouts")
     p.add_argument("--target-acc", type=float, default=0.80)

@@ -38,6 +38,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--dense-steps", type=int, default=None, help="topk_ddp: dense steps at the start (default: the strategy's)")
     p.add_argument("--selector", default="exact", choices=("exact", "mstopk", "torch"),
                    help="topk_ddp: top-k selection method")
+    p.add_argument("--local-steps", type=int, default=0,
+                   help="topk_ddp: sparse local SGD, inner steps per outer round (0: per-step exchange)")
+    p.add_argument("--outer-density", type=float, default=0.1, help="topk_ddp --local-steps: outer top-k density")
+    p.add_argument("--outer-bits", type=int, default=4, help="topk_ddp --local-steps: bits per outer value")
+    p.add_argument("--outer-streaming", action="store_true", help="topk_ddp --local-steps: apply one round late")
     p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
     p.add_argument("--steps", type=int, default=30, help="maximum optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps excluded from the throughput figure")
@@ -143,6 +148,10 @@ def make_strategy(args: argparse.Namespace):
             raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})") from e
         hier = {"true": True, "false": False, "auto": "auto"}[args.hierarchical]
         extra = {} if args.dense_steps is None else {"dense_steps": args.dense_steps}
+        if args.local_steps > 0:
+            return TopKDDPStrategy(local_steps=args.local_steps, outer_density=args.outer_density,
+                                   outer_value_bits=args.outer_bits, outer_streaming=args.outer_streaming,
+                                   log_telemetry=False, process_group_backend="gloo", **extra)
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
                                log_telemetry=False, process_group_backend="gloo", **extra)
 

@@ -38,7 +38,10 @@ class Exchange:
     * ``sparse``: sends top-k entries (``auto`` weighs it by ``auto_sparse_penalty``);
     * ``min_local``: processes per node it needs;
     * ``momentum_correction`` / ``parameter_scope``: whether it supports those options;
-    * ``shared_state``: its checkpoint section is the same on every rank (saved once, in the main file).
+    * ``shared_state``: its checkpoint section is the same on every rank (saved once, in the main file);
+    * ``local_sgd``: the hook does not hand DDP the average over all ranks; the exchange between nodes
+      happens in ``after_optimizer_step`` (sparse local SGD, ``local_steps`` > 0). The per-bucket contract
+      (``tests/comm/test_contract.py``) does not apply, and ``auto`` never considers it.
     """
 
     name: ClassVar[str] = ""
@@ -47,6 +50,7 @@ class Exchange:
     momentum_correction: ClassVar[bool] = True
     parameter_scope: ClassVar[bool] = True
     shared_state: ClassVar[bool] = False
+    local_sgd: ClassVar[bool] = False
 
     def __init__(self, state: Any, layout: Optional[Layout] = None, **kwargs: Any) -> None:
         self.layout = layout

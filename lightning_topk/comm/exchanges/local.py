@@ -45,6 +45,7 @@ class LocalExchange(Exchange):
     sparse = False
     momentum_correction = False
     parameter_scope = True
+    local_sgd = True
 
     def __init__(self, state: Any, layout: Optional[Layout] = None, groups: Any = None, **kwargs: Any) -> None:
         super().__init__(state, layout)
@@ -56,10 +57,10 @@ class LocalExchange(Exchange):
 
     @classmethod
     def check(cls, config: Any, layout: Optional[Layout] = None) -> None:
+        super().check(config, layout)
         if getattr(config, "local_steps", 0) <= 0:
             raise ValueError("topk_ddp: exchange='local' needs local_steps > 0 (inner optimizer steps per outer "
                              "round); set local_steps or another exchange")
-        super().check(config, layout)
 
     # ---- parameters -----------------------------------------------------------------------------------
     def bind(self, named_parameters: Iterable[Tuple[str, Tensor]]) -> None:

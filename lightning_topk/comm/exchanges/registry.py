@@ -85,9 +85,12 @@ def check(config: Any, layout: Any, name: str) -> None:
 
 
 def available(config: Any, layout: Any) -> List[str]:
-    """The registered exchanges that can run under ``config`` on ``layout`` (auto's candidates)."""
+    """The registered exchanges that can run under ``config`` on ``layout`` (auto's candidates; sparse local
+    SGD's ``local_sgd`` exchanges are not per-bucket choices and never listed)."""
     out = []
     for n in names():
+        if getattr(get(n), "local_sgd", False):
+            continue
         try:
             get(n).check(config, layout)
         except ValueError:
