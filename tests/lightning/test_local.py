@@ -81,3 +81,12 @@ def test_fabric_equals_the_trainer(tmp_path):
         assert fabric[r]["rounds"] == trainer[r]["rounds"] == 3
         assert torch.equal(fabric[r]["flat"], trainer[r]["flat"]), r
     assert fabric[0]["metrics"]["topk/outer_bytes"] == trainer[0]["metrics"]["topk/outer_bytes"] > 0
+
+
+def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
+    # 6 batches per epoch, 2 per optimizer step: 6 optimizer steps in 2 epochs, H=4: 1 round and 2 steps
+    out = _run(tmp_path, "acc", "--epochs", "2", "--H", "4", "--accumulate", "2")
+    for r in range(2):
+        assert out[r]["steps"] == 6
+        assert (out[r]["rounds"], out[r]["position"]) == (1, 2), r
+    assert not torch.equal(out[0]["flat"], out[1]["flat"])  # inside the second round the replicas differ
