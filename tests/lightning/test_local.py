@@ -90,3 +90,27 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
         assert out[r]["steps"] == 6
         assert (out[r]["rounds"], out[r]["position"]) == (1, 2), r
     assert not torch.equal(out[0]["flat"], out[1]["flat"])  # inside the second round the replicas differ
+
+
+def test_topk_local_registered_everywhere_with_its_defaults():
+    import pytorch_lightning as pl
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer as LTrainer
+
+    import lightning_topk
+    from lightning_topk.lightning.registry import LOCAL_DEFAULTS
+
+    lightning_topk.register_strategies()
+    for make in (lambda: pl.Trainer(strategy="topk_local", accelerator="cpu", devices=2, logger=False).strategy,
+                 lambda: LTrainer(strategy="topk_local", accelerator="cpu", devices=2, logger=False).strategy,
+                 lambda: Fabric(strategy="topk_local", accelerator="cpu", devices=2).strategy):
+        cfg = make().topk_config
+        assert {k: getattr(cfg, k) for k in LOCAL_DEFAULTS} == LOCAL_DEFAULTS
+    assert LOCAL_DEFAULTS["local_steps"] > 0
+    # the Hydra group mirrors them
+    import yaml
+
+    from tests.helpers.procs import ROOT
+
+    conf = yaml.safe_load((ROOT / "conf" / "strategy" / "topk_local.yaml").read_text())
+    assert {k: conf[k] for k in LOCAL_DEFAULTS} == LOCAL_DEFAULTS
