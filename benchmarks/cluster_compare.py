@@ -35,6 +35,8 @@ ENTRIES: Dict[str, List[str]] = {
     "topk_local": ["--strategy", "topk_ddp", "--local-steps", "16"],  # the topk_local defaults
     "topk_local_stream": ["--strategy", "topk_ddp", "--local-steps", "16", "--outer-streaming"],
     "topk_local_h64": ["--strategy", "topk_ddp", "--local-steps", "64", "--outer-streaming"],
+    # no per-step fault-flag all-reduce between nodes (the ranks then wait for each other only at outer rounds)
+    "topk_local_nosync": ["--strategy", "topk_ddp", "--local-steps", "16", "--nonfinite", "propagate"],
     "local": ["--strategy", "local"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",

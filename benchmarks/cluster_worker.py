@@ -43,6 +43,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outer-density", type=float, default=0.1, help="topk_ddp --local-steps: outer top-k density")
     p.add_argument("--outer-bits", type=int, default=4, help="topk_ddp --local-steps: bits per outer value")
     p.add_argument("--outer-streaming", action="store_true", help="topk_ddp --local-steps: apply one round late")
+    p.add_argument("--nonfinite", default="raise", choices=("raise", "skip", "propagate"),
+                   help="topk_ddp: non-finite policy (propagate: no per-step flag all-reduce)")
     p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
     p.add_argument("--steps", type=int, default=30, help="maximum optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps excluded from the throughput figure")
@@ -151,7 +153,7 @@ def make_strategy(args: argparse.Namespace):
         if args.local_steps > 0:
             return TopKDDPStrategy(local_steps=args.local_steps, outer_density=args.outer_density,
                                    outer_value_bits=args.outer_bits, outer_streaming=args.outer_streaming,
-                                   log_telemetry=False, process_group_backend="gloo", **extra)
+                                   nonfinite=args.nonfinite, log_telemetry=False, process_group_backend="gloo", **extra)
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
                                log_telemetry=False, process_group_backend="gloo", **extra)
 

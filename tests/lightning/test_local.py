@@ -10,9 +10,9 @@ from tests.helpers.procs import run_nodes
 SCRIPT = "tests/scripts/local_train.py"
 
 
-def _run(tmp_path, tag, *args):
+def _run(tmp_path, tag, *args, world=2):
     run_nodes([SCRIPT, "--out", tmp_path, "--tag", tag, *args], num_nodes=2)
-    return [torch.load(tmp_path / f"{tag}_rank{r}.pt") for r in range(2)]
+    return [torch.load(tmp_path / f"{tag}_rank{r}.pt") for r in range(world)]
 
 
 def test_resume_inside_an_outer_round_is_bit_exact(tmp_path):
@@ -114,3 +114,19 @@ def test_topk_local_registered_everywhere_with_its_defaults():
 
     conf = yaml.safe_load((ROOT / "conf" / "strategy" / "topk_local.yaml").read_text())
     assert {k: conf[k] for k in LOCAL_DEFAULTS} == LOCAL_DEFAULTS
+
+
+def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_path):
+    # 4 ranks, 3 steps per epoch, H=4: the node's two processes all-reduce every step and hold one replica
+    # (the outer round is sharded over them); the checkpoint after epoch 1 is 3 steps into the first round.
+    common = ["--devices", "2", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512",
+              "--outer-lr", "0.7", "--outer-momentum", "0.9", "--streaming"]
+    straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
+    stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
+    resumed = _run(tmp_path, "r", "--epochs", "3", "--resume", str(tmp_path / "e1.ckpt"), *common, world=4)
+    assert stop[0]["position"] == 3
+    assert torch.equal(stop[0]["flat"], stop[1]["flat"]) and torch.equal(stop[2]["flat"], stop[3]["flat"])
+    assert not torch.equal(stop[0]["flat"], stop[2]["flat"])
+    for r in range(4):
+        assert straight[r]["steps"] == 9 and straight[r]["rounds"] == 2
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r

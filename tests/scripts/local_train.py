@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--ef-decay", type=float, default=1.0)
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--devices", type=int, default=1, help="processes per node")
     ap.add_argument("--inject-step", type=int)
     ap.add_argument("--nonfinite", default="raise")
     ap.add_argument("--fabric", action="store_true")
@@ -87,7 +88,7 @@ def main() -> None:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
     model = Net(a.opt, a.lr, a.inject_step)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_epochs=a.epochs,
+    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=2, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accumulate_grad_batches=a.accumulate, deterministic=True,
                          log_every_n_steps=1)
