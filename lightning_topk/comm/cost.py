@@ -11,7 +11,8 @@ Each exchange owns its formula (``Exchange.predict`` in its module, :mod:`lightn
 per bucket of ``n`` entries with ``k`` to send on ``P = N x L`` ranks (N nodes, L per node), compute +
 link seconds. Flat collectives across nodes are limited by the inter-node tier (a node-major ring
 crosses each node's link once per step). :meth:`CostModel.choose` scores each candidate by its
-prediction, a sparse one's times ``auto_sparse_penalty`` (top-k needs more steps to an accuracy), and
+prediction, a sparse one's times the sparse penalty (top-k needs more steps to an accuracy: ``auto_sparse_penalty``,
+or the measured table :data:`SPARSE_PENALTY` by density and recipe), and
 breaks near ties (``TIE_MARGIN``) by a fixed order (``TIE_ORDER``), never by timing noise.
 """
 import functools
@@ -149,6 +150,33 @@ class CostModel:
         for tier in ("intra", "inter"):
             d[tier] = None if d.get(tier) is None else Link(**d[tier])
         return CostModel(**d)
+
+
+# Steps to the target of a sparse run over a dense one's (the same seeds), per recipe and density:
+# benchmarks/convergence.py on MNIST-5k (MLP, 4 simulated ranks, 90% test accuracy, mean of 3 seeds; see
+# docs/convergence.md and BENCHMARKS.md). "error_feedback": AdamW (what recipe="auto" leaves on plain error
+# feedback); "momentum_correction": SGD with momentum moved into the hook (recipe="auto" for SGD). A run that
+# did not reach the target counts as its step budget (so that value is a lower bound).
+SPARSE_PENALTY: Dict[str, Dict[float, float]] = {
+    "error_feedback": {1.0: 1.0, 0.01: 2.12, 0.001: 2.94},
+    "momentum_correction": {1.0: 1.0, 0.01: 1.67, 0.001: 1.78},
+}
+
+
+def sparse_penalty(density: float, recipe: str = "error_feedback") -> float:
+    """``exchange="auto"``'s factor on sparse exchanges when ``auto_sparse_penalty`` is not set: the measured
+    steps-to-target ratio of ``recipe`` (a key of :data:`SPARSE_PENALTY`), interpolated linearly in
+    log-density between the measured densities, held at the end values outside them; never below 1. A
+    pure function of the configuration: the same on every rank and in every run."""
+    if recipe not in SPARSE_PENALTY:
+        raise ValueError(f"sparse_penalty: recipe must be one of {list(SPARSE_PENALTY)}, got {recipe!r}")
+    pts = sorted(SPARSE_PENALTY[recipe].items())
+    d = min(max(density, pts[0][0]), pts[-1][0])
+    for (d0, p0), (d1, p1) in zip(pts, pts[1:]):
+        if d0 <= d <= d1:
+            t = (math.log(d) - math.log(d0)) / (math.log(d1) - math.log(d0))
+            return max(1.0, p0 + t * (p1 - p0))
+    return max(1.0, pts[-1][1])
 
 
 def tie_break(score: Dict[str, float]) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -43,6 +43,7 @@ class TopKStrategyMixin:
         self.topk_controller: Optional[StepController] = None
         self._pending_topk_state: Optional[Dict[str, Any]] = None
         self._topk_heartbeat: Optional[Heartbeat] = None
+        self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
         super().__init__(**kwargs)
 
     @property
@@ -59,9 +60,46 @@ class TopKStrategyMixin:
         super()._configure_launcher()
 
     # ---- hook registration --------------------------------------------------------------------
+    # ---- recipe="auto" --------------------------------------------------------------------------
+    def _topk_optimizers(self) -> Optional[List[Any]]:
+        """The user's optimizers, for ``recipe="auto"``, before the hook is built: the Trainer's are made
+        here, ahead of Lightning's own ``setup_optimizers`` call (which then keeps them)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return None
+        self.setup_optimizers(trainer)
+        self._topk_optimizers_ready = True
+        return list(self.optimizers)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        if getattr(self, "_topk_optimizers_ready", False):  # made (and adjusted) by _resolve_recipe
+            self._topk_optimizers_ready = False
+            return
+        super().setup_optimizers(trainer)
+
+    def _resolve_recipe(self) -> None:
+        """``recipe="auto"``: momentum correction for SGD with momentum (see :mod:`lightning_topk.comm.recipe`);
+        velocities of a checkpoint are dropped when the resolved recipe has none."""
+        from lightning_topk.comm.recipe import apply_recipe
+
+        if self.topk_config.recipe == "auto" and not self.topk_config.momentum_correction:
+            opts = self._topk_optimizers()
+            if opts is not None:
+                self.topk_config, self.topk_recipe = apply_recipe(self.topk_config, opts)
+                if self.global_rank == 0:
+                    log.info("topk_ddp %s", self.topk_recipe)
+        pending = self._pending_topk_state
+        if pending is not None and pending.get("velocity") and not self.topk_config.momentum_correction:
+            pending["velocity"] = {}
+            if self.global_rank == 0:
+                log.warning("topk_ddp: momentum_correction is off (%s): saved velocities were discarded",
+                            self.topk_recipe)
+
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
+        self._resolve_recipe()
         state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
         if self.topk_state is not None and self._pending_topk_state is None:

@@ -13,7 +13,7 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.procs import ROOT
 
 sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
-import convergence as conv  # noqa: E402
+import convergence as conv
 
 STEPS, BATCH = 12, 32
 CASES = {  # recipe -> (optimizer, density)

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
-from lightning_topk.comm.cost import CostModel, Link
+from lightning_topk.comm.cost import SPARSE_PENALTY, CostModel, Link, sparse_penalty
 from lightning_topk.comm.exchanges import Layout
 from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.exchanges.auto import (
@@ -109,9 +109,11 @@ def test_hierarchical_scatter_prediction_and_wire():
 
 def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
     """Time to accuracy, not time per exchange: a sparse exchange predicted 2x faster than dense bf16 is
-    not worth the extra steps under the default penalty (3); at 1 it wins; far ahead it wins either way."""
+    not worth the extra steps under the default penalty (the measured table's at density 0.01); at 1 it
+    wins; far ahead it wins either way."""
     n, k, cands = 4_000_000, 40_000, ["dense", "dense_bf16", "allgather", "scatter"]
-    penalty = TopKConfig().auto_sparse_penalty
+    penalty = TopKConfig().sparse_penalty
+    assert penalty > 1
     for beta in (1e8, 1e9, 3e9, 1e10):
         m = _model(4, 1, beta_inter=beta)
         best1, pred = m.choose(n, k, cands, sparse_penalty=1.0)
@@ -127,6 +129,46 @@ def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
     assert 1 < ratio < penalty and m.choose(n, k, cands, sparse_penalty=penalty)[0] == "dense_bf16"
     with pytest.raises(ValueError, match="auto_sparse_penalty"):
         TopKConfig(auto_sparse_penalty=0.5)
+
+
+def test_default_penalty_is_the_measured_table_interpolated_in_log_density():
+    """auto_sparse_penalty=None: the steps-to-target ratio of SPARSE_PENALTY for the density and the recipe in
+    use (momentum correction or plain error feedback); an explicit number overrides it."""
+    for recipe, row in SPARSE_PENALTY.items():
+        mc = recipe == "momentum_correction"
+        for d, p in row.items():
+            assert TopKConfig(density=d, momentum_correction=mc).sparse_penalty == pytest.approx(max(1.0, p))
+        lo, hi = min(row), 0.01
+        mid = math.sqrt(lo * hi)  # halfway in log-density
+        assert sparse_penalty(mid, recipe) == pytest.approx(0.5 * (row[lo] + row[hi]))
+        assert sparse_penalty(lo / 10, recipe) == pytest.approx(row[lo])  # held outside the measured range
+    assert TopKConfig(density=0.001).sparse_penalty != TopKConfig(density=0.001, momentum_correction=True).sparse_penalty
+    assert TopKConfig(density=1.0).sparse_penalty == 1.0
+    assert TopKConfig(density=0.001, auto_sparse_penalty=1.5).sparse_penalty == 1.5
+    assert TopKConfig().auto_sparse_penalty is None
+    with pytest.raises(ValueError, match="recipe"):
+        sparse_penalty(0.01, "dgc")
+
+
+def test_auto_uses_the_table_penalty(monkeypatch):
+    """With auto_sparse_penalty unset, auto's plan is CostModel.choose with the table's penalty: the same
+    plan for the table's value, and a table that makes sparse hopeless (or free) moves the plan."""
+    def plans(table_value=None):
+        if table_value is not None:
+            monkeypatch.setitem(cost.SPARSE_PENALTY, "error_feedback", {1.0: 1.0, 0.001: table_value})
+        cfg = TopKConfig(density=0.001, auto_model="constants", auto_link_gbps=0.1)
+        a = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"))
+        st = TopKState(cfg)
+        out = {}
+        for n in (300_000, 2_000_000, 25_000_000):
+            k = math.ceil(0.001 * n)
+            out[n] = a.decide(st, n, k)[0]
+            assert out[n] == a.model.choose(n, k, a.candidates, 4, cfg.sparse_penalty)[0]
+        return out
+
+    plans()
+    assert set(plans(1000.0).values()) <= {"dense", "dense_bf16"}
+    assert plans(1.0)[25_000_000] not in ("dense", "dense_bf16")
 
 
 def test_candidates_follow_the_options():
@@ -197,7 +239,7 @@ def test_plan_is_decided_per_bucket_size_at_the_configured_density():
         for n in sizes:
             k = math.ceil(st.density_now() * n)
             choice = a.decide(st, n, k)[0]
-            assert choice == a.model.choose(n, math.ceil(0.001 * n), a.candidates, 4, cfg.auto_sparse_penalty)[0]
+            assert choice == a.model.choose(n, math.ceil(0.001 * n), a.candidates, 4, cfg.sparse_penalty)[0]
     assert set(a.plan) == {str(n) for n in sizes}
 
 

@@ -97,7 +97,7 @@ class AutoExchange(Exchange):
         choice = self.plan.get(key)
         if choice is None:
             choice, pred = self.model.choose(n, target_k(state.config, n), self.candidates, vb,
-                                             state.config.auto_sparse_penalty)
+                                             state.config.sparse_penalty)
             self.plan[key] = choice
             if self.rank == 0:
                 log.info("topk_ddp exchange=auto: buckets of %d entries -> %s; predicted ms: %s", n, choice,
@@ -194,7 +194,7 @@ class AutoExchange(Exchange):
             m.comm_scale = min(4.0, max(0.25, m.comm_scale * ratio))
         self.refreshes += 1
         vb = packed_nbytes(1, state.config.wire_dtype) - 4
-        penalty = state.config.auto_sparse_penalty
+        penalty = state.config.sparse_penalty
         for key, old in list(self.plan.items()):
             n = int(key)
             best, pred = m.choose(n, target_k(state.config, n), self.candidates, vb, penalty)
