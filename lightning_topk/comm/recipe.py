@@ -51,7 +51,7 @@ def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str
         return False, f"SGD momentum {sorted(moms)} (needs one value in (0, 1))"
     if any(g.get("nesterov", False) or g.get("dampening", 0.0) != 0.0 for g in opt.param_groups):
         return False, "SGD with Nesterov or dampening"
-    return True, f"SGD momentum {next(iter(moms))} moved into the hook (DGC momentum correction)"
+    return True, f"SGD momentum {next(iter(moms))} moved into the hook"
 
 
 def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKConfig, str]:
@@ -59,9 +59,9 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
     optimizer's momentum, whose groups then get momentum 0 in place) and a note saying what was done."""
     use, why = recipe_for(config, optimizers)
     if not use:
-        return config, f"recipe=auto: plain error feedback ({why})"
+        return config, f"recipe=auto -> error_feedback ({why})"
     opt = optimizers[0]
     m = float(opt.param_groups[0]["momentum"])
     for g in opt.param_groups:
         g["momentum"] = 0.0
-    return replace(config, momentum_correction=True, momentum=m), f"recipe=auto: {why}"
+    return replace(config, momentum_correction=True, momentum=m), f"recipe=auto -> momentum_correction ({why})"
