@@ -126,7 +126,7 @@ class CostModel:
         """The chosen candidate and every candidate's predicted seconds.
 
         A sparse candidate's score is its prediction times ``sparse_penalty`` (top-k needs more steps than
-        a dense all-reduce for the same accuracy; see ``TopKConfig.auto_sparse_penalty``), a dense one's is
+        a dense all-reduce for the same accuracy; see ``TopKConfig.sparse_penalty``), a dense one's is
         its prediction. Every candidate within ``TIE_MARGIN`` of the best score ties, and the first of
         ``TIE_ORDER`` among them is chosen, so measurement noise between near-equal candidates cannot flip
         the choice from run to run."""
