@@ -520,6 +520,8 @@ class TopKState:
         self._pending_load: Optional[Dict[Tuple[str, str], Tensor]] = None
         self.current = StepStats()
         self.last = StepStats()
+        self.bucket_sizes: List[int] = []  # entries of each bucket of the last complete step, in launch order
+        self._step_sizes: List[int] = []
         self.totals = StepStats()
 
     # ---- binding parameters to names -------------------------------------------------------
@@ -681,8 +683,13 @@ class TopKState:
     def density_now(self) -> float:
         return self.schedule.density_at(self.step)
 
+    def note_bucket(self, n: int) -> None:
+        """A bucket of ``n`` entries is being exchanged (see :attr:`bucket_sizes`)."""
+        self._step_sizes.append(n)
+
     def end_exchange(self) -> None:
         """Called when the last bucket of a backward pass has been launched."""
+        self.bucket_sizes, self._step_sizes = self._step_sizes, []
         self.last = self.current
         self.step += 1
         self.current = StepStats(step=self.step)

@@ -440,3 +440,20 @@ def test_dense_transport_conserves_and_averages(runs, kind):
     last = a[1]
     assert last.dense_buckets == last.buckets and last.dense_bf16_buckets == (last.buckets if kind == "bf16" else 0)
     assert last.bytes_wire == last.bytes_dense_wire // (2 if kind == "bf16" else 1)
+
+
+def test_plan_for_explains_a_pinned_run_without_timing_or_collectives():
+    """The run summary's "auto would" row: one machine sends the small model dense, a slow multi-node link
+    sends it sparse, and the figures are a pure function of the arguments (same twice, no process group)."""
+    from lightning_topk.comm.exchanges import Layout
+    from lightning_topk.comm.exchanges.auto import plan_for, predicted_for
+
+    small = TopKConfig(density=0.01, min_sparse_numel=4096)
+    one_node = plan_for(small, Layout(1, 2), "cpu", [151_000, 1_000])
+    assert {n: c for n, (c, _) in one_node.items()} == {151_000: "dense", 1_000: "dense"}
+    assert one_node == plan_for(small, Layout(1, 2), "cpu", [151_000, 1_000])
+    slow = TopKConfig(density=0.01, auto_link_gbps=0.1)
+    far = plan_for(slow, Layout(4, 1), "cpu", [8_000_000])
+    assert far[8_000_000][0] not in ("dense", "dense_bf16")
+    dense_s = predicted_for(slow, Layout(4, 1), "cpu", [8_000_000], "dense")
+    assert far[8_000_000][1] * slow.auto_sparse_penalty < dense_s
