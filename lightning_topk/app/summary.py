@@ -83,7 +83,7 @@ def _auto_would(strategy: Any) -> Dict[str, float]:
     out["auto_predicted_ms"] = 1e3 * sum(plan[n][1] for n in state.bucket_sizes)
     out["pinned_predicted_ms"] = 1e3 * predicted_for(cfg, layout, device, state.bucket_sizes, pinned)
     out["link_gbps"] = cfg.auto_link_gbps
-    out["sparse_penalty"] = cfg.auto_sparse_penalty
+    out["sparse_penalty"] = cfg.sparse_penalty
     return out
 
 

@@ -293,7 +293,7 @@ def plan_for(config: Any, layout: Layout, device_type: str, sizes: List[int]) ->
         if config.density >= 1.0 or n < config.min_sparse_numel:
             out[n] = ("dense", model.total("dense", n, 0))
             continue
-        choice, pred = model.choose(n, target_k(config, n), cands, vb, config.auto_sparse_penalty)
+        choice, pred = model.choose(n, target_k(config, n), cands, vb, config.sparse_penalty)
         out[n] = (choice, pred[choice])
     return out
 
