@@ -456,4 +456,4 @@ def test_plan_for_explains_a_pinned_run_without_timing_or_collectives():
     far = plan_for(slow, Layout(4, 1), "cpu", [8_000_000])
     assert far[8_000_000][0] not in ("dense", "dense_bf16")
     dense_s = predicted_for(slow, Layout(4, 1), "cpu", [8_000_000], "dense")
-    assert far[8_000_000][1] * slow.auto_sparse_penalty < dense_s
+    assert far[8_000_000][1] * slow.sparse_penalty < dense_s
