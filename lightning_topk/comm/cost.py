@@ -257,3 +257,95 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
     fixed = max(0.0, v[6] - per * _PROBE_NUMELS[0])
     bf16 = v[11] if nodes > 1 else v[10]  # the tier flat collectives are limited by
     return CostModel(nodes, local, intra, inter, per, fixed, v[8], v[9], bf16_factor=bf16)
+
+
+# ---- bucket size for overlap with the backward pass -------------------------------------------------
+# Caps (MiB) the rule chooses from: DDP's own default (25) and powers of two below it, down to DDP's
+# 1 MiB first bucket.
+BUCKET_CAP_LADDER_MB = (1, 2, 4, 8, 16, 25)
+DDP_DEFAULT_BUCKET_CAP_MB = 25
+BACKWARD_PASSES = 2  # a parameter's backward pass at least writes its gradient and reads its weight
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The bucket cap the rule chose (:func:`choose_bucket_cap`), the buckets it gives (entries, in the order
+    their gradients arrive), and each candidate cap's score in seconds."""
+
+    cap_mb: int
+    buckets: Tuple[int, ...]
+    scores: Dict[int, float]
+    exchange: str
+
+    @property
+    def last_bucket(self) -> int:
+        """Entries of the last bucket to arrive: its exchange starts after the whole backward pass."""
+        return self.buckets[-1] if self.buckets else 0
+
+
+def ddp_buckets(numels: List[int], cap_mb: float, elem_bytes: int = 4) -> List[int]:
+    """Entries per bucket, as DDP assigns them when ``bucket_cap_mb=cap_mb`` is set: parameters in the order
+    their gradients arrive (``numels``, backward order) fill a bucket until it holds at least the cap
+    (a parameter is never split, so one larger than the cap makes a bucket of its own)."""
+    cap = cap_mb * _MIB
+    out: List[int] = []
+    cur = 0
+    for n in numels:
+        cur += n
+        if cur * elem_bytes >= cap:
+            out.append(cur)
+            cur = 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def choose_bucket_cap(numels: List[int], density: float, model: CostModel, exchange: str = "allgather", *,
+                      min_sparse_numel: int = 0, value_bytes: int = 4, elem_bytes: int = 4,
+                      ladder: Tuple[int, ...] = BUCKET_CAP_LADDER_MB) -> BucketPlan:
+    """The DDP ``bucket_cap_mb`` under which the sparse exchange best overlaps the backward pass.
+
+    ``numels``: the parameters' entries in the order their gradients arrive (backward order, i.e. the
+    reverse of ``module.parameters()`` for a sequential model). For each cap of ``ladder`` the buckets are
+    laid out as DDP does (:func:`ddp_buckets`) and one backward pass is simulated: the gradients of a bucket
+    take ``BACKWARD_PASSES`` dense passes over its entries (a lower bound: the real backward pass only
+    takes longer, which hides more), then its hook runs the exchange's compute (selection, bookkeeping) on
+    the same thread, and its collective (``exchange``'s link time in ``model``; dense below
+    ``min_sparse_numel`` entries or where sparse would not be smaller) starts once the link is free. The
+    score is when the last collective ends: the last bucket's exchange starts only after the whole backward
+    pass, so small last buckets and a pipeline of selection and link score best, and many small buckets
+    pay their fixed costs. The lowest score wins; among caps with that score (the same layout) the largest.
+    No margin: the rule is meant for the timing-free model, whose scores carry no noise. A pure function:
+    the same sizes, density, model and ladder give the same plan on every rank and in every run.
+    """
+    if not numels or any(not isinstance(n, int) or n < 0 for n in numels):
+        raise ValueError(f"choose_bucket_cap: numels must be a non-empty list of ints >= 0, got {numels!r}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"choose_bucket_cap: density must be in (0, 1], got {density!r}")
+    if not ladder or any(c <= 0 for c in ladder):
+        raise ValueError(f"choose_bucket_cap: ladder must be caps > 0 (MiB), got {ladder!r}")
+
+    def exchange_times(n: int) -> Tuple[float, float]:
+        k = max(1, math.ceil(density * n))
+        if density >= 1.0 or n < min_sparse_numel or k * (value_bytes + 4) >= elem_bytes * n:
+            return model.predict("dense", n, 0)
+        return model.predict(exchange, n, k, value_bytes)
+
+    def simulate(buckets: List[int]) -> float:
+        thread = link = 0.0
+        for n in buckets:
+            thread += BACKWARD_PASSES * model.pass_per_elem * n
+            comp, comm = exchange_times(n)
+            thread += comp
+            link = max(thread, link) + comm
+        return max(thread, link)
+
+    scores: Dict[int, float] = {}
+    layouts: Dict[int, List[int]] = {}
+    for cap in sorted(set(ladder)):
+        layouts[cap] = ddp_buckets(list(numels), cap, elem_bytes)
+        scores[cap] = simulate(layouts[cap])
+    best = min(scores.values())
+    cap = max(c for c, s in scores.items() if s <= best * (1 + 1e-9))
+    return BucketPlan(cap, tuple(layouts[cap]), scores, exchange)

@@ -47,6 +47,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
     # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
     # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
     def setup_module(self, module):
+        self._choose_bucket_cap(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
         self._register_ddp_hooks()

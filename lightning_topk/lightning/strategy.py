@@ -43,6 +43,8 @@ class TopKStrategyMixin:
         self.topk_controller: Optional[StepController] = None
         self._pending_topk_state: Optional[Dict[str, Any]] = None
         self._topk_heartbeat: Optional[Heartbeat] = None
+        self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
+        self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
         super().__init__(**kwargs)
 
     @property
@@ -57,6 +59,37 @@ class TopKStrategyMixin:
         if env is not None and hasattr(env, "validate_settings"):
             env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         super()._configure_launcher()
+
+    # ---- DDP's buckets --------------------------------------------------------------------------
+    @override
+    def _setup_model(self, model: Any) -> Any:
+        self._choose_bucket_cap(model)
+        return super()._setup_model(model)
+
+    def _choose_bucket_cap(self, model: Any) -> None:
+        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``), let the bucket rule
+        (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange overlaps
+        the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
+        kw = getattr(self, "_ddp_kwargs", None)
+        if self._topk_user_cap or kw is None:
+            return
+        from lightning_topk.comm.cost import choose_bucket_cap, constant_model
+        from lightning_topk.comm.wire import packed_nbytes
+
+        cfg = self.topk_config
+        numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # backward order
+        if not numels:
+            return
+        cm = constant_model(self.num_nodes, self.num_processes, self.root_device.type, cfg.auto_link_gbps)
+        ex = self._exchange()
+        ex = "allgather" if ex == "auto" or (ex in ("hierarchical", "hierarchical_scatter") and cm.intra is None) else ex
+        plan = choose_bucket_cap(numels, cfg.density, cm, ex, min_sparse_numel=cfg.min_sparse_numel,
+                                 value_bytes=packed_nbytes(1, cfg.wire_dtype) - 4)
+        kw["bucket_cap_mb"] = plan.cap_mb
+        self.topk_bucket_plan = plan
+        if self.global_rank == 0:
+            log.info("topk_ddp: bucket_cap_mb=%d chosen for overlap with the backward pass (%d buckets, last "
+                     "%d entries; set bucket_cap_mb to override)", plan.cap_mb, len(plan.buckets), plan.last_bucket)
 
     # ---- hook registration --------------------------------------------------------------------
     @override
