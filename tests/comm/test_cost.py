@@ -415,3 +415,49 @@ def test_plan_for_explains_a_pinned_run_without_timing_or_collectives():
     assert far[8_000_000][0] not in ("dense", "dense_bf16")
     dense_s = predicted_for(slow, Layout(4, 1), "cpu", [8_000_000], "dense")
     assert far[8_000_000][1] * slow.auto_sparse_penalty < dense_s
+
+
+# ---- the bucket rule (cost.choose_bucket_cap) ------------------------------------------------------
+# The cluster benchmark's 8.5M-entry model in backward order: last Linear, middle Linear, first Linear, convs.
+_MLP = [10, 10240, 1024, 2097152, 2048, 6422528, 16, 2304, 16, 2304, 16, 144]
+
+
+def test_ddp_buckets_fill_to_the_cap_and_never_split_a_parameter():
+    mib = 1 << 18  # entries of 1 MiB in fp32
+    assert cost.ddp_buckets([mib // 2, mib // 2, 3 * mib, 10], 1) == [mib, 3 * mib, 10]
+    assert cost.ddp_buckets([10, 20], 25) == [30]
+    assert sum(cost.ddp_buckets(_MLP, 8)) == sum(_MLP)
+
+
+def test_bucket_rule_is_deterministic_and_leaves_the_last_bucket_small():
+    slow = cost.constant_model(2, 1, "cpu", 0.1)
+    plans = [cost.choose_bucket_cap(list(_MLP), 0.01, slow, min_sparse_numel=16384) for _ in range(2)]
+    assert plans[0] == plans[1]
+    plan = plans[0]
+    assert plan.cap_mb in cost.BUCKET_CAP_LADDER_MB and plan.cap_mb < cost.DDP_DEFAULT_BUCKET_CAP_MB
+    assert sum(plan.buckets) == sum(_MLP)
+    assert plan.last_bucket < 0.01 * sum(_MLP)  # the convs alone: their exchange is what stays exposed
+    assert plan.buckets[:2] == (2097152 + 10240 + 10 + 1024, 2048 + 6422528)  # a pipeline of two sparse buckets
+    # DDP's own 25 MiB layout keeps the first Linear and the convs together: its score is worse
+    assert plan.scores[25] > 1.1 * plan.scores[plan.cap_mb]
+    assert cost.ddp_buckets(list(_MLP), 25) == [sum(_MLP[:6]), sum(_MLP[6:])]
+
+
+def test_bucket_rule_prefers_fewer_buckets_when_the_layouts_tie():
+    # Every cap gives the same layout (one small parameter): the largest cap wins.
+    plan = cost.choose_bucket_cap([1000, 1000], 0.01, cost.constant_model(2, 1, "cpu", 10.0))
+    assert plan.cap_mb == max(cost.BUCKET_CAP_LADDER_MB) and plan.buckets == (2000,)
+    # A fast link leaves nothing to hide: splitting a model into many small buckets only adds fixed costs.
+    many = [1 << 18] * 64  # 64 parameters of 1 MiB
+    fast = cost.choose_bucket_cap(many, 0.01, cost.constant_model(1, 2, "cpu", 10.0))
+    assert fast.cap_mb > 1
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(numels=[]), "numels"), (dict(numels=[-1]), "numels"), (dict(density=0.0), "density"),
+    (dict(ladder=(0,)), "ladder")])
+def test_bucket_rule_rejects_bad_input(kw, match):
+    args = dict(numels=[10], density=0.01, model=cost.constant_model(2, 1, "cpu", 1.0))
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        cost.choose_bucket_cap(**args)
