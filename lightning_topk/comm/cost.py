@@ -325,6 +325,9 @@ def choose_bucket_cap(numels: List[int], density: float, model: CostModel, excha
         raise ValueError(f"choose_bucket_cap: density must be in (0, 1], got {density!r}")
     if not ladder or any(c <= 0 for c in ladder):
         raise ValueError(f"choose_bucket_cap: ladder must be caps > 0 (MiB), got {ladder!r}")
+    if model.world < 2:
+        raise ValueError(f"choose_bucket_cap: needs at least 2 ranks (the model has {model.world}); one process "
+                         "exchanges nothing")
 
     def exchange_times(n: int) -> Tuple[float, float]:
         k = max(1, math.ceil(density * n))

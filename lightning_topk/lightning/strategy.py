@@ -67,11 +67,11 @@ class TopKStrategyMixin:
         return super()._setup_model(model)
 
     def _choose_bucket_cap(self, model: Any) -> None:
-        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``), let the bucket rule
+        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the bucket rule
         (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange overlaps
         the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
         kw = getattr(self, "_ddp_kwargs", None)
-        if self._topk_user_cap or kw is None:
+        if self._topk_user_cap or kw is None or self.world_size < 2:  # one process: nothing to overlap
             return
         from lightning_topk.comm.cost import choose_bucket_cap, constant_model
         from lightning_topk.comm.wire import packed_nbytes

@@ -455,7 +455,7 @@ def test_bucket_rule_prefers_fewer_buckets_when_the_layouts_tie():
 
 @pytest.mark.parametrize("kw, match", [
     (dict(numels=[]), "numels"), (dict(numels=[-1]), "numels"), (dict(density=0.0), "density"),
-    (dict(ladder=(0,)), "ladder")])
+    (dict(ladder=(0,)), "ladder"), (dict(model=cost.constant_model(1, 1, "cpu", 1.0)), "2 ranks")])
 def test_bucket_rule_rejects_bad_input(kw, match):
     args = dict(numels=[10], density=0.01, model=cost.constant_model(2, 1, "cpu", 1.0))
     args.update(kw)
