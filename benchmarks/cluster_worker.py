@@ -49,6 +49,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=2560, help="width of the MLP head (sets the parameter count)")
+    p.add_argument("--depth", type=int, default=0,
+                   help="extra square Linear layers (hidden/2 wide) after the second one (default 0)")
+    p.add_argument("--auto-link-gbps", type=float, default=None,
+                   help="topk_ddp: the inter-node Gbit/s its timing-free cost model assumes (default: the strategy's)")
     p.add_argument("--eval-every", type=int, default=5, help="evaluate test accuracy every N steps (0: never)")
     p.add_argument("--target-acc", type=float, default=0.85, help="accuracy for the time-to-accuracy figure")
     p.add_argument("--stop-at-target", action="store_true",
@@ -61,6 +65,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if not 0.0 < a.density <= 1.0:
         p.error(f"--density must be in (0, 1], got {a.density}")
+    if a.depth < 0:
+        p.error(f"--depth must be >= 0, got {a.depth}")
     for name in ("steps", "batch_size", "hidden", "threads", "powersgd_rank"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -111,7 +117,7 @@ def load_mnist(seed: int):
     return (x[:4000], y[:4000]), (x[4000:], y[4000:])
 
 
-def build_model(hidden: int):
+def build_model(hidden: int, depth: int = 0):
     from torch import nn
 
     class Residual(nn.Module):
@@ -129,6 +135,7 @@ def build_model(hidden: int):
         nn.Flatten(),
         nn.Linear(16 * 14 * 14, hidden), nn.ReLU(),
         nn.Linear(hidden, hidden // 2), nn.ReLU(),
+        *[m for _ in range(depth) for m in (nn.Linear(hidden // 2, hidden // 2), nn.ReLU())],
         nn.Linear(hidden // 2, 10),
     )
 
@@ -152,6 +159,8 @@ def make_strategy(args: argparse.Namespace):
             extra["bucket_cap_mb"] = args.bucket_cap_mb
         elif args.ddp_default_buckets:
             extra["bucket_cap_mb_list"] = [1, 25]
+        if args.auto_link_gbps is not None:
+            extra["auto_link_gbps"] = args.auto_link_gbps
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
                                log_telemetry=False, process_group_backend="gloo", **extra)
 
@@ -248,7 +257,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = build_model(args.hidden)
+            self.net = build_model(args.hidden, args.depth)
 
         def training_step(self, batch, _):
             x, y = batch

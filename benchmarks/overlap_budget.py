@@ -25,7 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = ["--nodes", "2", "--procs-per-node", "1", "--rate", "100mbit", "--steps", "30"]
@@ -65,8 +65,8 @@ def summarize(directory: str) -> str:
             continue
         med = statistics.median
 
-        def m(key: str) -> float:
-            return med([r["phases_ms"].get(key, 0.0) for r in rs])
+        def m(key: str, rs: List[dict] = rs) -> float:
+            return statistics.median([r["phases_ms"].get(key, 0.0) for r in rs])
 
         bound = [100 * r["samples_per_s"] / local[r["round"]]["samples_per_s"] for r in rs if r["round"] in local]
         exposed = [r["phases_ms"]["backward"] - local[r["round"]]["phases_ms"]["backward"]
@@ -84,7 +84,7 @@ def summarize(directory: str) -> str:
     return "\n".join(rows + per_round)
 
 
-def main(argv: List[str] = None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dir", required=True, help="where the per-run JSON and logs go")
     p.add_argument("--rounds", type=int, default=3)

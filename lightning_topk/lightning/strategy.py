@@ -85,11 +85,13 @@ class TopKStrategyMixin:
         ex = "allgather" if ex == "auto" or (ex in ("hierarchical", "hierarchical_scatter") and cm.intra is None) else ex
         plan = choose_bucket_cap(numels, cfg.density, cm, ex, min_sparse_numel=cfg.min_sparse_numel,
                                  value_bytes=packed_nbytes(1, cfg.wire_dtype) - 4)
-        kw["bucket_cap_mb"] = plan.cap_mb
+        if plan.cap_mb is not None:
+            kw["bucket_cap_mb"] = plan.cap_mb
         self.topk_bucket_plan = plan
         if self.global_rank == 0:
-            log.info("topk_ddp: bucket_cap_mb=%d chosen for overlap with the backward pass (%d buckets, last "
-                     "%d entries; set bucket_cap_mb to override)", plan.cap_mb, len(plan.buckets), plan.last_bucket)
+            log.info("topk_ddp: bucket_cap_mb=%s chosen for overlap with the backward pass (%d buckets, last "
+                     "%d entries; set bucket_cap_mb to override)",
+                     "DDP's default" if plan.cap_mb is None else plan.cap_mb, len(plan.buckets), plan.last_bucket)
 
     # ---- hook registration --------------------------------------------------------------------
     @override

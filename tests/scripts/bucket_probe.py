@@ -1,4 +1,4 @@
-"""Trains a small model whose largest layer comes first (as in benchmarks/cluster_worker.py) for a few steps
+"""Trains a small model whose largest layer comes first, then four 1M-entry layers, for a few steps
 with ``topk_ddp`` on 2 nodes x 1 CPU process (``tests.helpers.procs.run_nodes``) and a 0.1 Gbit/s link
 assumed (``auto_link_gbps``); rank r writes rank{r}.json with the bucket rule's plan and DDP's own bucket
 layout: ``exchange="auto"`` with the timing-free model records every bucket size it planned for (DDP's
@@ -19,10 +19,11 @@ from lightning_topk import TopKDDPStrategy
 
 
 def build():
-    # backward order: the last Linear (small), the middle one (2.1M entries), the first one (4.2M), the conv
-    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Flatten(),
-                               torch.nn.Linear(4 * 32 * 32, 1024), torch.nn.ReLU(),
-                               torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    # backward order: the head (10K entries), four 1M-entry Linears, the first Linear (4.2M), the conv.
+    # DDP's default layout puts three of the 1M Linears and the first one in one bucket (the conv's is last).
+    lin = torch.nn.Linear
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3, padding=1), torch.nn.Flatten(), lin(4 * 32 * 32, 1024),
+                               *[lin(1024, 1024) for _ in range(4)], lin(1024, 10))
 
 
 class Module(pl.LightningModule):
