@@ -67,9 +67,9 @@ class TopKStrategyMixin:
         return super()._setup_model(model)
 
     def _choose_bucket_cap(self, model: Any) -> None:
-        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the bucket rule
-        (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange overlaps
-        the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
+        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
+        bucket rule (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange
+        overlaps the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
         kw = getattr(self, "_ddp_kwargs", None)
         if self._topk_user_cap or kw is None or self.world_size < 2:  # one process: nothing to overlap
             return
@@ -87,6 +87,8 @@ class TopKStrategyMixin:
                                  value_bytes=packed_nbytes(1, cfg.wire_dtype) - 4)
         if plan.cap_mb is not None:
             kw["bucket_cap_mb"] = plan.cap_mb
+        else:  # DDP's default (a cap the rule set for an earlier model must not stay)
+            kw.pop("bucket_cap_mb", None)
         self.topk_bucket_plan = plan
         if self.global_rank == 0:
             log.info("topk_ddp: bucket_cap_mb=%s chosen for overlap with the backward pass (%d buckets, last "
