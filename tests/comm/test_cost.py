@@ -457,3 +457,56 @@ def test_plan_for_explains_a_pinned_run_without_timing_or_collectives():
     assert far[8_000_000][0] not in ("dense", "dense_bf16")
     dense_s = predicted_for(slow, Layout(4, 1), "cpu", [8_000_000], "dense")
     assert far[8_000_000][1] * slow.sparse_penalty < dense_s
+
+
+# ---- the bucket rule (cost.choose_bucket_cap) ------------------------------------------------------
+# The cluster benchmark's 8.5M-entry model in backward order: last Linear, middle Linear, first Linear, convs.
+_MLP = [10, 10240, 1024, 2097152, 2048, 6422528, 16, 2304, 16, 2304, 16, 144]
+
+
+# A model with four 1M-entry layers in front of the head: DDP's default puts three of them and the first
+# Linear in one bucket, which waits for the first Linear's gradient.
+_DEEP = [10, 10240] + [1024, 1 << 20] * 4 + [1024, 4194304, 4, 36]
+
+
+def test_ddp_buckets_fill_to_the_cap_and_never_split_a_parameter():
+    mib = 1 << 18  # entries of 1 MiB in fp32
+    assert cost.ddp_buckets([mib // 2, mib // 2, 3 * mib, 10], 1) == [mib, 3 * mib, 10]
+    assert cost.ddp_buckets([10, 20], 25) == [30]
+    assert sum(cost.ddp_buckets(_MLP, 8)) == sum(_MLP)
+    # unset: DDP's 1 MiB first bucket, then 25 MiB (the 6.4M-entry last bucket)
+    assert cost.ddp_buckets(_MLP, None) == [sum(_MLP[:4]), sum(_MLP[4:])]
+
+
+def test_bucket_rule_splits_a_large_last_bucket_on_a_slow_link():
+    slow = cost.constant_model(2, 1, "cpu", 0.1)
+    plans = [cost.choose_bucket_cap(list(_DEEP), 0.01, slow, min_sparse_numel=16384) for _ in range(2)]
+    assert plans[0] == plans[1]  # deterministic
+    plan = plans[0]
+    assert plan.cap_mb in cost.BUCKET_CAP_LADDER_MB and plan.cap_mb < cost.DDP_DEFAULT_BUCKET_CAP_MB
+    assert sum(plan.buckets) == sum(_DEEP)
+    assert plan.last_bucket == 40  # the conv alone: the only exchange after the backward pass
+    assert plan.scores[plan.cap_mb] <= (1 - cost.BUCKET_MIN_GAIN) * plan.scores[None]
+    # DDP's default: 7.3M entries in the bucket before the conv's, ready only when the first Linear's is
+    assert cost.ddp_buckets(_DEEP, None)[-2] > 7_000_000
+
+
+def test_bucket_rule_keeps_ddp_default_unless_clearly_better():
+    # The cluster benchmark's model: DDP's default already pipelines its two large buckets, and splitting
+    # off the convs is predicted to gain less than BUCKET_MIN_GAIN (measured: it does not gain).
+    for gbps in (10.0, 0.1):
+        plan = cost.choose_bucket_cap(list(_MLP), 0.01, cost.constant_model(2, 1, "cpu", gbps), min_sparse_numel=16384)
+        assert plan.cap_mb is None and plan.buckets == tuple(cost.ddp_buckets(_MLP, None))
+    # A fast link leaves nothing to hide on the deep model either.
+    fast = cost.choose_bucket_cap(list(_DEEP), 0.01, cost.constant_model(2, 1, "cpu", 10.0), min_sparse_numel=16384)
+    assert fast.cap_mb is None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(numels=[]), "numels"), (dict(numels=[-1]), "numels"), (dict(density=0.0), "density"),
+    (dict(ladder=(0,)), "ladder"), (dict(model=cost.constant_model(1, 1, "cpu", 1.0)), "2 ranks")])
+def test_bucket_rule_rejects_bad_input(kw, match):
+    args = dict(numels=[10], density=0.01, model=cost.constant_model(2, 1, "cpu", 1.0))
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        cost.choose_bucket_cap(**args)
