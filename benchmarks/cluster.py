@@ -381,6 +381,17 @@ def summarize(res: RunResult) -> Dict[str, object]:
     # the strategy's own wire figure per rank and step (topk_ddp), same steps as the counters
     wire = [sum(t.get("bytes_wire", 0) for t in r.get("telemetry_steps", [])[warm:])
             / max(1, len(r.get("telemetry_steps", [])) - warm) for r in ranks] if r0.get("telemetry_steps") else None
+    # per-step phases (worker's Clock), ms, mean over the counted steps, then over ranks
+    phases: Optional[Dict[str, float]] = None
+    if all(r.get("phases") and len(r["phases"]) > warm for r in ranks):
+        names = list(ranks[0]["phases"][0])
+        phases = {k: 1e3 * sum(sum(p[k] for p in r["phases"][warm:]) / len(r["phases"][warm:]) for r in ranks)
+                  / len(ranks) for k in names}
+    sel = [t.get("select_time_s", 0.0) for r in ranks for t in r.get("telemetry_steps", [])[warm:]]
+    com = [t.get("comm_time_s", 0.0) for r in ranks for t in r.get("telemetry_steps", [])[warm:]]
+    if phases is not None and sel:
+        phases["select_in_hooks"] = 1e3 * sum(sel) / len(sel)
+        phases["comm_in_hooks"] = 1e3 * sum(com) / len(com)
     tta = next((e["time"] for e in r0["evals"] if e["acc"] >= r0["target_acc"]), None)
     tta_step = next((e["step"] for e in r0["evals"] if e["acc"] >= r0["target_acc"]), None)
     return {
@@ -391,7 +402,7 @@ def summarize(res: RunResult) -> Dict[str, object]:
         "samples_per_s": sps, "step_time_s": step_time, "inter_node_bytes_per_step": inter,
         "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None, "target_acc": r0["target_acc"],
         "time_to_target_s": tta, "steps_to_target": tta_step, "telemetry": r0.get("telemetry"),
-        "wall_time_s": res.wall_time,
+        "wall_time_s": res.wall_time, "phases_ms": phases, "bucket_cap_mb": r0.get("bucket_cap_mb"),
     }
 
 

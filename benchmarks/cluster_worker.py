@@ -45,12 +45,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outer-streaming", action="store_true", help="topk_ddp --local-steps: apply one round late")
     p.add_argument("--nonfinite", default="raise", choices=("raise", "skip", "propagate"),
                    help="topk_ddp: non-finite policy (propagate: no per-step flag all-reduce)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="topk_ddp: DDP's bucket_cap_mb (default: the strategy's bucket rule chooses it)")
+    p.add_argument("--ddp-default-buckets", action="store_true",
+                   help="topk_ddp: DDP's own default layout (1 MiB first bucket, then 25 MiB: bucket_cap_mb_list="
+                        "[1, 25]) instead of the bucket rule's")
     p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
     p.add_argument("--steps", type=int, default=30, help="maximum optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps excluded from the throughput figure")
     p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--hidden", type=int, default=2560, help="width of the MLP head (sets the parameter count)")
+    p.add_argument("--depth", type=int, default=0,
+                   help="extra square Linear layers (hidden/2 wide) after the second one (default 0)")
+    p.add_argument("--auto-link-gbps", type=float, default=None,
+                   help="topk_ddp: the inter-node Gbit/s its timing-free cost model assumes (default: the strategy's)")
     p.add_argument("--eval-every", type=int, default=5, help="evaluate test accuracy every N steps (0: never)")
     p.add_argument("--target-acc", type=float, default=0.85, help="accuracy for the time-to-accuracy figure")
     p.add_argument("--stop-at-target", action="store_true",
@@ -63,6 +72,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if not 0.0 < a.density <= 1.0:
         p.error(f"--density must be in (0, 1], got {a.density}")
+    if a.depth < 0:
+        p.error(f"--depth must be >= 0, got {a.depth}")
     for name in ("steps", "batch_size", "hidden", "threads", "powersgd_rank"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -113,7 +124,7 @@ def load_mnist(seed: int):
     return (x[:4000], y[:4000]), (x[4000:], y[4000:])
 
 
-def build_model(hidden: int):
+def build_model(hidden: int, depth: int = 0):
     from torch import nn
 
     class Residual(nn.Module):
@@ -131,6 +142,7 @@ def build_model(hidden: int):
         nn.Flatten(),
         nn.Linear(16 * 14 * 14, hidden), nn.ReLU(),
         nn.Linear(hidden, hidden // 2), nn.ReLU(),
+        *[m for _ in range(depth) for m in (nn.Linear(hidden // 2, hidden // 2), nn.ReLU())],
         nn.Linear(hidden // 2, 10),
     )
 
@@ -149,7 +161,13 @@ def make_strategy(args: argparse.Namespace):
         except ImportError as e:  # the strategy is written separately; say so rather than fake it
             raise SystemExit(f"cluster_worker: --strategy topk_ddp needs lightning_topk.TopKDDPStrategy ({e})") from e
         hier = {"true": True, "false": False, "auto": "auto"}[args.hierarchical]
-        extra = {} if args.dense_steps is None else {"dense_steps": args.dense_steps}
+        extra: Dict[str, Any] = {} if args.dense_steps is None else {"dense_steps": args.dense_steps}
+        if args.bucket_cap_mb is not None:
+            extra["bucket_cap_mb"] = args.bucket_cap_mb
+        elif args.ddp_default_buckets:
+            extra["bucket_cap_mb_list"] = [1, 25]
+        if args.auto_link_gbps is not None:
+            extra["auto_link_gbps"] = args.auto_link_gbps
         if args.local_steps > 0:
             return TopKDDPStrategy(local_steps=args.local_steps, outer_density=args.outer_density,
                                    outer_value_bits=args.outer_bits, outer_streaming=args.outer_streaming,
@@ -245,11 +263,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     if_bytes: List[Optional[List[int]]] = []
     evals: List[Dict[str, float]] = []
     telemetry_steps: List[Any] = []  # topk_ddp: StepStats of every step
+    phases: List[Dict[str, float]] = []  # per step: forward, backward (+ the exchange it waits for), post, optimizer
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = build_model(args.hidden)
+            self.net = build_model(args.hidden, args.depth)
 
         def training_step(self, batch, _):
             x, y = batch
@@ -267,6 +286,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         def __init__(self) -> None:
             self.t0 = 0.0
             self.paused = 0.0
+            self.marks: Dict[str, float] = {}
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.marks = {"start": time.perf_counter()}
+
+        def on_before_backward(self, trainer, pl_module, loss) -> None:
+            self.marks["before_backward"] = time.perf_counter()
+
+        def on_after_backward(self, trainer, pl_module) -> None:
+            # DDP's backward returns once every bucket's hook future has completed: the exposed exchange.
+            self.marks["after_backward"] = time.perf_counter()
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+            self.marks["before_optimizer"] = time.perf_counter()
 
         def on_train_start(self, trainer, pl_module) -> None:
             state = getattr(trainer.strategy, "topk_state", None)
@@ -285,6 +318,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             now = time.perf_counter()
             step_end.append(now - self.t0 - self.paused)
+            m = self.marks
+            if len(m) == 4:  # seconds per phase of this step
+                phases.append({"forward": m["before_backward"] - m["start"],
+                               "backward": m["after_backward"] - m["before_backward"],
+                               "post_backward": m["before_optimizer"] - m["after_backward"],
+                               "optimizer": now - m["before_optimizer"]})
             if env["local_rank"] == 0:
                 if_bytes.append(read_if_bytes(env["ifname"]))
             stats = getattr(trainer.strategy, "topk_stats", None)
@@ -355,7 +394,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         "target_acc": args.target_acc, "ifname": env["ifname"],
         "step_end": step_end, "if_bytes": if_bytes, "evals": evals, "fit_time": fit_time,
         "telemetry": jsonable(telemetry) if telemetry is not None else None,
-        "telemetry_steps": telemetry_steps,
+        "telemetry_steps": telemetry_steps, "phases": phases,
+        "bucket_cap_mb": getattr(getattr(trainer.strategy, "topk_bucket_plan", None), "cap_mb", None),
         "argv": sys.argv[1:],
     }
     os.makedirs(env["result_dir"], exist_ok=True)

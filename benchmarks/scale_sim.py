@@ -36,7 +36,7 @@ from lightning_topk.comm.cost import CostModel, Link
 from lightning_topk.comm.exchanges.scatter import scatter_wire, slot_plan
 from lightning_topk.comm.state import TopKConfig
 
-PENALTY = TopKConfig().auto_sparse_penalty  # exchange='auto' as shipped
+PENALTY = TopKConfig(density=0.01).sparse_penalty  # exchange='auto' as shipped (density 0.01, plain error feedback)
 
 DATE = "2026-11-23"
 MACHINE = "2-core x86_64, no GPU, torch 2.13.0 CPU"

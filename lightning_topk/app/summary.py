@@ -54,6 +54,8 @@ class ThroughputMonitor(pl.Callback):
                         numel_sent=totals.numel_sent, bytes_inter=totals.bytes_inter, bytes_intra=totals.bytes_intra,
                         select_seconds=totals.select_time_s, comm_seconds=totals.comm_time_s,
                         bytes_wire=totals.bytes_wire, bytes_dense_wire=totals.bytes_dense_wire)
+            vals.update({k[len("topk/"):]: v for k, v in totals.as_metrics().items() if k.startswith("topk/buckets_")})
+            vals.update(_auto_would(trainer.strategy))
         cfg = getattr(trainer.strategy, "topk_config", None)
         if cfg is not None:
             vals.update(local_steps=cfg.local_steps, outer_density=cfg.outer_density,
@@ -63,6 +65,39 @@ class ThroughputMonitor(pl.Callback):
 
 
 PREFIX = "run_summary/"
+
+
+def _auto_would(strategy: Any) -> Dict[str, float]:
+    """For a run that pins an exchange: what ``exchange="auto"`` under the constants model would send each
+    bucket of the last step by (``auto_buckets_<exchange>``), and both plans' predicted milliseconds per step."""
+    from lightning_topk.comm.exchanges import Layout
+    from lightning_topk.comm.exchanges.auto import plan_for, predicted_for
+
+    state, cfg = getattr(strategy, "topk_state", None), getattr(strategy, "topk_config", None)
+    pinned = _pinned_exchange(strategy)
+    if state is None or cfg is None or pinned is None or not state.bucket_sizes:
+        return {}
+    layout = Layout(strategy.num_nodes, strategy.num_processes)
+    device = strategy.root_device.type
+    plan = plan_for(cfg, layout, device, state.bucket_sizes)
+    out: Dict[str, float] = {}
+    for n in state.bucket_sizes:
+        key = f"auto_buckets_{plan[n][0]}"
+        out[key] = out.get(key, 0.0) + 1.0
+    out["auto_predicted_ms"] = 1e3 * sum(plan[n][1] for n in state.bucket_sizes)
+    out["pinned_predicted_ms"] = 1e3 * predicted_for(cfg, layout, device, state.bucket_sizes, pinned)
+    out["link_gbps"] = cfg.auto_link_gbps
+    out["sparse_penalty"] = cfg.sparse_penalty
+    return out
+
+
+def _pinned_exchange(strategy: Any) -> Optional[str]:
+    """The exchange every bucket is pinned to (``None`` under ``exchange="auto"`` or without top-k)."""
+    cfg = getattr(strategy, "topk_config", None)
+    if cfg is None or getattr(strategy, "world_size", 1) < 2:
+        return None
+    ex = strategy._exchange() if hasattr(strategy, "_exchange") else cfg.exchange
+    return None if ex == "auto" else ex
 
 
 def fit_stats(trainer: pl.Trainer) -> Dict[str, float]:
@@ -107,6 +142,17 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
                         "inter_node": int(stats["bytes_inter"]), "intra_node": int(stats["bytes_intra"])}
         out["exchange_seconds"] = {"select": round(stats.get("select_seconds", 0.0), 3),
                                    "comm": round(stats.get("comm_seconds", 0.0), 3)}
+        steps = max(1, out["global_step"])
+        used = {k[len("buckets_"):]: round(v / steps, 3) for k, v in stats.items() if k.startswith("buckets_") and v}
+        out["exchange"] = {"configured": getattr(getattr(trainer.strategy, "topk_config", None), "exchange", None),
+                           "buckets_per_step": used}
+        would = {k[len("auto_buckets_"):]: int(v) for k, v in stats.items() if k.startswith("auto_buckets_")}
+        if would:
+            out["exchange"]["pinned"] = _pinned_exchange(trainer.strategy)
+            out["exchange"]["auto_would"] = {"buckets": would, "predicted_ms": round(stats["auto_predicted_ms"], 3),
+                                             "pinned_predicted_ms": round(stats["pinned_predicted_ms"], 3),
+                                             "link_gbps": stats["link_gbps"],
+                                             "sparse_penalty": stats["sparse_penalty"]}
     out["log_dirs"] = [lg.log_dir for lg in trainer.loggers if getattr(lg, "log_dir", None)]
     ckpt = trainer.checkpoint_callback
     path = None
@@ -143,6 +189,22 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _exchange_text(ex: Mapping[str, Any], summary: Mapping[str, Any]) -> str:
+    used = ", ".join(f"{name} {n:g}" for name, n in sorted(ex["buckets_per_step"].items(), key=lambda kv: -kv[1]))
+    text = f"exchange={ex['configured']!r}; buckets per step: {used or 'none'}"
+    would = ex.get("auto_would")
+    if would:
+        plan = ", ".join(f"{n} bucket{'s' if n > 1 else ''} {name}"
+                         for name, n in sorted(would["buckets"].items(), key=lambda kv: -kv[1]))
+        nodes, world = summary["num_nodes"], summary["world_size"]
+        text += (f". Pinned: exchange='auto' would send {plan} here (constants model, "
+                 f"{nodes} node{'s' if nodes > 1 else ''} x {world // max(1, nodes)} processes"
+                 + (f", {would['link_gbps']:g} Gbit/s between nodes" if nodes > 1 else "")
+                 + f": {would['predicted_ms']:.2f} ms per step predicted against {would['pinned_predicted_ms']:.2f} ms "
+                 f"for {ex['pinned']}; sparse exchanges scored x{would['sparse_penalty']:g} for their slower convergence)")
+    return text
+
+
 def render(summary: Mapping[str, Any], console=None) -> None:
     """Print the summary as a Rich table."""
     from rich.console import Console
@@ -169,6 +231,9 @@ def render(summary: Mapping[str, Any], console=None) -> None:
                                             f"{b['ratio_bf16']:.1f}x less than bf16; density {b['density']:.4g})")
         table.add_row("payload sent / dense", f"{_fmt_bytes(b['sent'])} / {_fmt_bytes(b['dense'])} per rank "
                                               "(handed to the collectives)")
+        ex = summary.get("exchange")
+        if ex:
+            table.add_row("exchange", _exchange_text(ex, summary))
         x = summary.get("exchange_seconds")
         if x:
             table.add_row("exchange time", f"selection {x['select']:.2f} s, communication {x['comm']:.2f} s "

@@ -11,7 +11,8 @@ Each exchange owns its formula (``Exchange.predict`` in its module, :mod:`lightn
 per bucket of ``n`` entries with ``k`` to send on ``P = N x L`` ranks (N nodes, L per node), compute +
 link seconds. Flat collectives across nodes are limited by the inter-node tier (a node-major ring
 crosses each node's link once per step). :meth:`CostModel.choose` scores each candidate by its
-prediction, a sparse one's times ``auto_sparse_penalty`` (top-k needs more steps to an accuracy), and
+prediction, a sparse one's times the sparse penalty (top-k needs more steps to an accuracy: ``auto_sparse_penalty``,
+or the measured table :data:`SPARSE_PENALTY` by density and recipe), and
 breaks near ties (``TIE_MARGIN``) by a fixed order (``TIE_ORDER``), never by timing noise.
 """
 import functools
@@ -125,7 +126,7 @@ class CostModel:
         """The chosen candidate and every candidate's predicted seconds.
 
         A sparse candidate's score is its prediction times ``sparse_penalty`` (top-k needs more steps than
-        a dense all-reduce for the same accuracy; see ``TopKConfig.auto_sparse_penalty``), a dense one's is
+        a dense all-reduce for the same accuracy; see ``TopKConfig.sparse_penalty``), a dense one's is
         its prediction. Every candidate within ``TIE_MARGIN`` of the best score ties, and the first of
         ``TIE_ORDER`` among them is chosen, so measurement noise between near-equal candidates cannot flip
         the choice from run to run."""
@@ -149,6 +150,33 @@ class CostModel:
         for tier in ("intra", "inter"):
             d[tier] = None if d.get(tier) is None else Link(**d[tier])
         return CostModel(**d)
+
+
+# Steps to the target of a sparse run over a dense one's (the same seeds), per recipe and density:
+# benchmarks/convergence.py on MNIST-5k (MLP, 4 simulated ranks, steps to 90% test accuracy, mean of 3 seeds,
+# every run reached it within its 500 steps; docs/convergence.md, BENCHMARKS.md). "error_feedback": AdamW
+# (what recipe="auto" leaves on plain error feedback; SGD without the recipe measured 1.58 and 2.67);
+# "momentum_correction": SGD with its momentum moved into the hook (recipe="auto" for SGD).
+SPARSE_PENALTY: Dict[str, Dict[float, float]] = {
+    "error_feedback": {1.0: 1.0, 0.01: 2.20, 0.001: 4.20},
+    "momentum_correction": {1.0: 1.0, 0.01: 1.71, 0.001: 1.83},
+}
+
+
+def sparse_penalty(density: float, recipe: str = "error_feedback") -> float:
+    """``exchange="auto"``'s factor on sparse exchanges when ``auto_sparse_penalty`` is not set: the measured
+    steps-to-target ratio of ``recipe`` (a key of :data:`SPARSE_PENALTY`), interpolated linearly in
+    log-density between the measured densities, held at the end values outside them; never below 1. A
+    pure function of the configuration: the same on every rank and in every run."""
+    if recipe not in SPARSE_PENALTY:
+        raise ValueError(f"sparse_penalty: recipe must be one of {list(SPARSE_PENALTY)}, got {recipe!r}")
+    pts = sorted(SPARSE_PENALTY[recipe].items())
+    d = min(max(density, pts[0][0]), pts[-1][0])
+    for (d0, p0), (d1, p1) in zip(pts, pts[1:]):
+        if d0 <= d <= d1:
+            t = (math.log(d) - math.log(d0)) / (math.log(d1) - math.log(d0))
+            return max(1.0, p0 + t * (p1 - p0))
+    return max(1.0, pts[-1][1])
 
 
 def tie_break(score: Dict[str, float]) -> str:
@@ -257,3 +285,108 @@ def probe(nodes: int, local: int, rank: int, density: float, selector: str, devi
     fixed = max(0.0, v[6] - per * _PROBE_NUMELS[0])
     bf16 = v[11] if nodes > 1 else v[10]  # the tier flat collectives are limited by
     return CostModel(nodes, local, intra, inter, per, fixed, v[8], v[9], bf16_factor=bf16)
+
+
+# ---- bucket size for overlap with the backward pass -------------------------------------------------
+# Caps (MiB) the rule chooses from: DDP's own default (25) and powers of two below it, down to DDP's
+# 1 MiB first bucket.
+BUCKET_CAP_LADDER_MB = (1, 2, 4, 8, 16, 25)
+DDP_DEFAULT_BUCKET_CAP_MB = 25
+DDP_FIRST_BUCKET_MB = 1  # DDP's first bucket when bucket_cap_mb is not set
+BACKWARD_PASSES = 2  # a parameter's backward pass at least writes its gradient and reads its weight
+# A cap replaces DDP's default layout only where its predicted end is at least this much earlier: one more
+# bucket costs a collective round trip that the model's alpha understates on a loaded CPU (measured:
+# BENCHMARKS.md, "Overlap with the backward pass").
+BUCKET_MIN_GAIN = 0.15
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The bucket cap the rule chose (:func:`choose_bucket_cap`; None: DDP's default layout is kept), the
+    buckets it gives (entries, in the order their gradients arrive), and each candidate's predicted end of
+    the exchange in seconds (key None: DDP's default layout)."""
+
+    cap_mb: Optional[int]
+    buckets: Tuple[int, ...]
+    scores: Dict[Optional[int], float]
+    exchange: str
+
+    @property
+    def last_bucket(self) -> int:
+        """Entries of the last bucket to arrive: its exchange starts after the whole backward pass."""
+        return self.buckets[-1] if self.buckets else 0
+
+
+def ddp_buckets(numels: List[int], cap_mb: Optional[float], elem_bytes: int = 4) -> List[int]:
+    """Entries per bucket as DDP lays them out after its rebuild: parameters in the order their gradients
+    arrive (``numels``, backward order) fill a bucket until it holds at least its limit (a parameter is never
+    split, so one larger than the limit makes a bucket of its own). ``cap_mb`` set: every limit is the cap;
+    None (DDP's default): 1 MiB for the first bucket, then 25 MiB."""
+    limits = [cap_mb * _MIB] if cap_mb is not None else [DDP_FIRST_BUCKET_MB * _MIB, DDP_DEFAULT_BUCKET_CAP_MB * _MIB]
+    out: List[int] = []
+    cur = 0
+    for n in numels:
+        cur += n
+        if cur * elem_bytes >= limits[min(len(out), len(limits) - 1)]:
+            out.append(cur)
+            cur = 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def choose_bucket_cap(numels: List[int], density: float, model: CostModel, exchange: str = "allgather", *,
+                      min_sparse_numel: int = 0, value_bytes: int = 4, elem_bytes: int = 4,
+                      ladder: Tuple[int, ...] = BUCKET_CAP_LADDER_MB) -> BucketPlan:
+    """The DDP ``bucket_cap_mb`` under which the sparse exchange best overlaps the backward pass, or None
+    where DDP's default layout is as good.
+
+    ``numels``: the parameters' entries in the order their gradients arrive (backward order, i.e. the
+    reverse of ``module.parameters()`` for a sequential model). For DDP's default layout and for each cap of
+    ``ladder`` the buckets are laid out as DDP does (:func:`ddp_buckets`) and one backward pass is simulated:
+    the gradients of a bucket take ``BACKWARD_PASSES`` dense passes over its entries (a lower bound), then
+    its hook runs the exchange's compute (selection, bookkeeping) on the same thread, and its collective
+    (``exchange``'s link time in ``model``; dense below ``min_sparse_numel`` entries or where sparse would
+    not be smaller) starts once the link is free. The score is when the last collective ends: the last
+    bucket's exchange starts only after the whole backward pass, so a small last bucket and a pipeline of
+    selection and link score best, and many small buckets pay their fixed costs. The best cap (the largest
+    among equal scores) replaces DDP's default only where it ends at least ``BUCKET_MIN_GAIN`` earlier. A pure
+    function: the same sizes, density, model and ladder give the same plan on every rank and in every run.
+    """
+    if not numels or any(not isinstance(n, int) or n < 0 for n in numels):
+        raise ValueError(f"choose_bucket_cap: numels must be a non-empty list of ints >= 0, got {numels!r}")
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"choose_bucket_cap: density must be in (0, 1], got {density!r}")
+    if not ladder or any(c <= 0 for c in ladder):
+        raise ValueError(f"choose_bucket_cap: ladder must be caps > 0 (MiB), got {ladder!r}")
+    if model.world < 2:
+        raise ValueError(f"choose_bucket_cap: needs at least 2 ranks (the model has {model.world}); one process "
+                         "exchanges nothing")
+
+    def exchange_times(n: int) -> Tuple[float, float]:
+        k = max(1, math.ceil(density * n))
+        if density >= 1.0 or n < min_sparse_numel or k * (value_bytes + 4) >= elem_bytes * n:
+            return model.predict("dense", n, 0)
+        return model.predict(exchange, n, k, value_bytes)
+
+    def simulate(buckets: List[int]) -> float:
+        thread = link = 0.0
+        for n in buckets:
+            thread += BACKWARD_PASSES * model.pass_per_elem * n
+            comp, comm = exchange_times(n)
+            thread += comp
+            link = max(thread, link) + comm
+        return max(thread, link)
+
+    scores: Dict[Optional[int], float] = {}
+    layouts: Dict[Optional[int], List[int]] = {}
+    for cap in [None, *sorted(set(ladder))]:
+        layouts[cap] = ddp_buckets(list(numels), cap, elem_bytes)
+        scores[cap] = simulate(layouts[cap])
+    caps = [c for c in scores if c is not None]
+    best = min(scores[c] for c in caps)
+    pick: Optional[int] = max(c for c in caps if scores[c] <= best * (1 + 1e-9))
+    if scores[pick] > (1 - BUCKET_MIN_GAIN) * scores[None]:
+        pick = None
+    return BucketPlan(pick, tuple(layouts[pick]), scores, exchange)

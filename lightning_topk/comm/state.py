@@ -27,6 +27,8 @@ HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
 OUTER_BITS = (32, 16, 8, 4, 2)  # outer_value_bits (sparse local SGD)
 # Where exchange="auto" gets its cost model (see comm/exchanges/auto.py).
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
+# recipe="auto": the convergence recipe for the user's optimizer (lightning_topk/comm/recipe.py).
+RECIPE_CHOICES = ("auto", "none")
 Scale = Union[float, Tensor]
 
 
@@ -53,9 +55,16 @@ class TopKConfig:
             are clamped to it; the clipped part and the rounding error stay in the residual.
         error_feedback: keep what was not sent and add it to the next step's gradient.
         momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
-            with momentum-factor masking. Use it with an optimizer without momentum. Needs
+            with momentum-factor masking (the velocity is zeroed where entries were sent by a sparse step;
+            a dense step sends the whole velocity and keeps it, so it acts as heavy-ball momentum). Use it
+            with an optimizer without momentum (``recipe="auto"`` sets this up for SGD). Needs
             ``error_feedback``; flat exchange only.
         momentum: momentum used by ``momentum_correction``, in [0, 1).
+        recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
+            (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
+            momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
+            with the optimizer's momentum, whose momentum is then set to 0; for anything else (AdamW, Adam,
+            LARS) plain error feedback. ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
@@ -84,11 +93,11 @@ class TopKConfig:
             scale-free exchange among the ranks with the same local rank; conditions as ``"hierarchical"``).
         log_telemetry: log ``topk/*`` metrics to the Trainer's loggers every ``log_every_n_steps``.
         auto_sparse_penalty: ``exchange="auto"`` picks a sparse exchange for a bucket only where its
-            predicted time times this factor (a number >= 1) beats the dense transports'. Top-k needs
-            more steps than a dense all-reduce to reach the same accuracy (1.6x on MNIST-5k at density
-            0.01, ``benchmarks/results/cluster.md``) and forward/backward time is common to both, so a
-            sparse exchange must be well ahead on the link to be ahead in time to accuracy. 1 compares
-            exchange times alone.
+            predicted time times this factor beats the dense transports': top-k may need more steps than a
+            dense all-reduce to reach the same accuracy, and forward/backward time is common to both.
+            ``None`` (default): the measured steps-to-target ratio for ``density`` and the recipe in use
+            (:data:`lightning_topk.comm.cost.SPARSE_PENALTY`, interpolated in log-density; the same on every
+            rank, no timing). A number >= 1 overrides it; 1 compares exchange times alone.
         auto_model: where ``exchange="auto"`` gets its cost model: ``"probe"`` (timed at setup, refreshed
             from telemetry), ``"constants"`` (documented constants and ``auto_link_gbps``: no timing, so
             the plan is the same in every run) or ``"auto"``: ``"constants"`` under deterministic
@@ -126,6 +135,7 @@ class TopKConfig:
     error_feedback: bool = True
     momentum_correction: bool = False
     momentum: float = 0.9
+    recipe: str = "auto"
     dense_steps: int = 0
     warmup_steps: int = 0
     warmup_start: float = 0.25
@@ -135,7 +145,7 @@ class TopKConfig:
     selection_scope: str = "bucket"
     log_telemetry: bool = True
     exchange: str = "auto"
-    auto_sparse_penalty: float = 3.0
+    auto_sparse_penalty: Optional[float] = None
     auto_model: str = "auto"
     auto_link_gbps: float = 10.0
     local_steps: int = 0
@@ -183,9 +193,12 @@ class TopKConfig:
             setattr(self, name, float(getattr(self, name)))
         if not _is_int(self.outer_value_bits) or self.outer_value_bits not in OUTER_BITS:
             raise bad("outer_value_bits", f"one of {list(OUTER_BITS)}")
-        if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
-            raise bad("auto_sparse_penalty", "a number >= 1")
-        self.auto_sparse_penalty = float(self.auto_sparse_penalty)
+        if self.auto_sparse_penalty is not None:
+            if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
+                raise bad("auto_sparse_penalty", "null (the measured table) or a number >= 1")
+            self.auto_sparse_penalty = float(self.auto_sparse_penalty)
+        if self.recipe not in RECIPE_CHOICES:
+            raise bad("recipe", f"one of {list(RECIPE_CHOICES)}")
         if self.auto_model not in AUTO_MODEL_CHOICES:
             raise bad("auto_model", f"one of {list(AUTO_MODEL_CHOICES)}")
         if not _is_number(self.auto_link_gbps) or self.auto_link_gbps <= 0:
@@ -240,6 +253,16 @@ class TopKConfig:
     @property
     def schedule(self) -> DensitySchedule:
         return DensitySchedule(self.density, self.dense_steps, self.warmup_steps, self.warmup_start)
+
+    @property
+    def sparse_penalty(self) -> float:
+        """The factor ``exchange="auto"`` weighs sparse exchanges by: ``auto_sparse_penalty`` when set, else
+        the measured table's value for ``density`` and the recipe (see :func:`lightning_topk.comm.cost.sparse_penalty`)."""
+        if self.auto_sparse_penalty is not None:
+            return self.auto_sparse_penalty
+        from lightning_topk.comm.cost import sparse_penalty
+
+        return sparse_penalty(self.density, "momentum_correction" if self.momentum_correction else "error_feedback")
 
     @property
     def wire_dtype(self) -> torch.dtype:
@@ -567,6 +590,8 @@ class TopKState:
         self._pending_load: Optional[Dict[Tuple[str, str], Tensor]] = None
         self.current = StepStats()
         self.last = StepStats()
+        self.bucket_sizes: List[int] = []  # entries of each bucket of the last complete step, in launch order
+        self._step_sizes: List[int] = []
         self.totals = StepStats()
 
     # ---- binding parameters to names -------------------------------------------------------
@@ -728,8 +753,13 @@ class TopKState:
     def density_now(self) -> float:
         return self.schedule.density_at(self.step)
 
+    def note_bucket(self, n: int) -> None:
+        """A bucket of ``n`` entries is being exchanged (see :attr:`bucket_sizes`)."""
+        self._step_sizes.append(n)
+
     def end_exchange(self) -> None:
         """Called when the last bucket of a backward pass has been launched."""
+        self.bucket_sizes, self._step_sizes = self._step_sizes, []
         self.last = self.current
         self.step += 1
         self.current = StepStats(step=self.step)

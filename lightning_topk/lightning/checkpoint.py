@@ -45,7 +45,8 @@ warning (from rank 0) that says what was redistributed or reset:
   the affected residuals start at zero; the density schedule continues at the saved step (or the
   checkpoint's ``global_step``);
 * residuals of parameters the model no longer has (or whose size changed) are dropped; velocities
-  are dropped when ``momentum_correction`` is now off, everything when ``error_feedback`` is off.
+  are dropped when ``momentum_correction`` is now off (with ``recipe="auto"``: once the optimizer shows
+  it stays off), everything when ``error_feedback`` is off.
 """
 from __future__ import annotations
 
@@ -327,7 +328,9 @@ def _fit_to_model(strategy, tensors: Dict[str, Dict[str, Tensor]], notes: List[s
         if any(tensors[k] for k in KINDS):
             notes.append("error_feedback is off: saved residuals and velocities were discarded")
         return {kind: {} for kind in KINDS}
-    if not cfg.momentum_correction and tensors["velocity"]:
+    # recipe="auto" may turn momentum correction on once the optimizer is known (after this load): the
+    # strategy drops the velocities then if it does not.
+    if not cfg.momentum_correction and cfg.recipe != "auto" and tensors["velocity"]:
         notes.append("momentum_correction is off: saved momentum-correction velocities were discarded "
                      "(residuals kept)")
         tensors = {"residual": tensors["residual"], "velocity": {}}

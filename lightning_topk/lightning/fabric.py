@@ -46,7 +46,19 @@ class _FabricTopKMixin(TopKStrategyMixin):
 
     # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
     # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
+    def setup_module_and_optimizers(self, module, optimizers, *args: Any, **kwargs: Any):
+        # recipe="auto" reads the optimizers when setup_module builds the hook
+        self._topk_fabric_optimizers = list(optimizers)
+        try:
+            return super().setup_module_and_optimizers(module, optimizers, *args, **kwargs)
+        finally:
+            self._topk_fabric_optimizers = None
+
+    def _topk_optimizers(self):
+        return getattr(self, "_topk_fabric_optimizers", None)
+
     def setup_module(self, module):
+        self._choose_bucket_cap(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
         self._register_ddp_hooks()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -43,6 +43,9 @@ class TopKStrategyMixin:
         self.topk_controller: Optional[StepController] = None
         self._pending_topk_state: Optional[Dict[str, Any]] = None
         self._topk_heartbeat: Optional[Heartbeat] = None
+        self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
+        self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
+        self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
         super().__init__(**kwargs)
 
     @property
@@ -58,10 +61,82 @@ class TopKStrategyMixin:
             env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         super()._configure_launcher()
 
+    # ---- DDP's buckets --------------------------------------------------------------------------
+    @override
+    def _setup_model(self, model: Any) -> Any:
+        self._choose_bucket_cap(model)
+        return super()._setup_model(model)
+
+    def _choose_bucket_cap(self, model: Any) -> None:
+        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
+        bucket rule (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange
+        overlaps the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
+        kw = getattr(self, "_ddp_kwargs", None)
+        if self._topk_user_cap or kw is None or self.world_size < 2:  # one process: nothing to overlap
+            return
+        from lightning_topk.comm.cost import choose_bucket_cap, constant_model
+        from lightning_topk.comm.wire import packed_nbytes
+
+        cfg = self.topk_config
+        numels = [p.numel() for p in model.parameters() if p.requires_grad][::-1]  # backward order
+        if not numels:
+            return
+        cm = constant_model(self.num_nodes, self.num_processes, self.root_device.type, cfg.auto_link_gbps)
+        ex = self._exchange()
+        ex = "allgather" if ex == "auto" or (ex in ("hierarchical", "hierarchical_scatter") and cm.intra is None) else ex
+        plan = choose_bucket_cap(numels, cfg.density, cm, ex, min_sparse_numel=cfg.min_sparse_numel,
+                                 value_bytes=packed_nbytes(1, cfg.wire_dtype) - 4)
+        if plan.cap_mb is not None:
+            kw["bucket_cap_mb"] = plan.cap_mb
+        else:  # DDP's default (a cap the rule set for an earlier model must not stay)
+            kw.pop("bucket_cap_mb", None)
+        self.topk_bucket_plan = plan
+        if self.global_rank == 0:
+            log.info("topk_ddp: bucket_cap_mb=%s chosen for overlap with the backward pass (%d buckets, last "
+                     "%d entries; set bucket_cap_mb to override)",
+                     "DDP's default" if plan.cap_mb is None else plan.cap_mb, len(plan.buckets), plan.last_bucket)
+
+    # ---- recipe="auto" --------------------------------------------------------------------------
+    def _topk_optimizers(self) -> Optional[List[Any]]:
+        """The user's optimizers, for ``recipe="auto"``, before the hook is built: the Trainer's are made
+        here, ahead of Lightning's own ``setup_optimizers`` call (which then keeps them)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is None:
+            return None
+        self.setup_optimizers(trainer)
+        self._topk_optimizers_ready = True
+        return list(self.optimizers)
+
+    @override
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        if getattr(self, "_topk_optimizers_ready", False):  # made (and adjusted) by _resolve_recipe
+            self._topk_optimizers_ready = False
+            return
+        super().setup_optimizers(trainer)
+
+    def _resolve_recipe(self) -> None:
+        """``recipe="auto"``: momentum correction for SGD with momentum (see :mod:`lightning_topk.comm.recipe`);
+        velocities of a checkpoint are dropped when the resolved recipe has none."""
+        from lightning_topk.comm.recipe import apply_recipe
+
+        if self.topk_config.recipe == "auto" and not self.topk_config.momentum_correction:
+            opts = self._topk_optimizers()
+            if opts is not None:
+                self.topk_config, self.topk_recipe = apply_recipe(self.topk_config, opts)
+                if self.global_rank == 0:
+                    log.info("topk_ddp %s", self.topk_recipe)
+        pending = self._pending_topk_state
+        if pending is not None and pending.get("velocity") and not self.topk_config.momentum_correction:
+            pending["velocity"] = {}
+            if self.global_rank == 0:
+                log.warning("topk_ddp: momentum_correction is off (%s): saved velocities were discarded",
+                            self.topk_recipe)
+
     # ---- hook registration --------------------------------------------------------------------
     @override
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
+        self._resolve_recipe()
         state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
         if self.topk_state is not None and self._pending_topk_state is None:

@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm import cost
-from lightning_topk.comm.cost import CostModel, Link
+from lightning_topk.comm.cost import SPARSE_PENALTY, CostModel, Link, sparse_penalty
 from lightning_topk.comm.exchanges import Layout
 from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.exchanges.auto import (
@@ -109,9 +109,11 @@ def test_hierarchical_scatter_prediction_and_wire():
 
 def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
     """Time to accuracy, not time per exchange: a sparse exchange predicted 2x faster than dense bf16 is
-    not worth the extra steps under the default penalty (3); at 1 it wins; far ahead it wins either way."""
+    not worth the extra steps under the default penalty (the measured table's at density 0.01); at 1 it
+    wins; far ahead it wins either way."""
     n, k, cands = 4_000_000, 40_000, ["dense", "dense_bf16", "allgather", "scatter"]
-    penalty = TopKConfig().auto_sparse_penalty
+    penalty = TopKConfig().sparse_penalty
+    assert penalty > 1
     for beta in (1e8, 1e9, 3e9, 1e10):
         m = _model(4, 1, beta_inter=beta)
         best1, pred = m.choose(n, k, cands, sparse_penalty=1.0)
@@ -127,6 +129,46 @@ def test_sparse_penalty_keeps_dense_where_sparse_is_only_a_little_faster():
     assert 1 < ratio < penalty and m.choose(n, k, cands, sparse_penalty=penalty)[0] == "dense_bf16"
     with pytest.raises(ValueError, match="auto_sparse_penalty"):
         TopKConfig(auto_sparse_penalty=0.5)
+
+
+def test_default_penalty_is_the_measured_table_interpolated_in_log_density():
+    """auto_sparse_penalty=None: the steps-to-target ratio of SPARSE_PENALTY for the density and the recipe in
+    use (momentum correction or plain error feedback); an explicit number overrides it."""
+    for recipe, row in SPARSE_PENALTY.items():
+        mc = recipe == "momentum_correction"
+        for d, p in row.items():
+            assert TopKConfig(density=d, momentum_correction=mc).sparse_penalty == pytest.approx(max(1.0, p))
+        lo, hi = min(row), 0.01
+        mid = math.sqrt(lo * hi)  # halfway in log-density
+        assert sparse_penalty(mid, recipe) == pytest.approx(0.5 * (row[lo] + row[hi]))
+        assert sparse_penalty(lo / 10, recipe) == pytest.approx(row[lo])  # held outside the measured range
+    assert TopKConfig(density=0.001).sparse_penalty != TopKConfig(density=0.001, momentum_correction=True).sparse_penalty
+    assert TopKConfig(density=1.0).sparse_penalty == 1.0
+    assert TopKConfig(density=0.001, auto_sparse_penalty=1.5).sparse_penalty == 1.5
+    assert TopKConfig().auto_sparse_penalty is None
+    with pytest.raises(ValueError, match="recipe"):
+        sparse_penalty(0.01, "dgc")
+
+
+def test_auto_uses_the_table_penalty(monkeypatch):
+    """With auto_sparse_penalty unset, auto's plan is CostModel.choose with the table's penalty: the same
+    plan for the table's value, and a table that makes sparse hopeless (or free) moves the plan."""
+    def plans(table_value=None):
+        if table_value is not None:
+            monkeypatch.setitem(cost.SPARSE_PENALTY, "error_feedback", {1.0: 1.0, 0.001: table_value})
+        cfg = TopKConfig(density=0.001, auto_model="constants", auto_link_gbps=0.1)
+        a = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"))
+        st = TopKState(cfg)
+        out = {}
+        for n in (300_000, 2_000_000, 25_000_000):
+            k = math.ceil(0.001 * n)
+            out[n] = a.decide(st, n, k)[0]
+            assert out[n] == a.model.choose(n, k, a.candidates, 4, cfg.sparse_penalty)[0]
+        return out
+
+    plans()
+    assert set(plans(1000.0).values()) <= {"dense", "dense_bf16"}
+    assert plans(1.0)[25_000_000] not in ("dense", "dense_bf16")
 
 
 def test_candidates_follow_the_options():
@@ -197,7 +239,7 @@ def test_plan_is_decided_per_bucket_size_at_the_configured_density():
         for n in sizes:
             k = math.ceil(st.density_now() * n)
             choice = a.decide(st, n, k)[0]
-            assert choice == a.model.choose(n, math.ceil(0.001 * n), a.candidates, 4, cfg.auto_sparse_penalty)[0]
+            assert choice == a.model.choose(n, math.ceil(0.001 * n), a.candidates, 4, cfg.sparse_penalty)[0]
     assert set(a.plan) == {str(n) for n in sizes}
 
 
@@ -398,3 +440,73 @@ def test_dense_transport_conserves_and_averages(runs, kind):
     last = a[1]
     assert last.dense_buckets == last.buckets and last.dense_bf16_buckets == (last.buckets if kind == "bf16" else 0)
     assert last.bytes_wire == last.bytes_dense_wire // (2 if kind == "bf16" else 1)
+
+
+def test_plan_for_explains_a_pinned_run_without_timing_or_collectives():
+    """The run summary's "auto would" row: one machine sends the small model dense, a slow multi-node link
+    sends it sparse, and the figures are a pure function of the arguments (same twice, no process group)."""
+    from lightning_topk.comm.exchanges import Layout
+    from lightning_topk.comm.exchanges.auto import plan_for, predicted_for
+
+    small = TopKConfig(density=0.01, min_sparse_numel=4096)
+    one_node = plan_for(small, Layout(1, 2), "cpu", [151_000, 1_000])
+    assert {n: c for n, (c, _) in one_node.items()} == {151_000: "dense", 1_000: "dense"}
+    assert one_node == plan_for(small, Layout(1, 2), "cpu", [151_000, 1_000])
+    slow = TopKConfig(density=0.01, auto_link_gbps=0.1)
+    far = plan_for(slow, Layout(4, 1), "cpu", [8_000_000])
+    assert far[8_000_000][0] not in ("dense", "dense_bf16")
+    dense_s = predicted_for(slow, Layout(4, 1), "cpu", [8_000_000], "dense")
+    assert far[8_000_000][1] * slow.sparse_penalty < dense_s
+
+
+# ---- the bucket rule (cost.choose_bucket_cap) ------------------------------------------------------
+# The cluster benchmark's 8.5M-entry model in backward order: last Linear, middle Linear, first Linear, convs.
+_MLP = [10, 10240, 1024, 2097152, 2048, 6422528, 16, 2304, 16, 2304, 16, 144]
+
+
+# A model with four 1M-entry layers in front of the head: DDP's default puts three of them and the first
+# Linear in one bucket, which waits for the first Linear's gradient.
+_DEEP = [10, 10240] + [1024, 1 << 20] * 4 + [1024, 4194304, 4, 36]
+
+
+def test_ddp_buckets_fill_to_the_cap_and_never_split_a_parameter():
+    mib = 1 << 18  # entries of 1 MiB in fp32
+    assert cost.ddp_buckets([mib // 2, mib // 2, 3 * mib, 10], 1) == [mib, 3 * mib, 10]
+    assert cost.ddp_buckets([10, 20], 25) == [30]
+    assert sum(cost.ddp_buckets(_MLP, 8)) == sum(_MLP)
+    # unset: DDP's 1 MiB first bucket, then 25 MiB (the issue's 6.4M-entry last bucket)
+    assert cost.ddp_buckets(_MLP, None) == [sum(_MLP[:4]), sum(_MLP[4:])]
+
+
+def test_bucket_rule_splits_a_large_last_bucket_on_a_slow_link():
+    slow = cost.constant_model(2, 1, "cpu", 0.1)
+    plans = [cost.choose_bucket_cap(list(_DEEP), 0.01, slow, min_sparse_numel=16384) for _ in range(2)]
+    assert plans[0] == plans[1]  # deterministic
+    plan = plans[0]
+    assert plan.cap_mb in cost.BUCKET_CAP_LADDER_MB and plan.cap_mb < cost.DDP_DEFAULT_BUCKET_CAP_MB
+    assert sum(plan.buckets) == sum(_DEEP)
+    assert plan.last_bucket == 40  # the conv alone: the only exchange after the backward pass
+    assert plan.scores[plan.cap_mb] <= (1 - cost.BUCKET_MIN_GAIN) * plan.scores[None]
+    # DDP's default: 7.3M entries in the bucket before the conv's, ready only when the first Linear's is
+    assert cost.ddp_buckets(_DEEP, None)[-2] > 7_000_000
+
+
+def test_bucket_rule_keeps_ddp_default_unless_clearly_better():
+    # The cluster benchmark's model: DDP's default already pipelines its two large buckets, and splitting
+    # off the convs is predicted to gain less than BUCKET_MIN_GAIN (measured: it does not gain).
+    for gbps in (10.0, 0.1):
+        plan = cost.choose_bucket_cap(list(_MLP), 0.01, cost.constant_model(2, 1, "cpu", gbps), min_sparse_numel=16384)
+        assert plan.cap_mb is None and plan.buckets == tuple(cost.ddp_buckets(_MLP, None))
+    # A fast link leaves nothing to hide on the deep model either.
+    fast = cost.choose_bucket_cap(list(_DEEP), 0.01, cost.constant_model(2, 1, "cpu", 10.0), min_sparse_numel=16384)
+    assert fast.cap_mb is None
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(numels=[]), "numels"), (dict(numels=[-1]), "numels"), (dict(density=0.0), "density"),
+    (dict(ladder=(0,)), "ladder"), (dict(model=cost.constant_model(1, 1, "cpu", 1.0)), "2 ranks")])
+def test_bucket_rule_rejects_bad_input(kw, match):
+    args = dict(numels=[10], density=0.01, model=cost.constant_model(2, 1, "cpu", 1.0))
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        cost.choose_bucket_cap(**args)

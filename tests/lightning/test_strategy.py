@@ -7,7 +7,7 @@ import torch
 
 import lightning_topk
 from lightning_topk import TopKDDPStrategy
-from tests.helpers.procs import run_script
+from tests.helpers.procs import run_nodes, run_script
 
 PROBE = "tests/scripts/train_probe.py"
 
@@ -264,3 +264,29 @@ def test_plot_command_draws_runs_side_by_side(digits_runs, tmp_path_factory):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     assert main([str(base / "nope"), "--out", str(out)]) == 2
     assert main([str(base / "topk"), "--labels", "a", "b", "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize("user_cap", [None, 25])
+def test_bucket_rule_sets_ddp_buckets_unless_the_user_did(tmp_path, user_cap):
+    """Unset bucket_cap_mb: the strategy's bucket rule picks it (same plan on both ranks; on this model at
+    0.1 Gbit/s a cap that splits DDP's last bucket) and DDP's rebuilt buckets are the plan's. Set by the user:
+    DDP keeps it and the rule stays out."""
+    from lightning_topk.comm.cost import DDP_DEFAULT_BUCKET_CAP_MB
+
+    script = "tests/scripts/bucket_probe.py"
+    args = [script, "--out", tmp_path] + ([] if user_cap is None else ["--bucket-cap-mb", user_cap])
+    run_nodes(args, num_nodes=2, timeout=300)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["rebuilt"] == 1 for r in ranks)
+    if user_cap is not None:
+        assert all(r["plan"] is None for r in ranks)
+        assert all(r["ddp_cap_bytes"] == user_cap << 20 for r in ranks)
+        return
+    plan = ranks[0]["plan"]
+    assert ranks[1]["plan"] == plan
+    assert plan["cap_mb"] < DDP_DEFAULT_BUCKET_CAP_MB
+    assert all(r["ddp_cap_bytes"] == plan["cap_mb"] << 20 for r in ranks)
+    # exchange="auto" planned for DDP's rebuilt sparse buckets (the 40-entry one goes dense, unplanned)
+    assert all(set(plan["buckets"][:-1]) <= set(r["planned_sizes"]) for r in ranks)
+    assert plan["buckets"][-1] == 40  # the conv (36 + 4 entries) alone in the last bucket
+    assert all(r["buckets_exchanged_last_step"] == len(plan["buckets"]) == 4 for r in ranks)

@@ -62,6 +62,8 @@ class Net(pl.LightningModule):
         self.scales.append(None if scaler is None else scaler.get_scale())
         st = self.trainer.strategy.topk_state
         self.residual_log.append({k: v.clone() for k, v in st.residuals().items()})
+        self.velocities = {k: v.clone() for k, v in st.velocities().items()}
+        self.recipe = self.trainer.strategy.topk_recipe
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -132,6 +134,7 @@ def main():
             bad = fit(a, plugin(name), defaults=d, **hier)
             ref = fit(a, plugin(name), drop=STEP, defaults=d, **hier)
             results[case] = dict(bad=params_of(bad), ref=params_of(ref), scales=bad.scales, plans=(bad.plan, ref.plan),
+                                 velocities=(bad.velocities, ref.velocities), recipe=bad.recipe,
                                  residuals_finite=all(bool(torch.isfinite(r).all())
                                                       for log in bad.residual_log for r in log.values()))
         elif case == "scale":

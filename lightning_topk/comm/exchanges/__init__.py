@@ -15,6 +15,7 @@ __all__ = ["Exchange", "Layout", "available", "build", "check", "get", "names", 
 
 def exchange_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook that hands each bucket to ``state.exchange`` (built by the registry)."""
+    state.note_bucket(bucket.buffer().numel())
     return state.exchange.hook(state, bucket)
 
 

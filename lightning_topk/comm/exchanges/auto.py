@@ -97,7 +97,7 @@ class AutoExchange(Exchange):
         choice = self.plan.get(key)
         if choice is None:
             choice, pred = self.model.choose(n, target_k(state.config, n), self.candidates, vb,
-                                             state.config.auto_sparse_penalty)
+                                             state.config.sparse_penalty)
             self.plan[key] = choice
             if self.rank == 0:
                 log.info("topk_ddp exchange=auto: buckets of %d entries -> %s; predicted ms: %s", n, choice,
@@ -194,7 +194,7 @@ class AutoExchange(Exchange):
             m.comm_scale = min(4.0, max(0.25, m.comm_scale * ratio))
         self.refreshes += 1
         vb = packed_nbytes(1, state.config.wire_dtype) - 4
-        penalty = state.config.auto_sparse_penalty
+        penalty = state.config.sparse_penalty
         for key, old in list(self.plan.items()):
             n = int(key)
             best, pred = m.choose(n, target_k(state.config, n), self.candidates, vb, penalty)
@@ -278,3 +278,32 @@ def build_auto(state: Optional[TopKState], config: Any, layout: Layout, device: 
                         timed=timed, groups=groups)
     auto.load_state_dict(saved)
     return auto
+
+
+def plan_for(config: Any, layout: Layout, device_type: str, sizes: List[int]) -> Dict[int, Tuple[str, float]]:
+    """What ``exchange="auto"`` under the constants model would send each bucket size by, with its predicted
+    seconds, on ``layout`` (no probe, no collective: a pure function of its arguments). Buckets the flat hook
+    sends dense anyway (below ``min_sparse_numel``, or density 1) are ``"dense"``. Used to explain a run that
+    pins an exchange (the run summary)."""
+    model = cost.constant_model(layout.nodes, layout.local, device_type, config.auto_link_gbps)
+    cands = candidates_for(config, layout.nodes, layout.local, layout.nodes > 1 and layout.local > 1)
+    vb = packed_nbytes(1, config.wire_dtype) - 4
+    out: Dict[int, Tuple[str, float]] = {}
+    for n in sizes:
+        if config.density >= 1.0 or n < config.min_sparse_numel:
+            out[n] = ("dense", model.total("dense", n, 0))
+            continue
+        choice, pred = model.choose(n, target_k(config, n), cands, vb, config.sparse_penalty)
+        out[n] = (choice, pred[choice])
+    return out
+
+
+def predicted_for(config: Any, layout: Layout, device_type: str, sizes: List[int], exchange: str) -> float:
+    """Seconds the constants model predicts for one step of ``exchange`` over buckets of ``sizes``."""
+    model = cost.constant_model(layout.nodes, layout.local, device_type, config.auto_link_gbps)
+    vb = packed_nbytes(1, config.wire_dtype) - 4
+    total = 0.0
+    for n in sizes:
+        dense = config.density >= 1.0 or n < config.min_sparse_numel
+        total += model.total("dense" if dense else exchange, n, 0 if dense else target_k(config, n), vb)
+    return total

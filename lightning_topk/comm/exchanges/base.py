@@ -35,7 +35,7 @@ class Exchange:
     """Base class of the exchanges (see the module docstring). Subclasses set ``name`` through
     :func:`~lightning_topk.comm.exchanges.registry.register` and declare their requirements:
 
-    * ``sparse``: sends top-k entries (``auto`` weighs it by ``auto_sparse_penalty``);
+    * ``sparse``: sends top-k entries (``auto`` weighs it by ``TopKConfig.sparse_penalty``);
     * ``min_local``: processes per node it needs;
     * ``momentum_correction`` / ``parameter_scope``: whether it supports those options;
     * ``shared_state``: its checkpoint section is the same on every rank (saved once, in the main file);

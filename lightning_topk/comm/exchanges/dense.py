@@ -29,8 +29,9 @@ from lightning_topk.comm.wire import ring_allreduce_wire, to_wire
 def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
     """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
     low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
-    added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); otherwise no
-    buffer is made and the cost is a cast and a copy, as DDP's own compression hooks."""
+    added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); with momentum
+    correction the velocity is updated, sent and kept; otherwise no buffer is made and the cost is a
+    cast and a copy, as DDP's own compression hooks."""
     group, world = flat_group(state)
     grad = bucket.buffer()
     n = grad.numel()
@@ -40,8 +41,10 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     stats = state.current
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
-    b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
-    acc, vel = accumulate(state, b, grad)
+    # Momentum correction keeps a velocity for every bucket (the optimizer has no momentum of its own).
+    mc = state.config.momentum_correction
+    b = state.buffers(params, device) if state.config.error_feedback and (mc or state.holds_state(params)) else None
+    acc, _ = accumulate(state, b, grad)
     acc = acc[:n]
     low = wire_dtype != torch.float32
     if low and b is None:
@@ -58,8 +61,8 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
             wire.copy_(acc)
         if b is not None:
             acc.zero_()  # everything is sent
-    if vel is not None:
-        vel.zero_()
+    # A dense step sends the whole velocity and keeps it (no masking): heavy-ball momentum, as the
+    # optimizer's would be. A sparse step masks what it sent (kit.send_values).
     if state.debug.enabled:
         record_sent(state, names, [p.numel() for p in params], wire.float() * world if low else wire)
     eb = wire.element_size()

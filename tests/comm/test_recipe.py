@@ -1,0 +1,103 @@
+"""recipe="auto": which optimizers get DGC momentum correction, and what the hook's momentum does at density 1."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from lightning_topk import TopKConfig, TopKState
+from lightning_topk.comm.exchanges import exchange_hook
+from lightning_topk.comm.recipe import apply_recipe, recipe_for
+from lightning_topk.optim import LARS
+from tests.helpers.dist import run_distributed
+
+
+def _params():
+    return [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
+
+
+def test_sgd_with_momentum_gets_momentum_correction_and_loses_its_own_momentum():
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.8, weight_decay=1e-4)
+    cfg, note = apply_recipe(TopKConfig(density=0.001), [opt])
+    assert cfg.momentum_correction and cfg.momentum == 0.8 and "-> momentum_correction" in note
+    assert all(g["momentum"] == 0.0 for g in opt.param_groups)
+    assert cfg.density == 0.001 and cfg.recipe == "auto"  # the rest as given
+
+
+@pytest.mark.parametrize("make, why", [
+    (lambda p: torch.optim.AdamW(p, lr=1e-3), "AdamW is not torch.optim.SGD"),
+    (lambda p: torch.optim.Adam(p, lr=1e-3), "Adam is not torch.optim.SGD"),
+    (lambda p: LARS(p, lr=0.1, momentum=0.9), "LARS is not torch.optim.SGD"),
+    (lambda p: torch.optim.SGD(p, lr=0.1), "SGD momentum [0.0]"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True), "Nesterov"),
+    (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), "dampening"),
+])
+def test_other_optimizers_keep_plain_error_feedback_untouched(make, why):
+    opt = make(_params())
+    before = [dict(g) for g in opt.param_groups]
+    cfg, note = apply_recipe(TopKConfig(density=0.001), [opt])
+    assert not cfg.momentum_correction and why in note and "-> error_feedback" in note
+    assert [dict(g) for g in opt.param_groups] == before
+
+
+@pytest.mark.parametrize("kw, why", [
+    (dict(density=1.0), "density 1"),
+    (dict(exchange="scatter"), "does not support momentum correction"),
+    (dict(exchange="hierarchical"), "does not support momentum correction"),
+    (dict(recipe="none"), "recipe='none'"),
+    (dict(momentum_correction=True, momentum=0.5), "already on"),
+])
+def test_sgd_is_left_alone_where_the_recipe_does_not_apply(kw, why):
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    cfg0 = TopKConfig(**kw)
+    cfg, note = apply_recipe(cfg0, [opt])
+    assert cfg is cfg0 and why in note and opt.param_groups[0]["momentum"] == 0.9
+
+
+def test_two_optimizers_and_mixed_momenta_are_left_alone():
+    a, b = torch.optim.SGD(_params(), lr=0.1, momentum=0.9), torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    assert recipe_for(TopKConfig(), [a, b]) == (False, "2 optimizers (momentum correction needs one)")
+    p, q = _params()
+    mixed = torch.optim.SGD([{"params": [p], "momentum": 0.9}, {"params": [q], "momentum": 0.5}], lr=0.1)
+    assert not recipe_for(TopKConfig(), [mixed])[0]
+    with pytest.raises(ValueError, match="recipe"):
+        TopKConfig(recipe="dgc")
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+def _run(rank, world, hook_momentum):
+    """Plain DDP with SGD(momentum=0.9), or the top-k hook at density 1 with the momentum in the hook
+    (momentum correction, dense steps) and SGD without momentum."""
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.01)  # several buckets
+    if hook_momentum:
+        st = TopKState(TopKConfig(density=1.0, momentum_correction=True, momentum=0.9, exchange="allgather",
+                                  recipe="none"))
+        st.bind(m.named_parameters())
+        st.exchange = st.exchange_for("allgather")
+        ddp.register_comm_hook(st, exchange_hook)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.0 if hook_momentum else 0.9)
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(8):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+    vel = {k: v.clone() for k, v in st.velocities().items()} if hook_momentum else {}
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, vel
+
+
+def _both(rank, world):
+    return _run(rank, world, False), _run(rank, world, True)
+
+
+def test_momentum_in_the_hook_at_density_one_is_sgd_momentum_with_plain_ddp():
+    """Dense steps keep the velocity and send it: the hook's momentum is heavy-ball SGD momentum, so
+    momentum correction at density 1 trains as plain DDP with SGD(momentum) (no weight decay)."""
+    for (ref, _), (got, vel) in run_distributed(_both, 2):
+        assert vel and all(v.abs().sum() > 0 for v in vel.values())  # the velocity lives in the hook
+        for k in ref:
+            assert torch.allclose(ref[k], got[k], atol=1e-6, rtol=1e-5), k
