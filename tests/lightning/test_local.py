@@ -130,3 +130,18 @@ def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_pa
     for r in range(4):
         assert straight[r]["steps"] == 9 and straight[r]["rounds"] == 2
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+
+
+def test_cli_run_summary_names_the_mode(tmp_path):
+    """The Hydra CLI with local_steps (2 processes on one node: one replica, intra-node all-reduce every step,
+    the default SGD with momentum left to the inner optimizer by recipe='auto'); the summary names the mode."""
+    import json
+
+    from tests.app.test_cli import FAST, cli, ok
+
+    run = tmp_path / "run"
+    p = ok(cli(["trainer.max_epochs=2", f"hydra.run.dir={run}", "++strategy.local_steps=8", "++strategy.exchange=local",
+                *FAST], tmp_path))
+    s = json.loads((run / "summary.json").read_text())
+    assert s["mode"].startswith("sparse local SGD: 8 local steps") and "mode" in p.stdout
+    assert s["metrics"]["test/acc"] > 0.5
