@@ -92,9 +92,9 @@ def _auto_would(strategy: Any) -> Dict[str, float]:
 
 
 def _pinned_exchange(strategy: Any) -> Optional[str]:
-    """The exchange every bucket is pinned to (``None`` under ``exchange="auto"`` or without top-k)."""
+    """The exchange every bucket is pinned to (``None`` under ``exchange="auto"``, local SGD or without top-k)."""
     cfg = getattr(strategy, "topk_config", None)
-    if cfg is None or getattr(strategy, "world_size", 1) < 2:
+    if cfg is None or getattr(strategy, "world_size", 1) < 2 or getattr(cfg, "local_steps", 0) > 0:
         return None
     ex = strategy._exchange() if hasattr(strategy, "_exchange") else cfg.exchange
     return None if ex == "auto" else ex

@@ -144,4 +144,5 @@ def test_cli_run_summary_names_the_mode(tmp_path):
                 *FAST], tmp_path))
     s = json.loads((run / "summary.json").read_text())
     assert s["mode"].startswith("sparse local SGD: 8 local steps") and "mode" in p.stdout
+    assert "auto_would" not in s.get("exchange", {}), "no per-bucket 'auto would' advice for local SGD"
     assert s["metrics"]["test/acc"] > 0.5
