@@ -355,7 +355,7 @@ def test_hierarchical_scatter_wire_bytes_follow_the_formula(hs_runs):
             inter += (N * plan.slot + plan.out) * eb
             assert scatter_wire(plan, eb) == (N - 1) * (plan.slot + plan.out) * eb
         assert stats.bytes_wire == wire and stats.bytes_inter == inter
-        assert stats.hierarchical_scatter_buckets == stats.buckets == len(layout)
+        assert stats.buckets_via("hierarchical_scatter") == stats.buckets == len(layout)
         assert stats.as_metrics()["topk/buckets_hierarchical_scatter"] == len(layout)
     # per-rank inter-node bytes of the scale-free tier do not grow with the node count (the all-gather's do)
     s, ks = 1_000_000, 10_000
@@ -369,8 +369,8 @@ def test_hierarchical_scatter_wire_bytes_follow_the_formula(hs_runs):
 def test_auto_switching_away_from_hierarchical_scatter_keeps_owner_residuals(hs_runs):
     ranks = hs_runs["auto"]
     for r in ranks:
-        assert r[2]["stats"].hierarchical_scatter_buckets == r[2]["stats"].buckets > 0
-        assert r[3]["stats"].allgather_buckets == r[3]["stats"].buckets
+        assert r[2]["stats"].buckets_via("hierarchical_scatter") == r[2]["stats"].buckets > 0
+        assert r[3]["stats"].buckets_via("allgather") == r[3]["stats"].buckets
         assert any(t.any() for t in r[3]["old_owner"].values()) and not r[3]["new_owner"]
     for t in range(4):
         _conserved([r[t] for r in ranks])
@@ -402,5 +402,5 @@ def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(tmp_path):
     hs, hsranks = _two_nodes(tmp_path / "hs", "hierarchical_scatter")
     hier, _ = _two_nodes(tmp_path / "hier", "hierarchical")
     assert hsranks[0]["hier"] == [[0, 1], [0, 2]] and hsranks[1]["hier"] == [[0, 1], [1, 3]]
-    assert hsranks[0]["last"]["hierarchical_scatter_buckets"] > 0
+    assert hsranks[0]["last"]["buckets_by"].get("hierarchical_scatter", 0) > 0
     assert hs["val_acc"] > 0.8 and abs(hs["val_acc"] - hier["val_acc"]) <= 0.01, (hs, hier)

@@ -75,8 +75,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     idt = index_dtype_for(n)
     packed = pack(wire, idx, idt)
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
-                    bytes_wire=ring_allgather_wire(packed.numel(), world), allgather_buckets=1)
+    state.add_stats(stats, "allgather", numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
+                    bytes_wire=ring_allgather_wire(packed.numel(), world))
     state.add_time(stats, "select_time_s", t0)
     t_launch = clock(device)
     fut = _all_gather(out, packed, group=group, async_op=True).get_future()

@@ -438,7 +438,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
         return topk_allgather_hook(state, bucket)  # dense (ring all-reduce) or nothing to spread
     plan = slot_plan(n, k, world, ex.options)
     stats = state.current
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), scatter_buckets=1)
+    state.add_stats(stats, "scatter", buckets=1, numel=n, bytes_dense=n * grad.element_size())
     t0 = clock(device)
     b, acc, _ = take_bucket(state, params, names, grad)
     idx = select(state, acc, k, ks, numels)
