@@ -18,6 +18,7 @@ from lightning_topk.comm.exchanges.kit import (
     factor,
     flat_group,
     fp32_view,
+    open_bucket,
     record_grads,
     record_sent,
 )
@@ -34,12 +35,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     buffer is made and the cost is a cast and a copy, as DDP's own compression hooks. The bucket counts
     under the exchange ``via`` (default: ``"dense"``, or ``"dense_bf16"`` for a low-precision wire)."""
     group, world = flat_group(state)
-    grad = bucket.buffer()
-    n = grad.numel()
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
-    stats = state.current
+    grad, n, params, names, device, stats = open_bucket(state, bucket)
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, device) if state.config.error_feedback and state.holds_state(params) else None
