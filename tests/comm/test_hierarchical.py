@@ -2,6 +2,7 @@
 all-gather inter-node tier and the scale-free one (exchange="hierarchical_scatter")."""
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -100,9 +101,23 @@ def _two_nodes(out, exchange, epochs=3):
     return json.loads((out / "result.json").read_text()), [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
-    hier, hranks = _two_nodes(tmp_path / "hier", "hierarchical")
-    flat, franks = _two_nodes(tmp_path / "flat", "allgather")
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """``exchange -> (result, per-launcher probes)`` of 2-node runs, each exchange run once for the module
+    (the hierarchical one serves both the flat and the hierarchical_scatter comparison)."""
+    runs = {}
+
+    def get(exchange):
+        if exchange not in runs:
+            runs[exchange] = _two_nodes(tmp_path_factory.mktemp(exchange), exchange)
+        return runs[exchange]
+
+    return get
+
+
+def test_two_nodes_hierarchical_converges_like_flat(two_nodes):
+    hier, hranks = two_nodes("hierarchical")
+    flat, franks = two_nodes("allgather")
     assert hranks[0]["hier"] == [[0, 1], [0, 2]] and hranks[1]["hier"] == [[0, 1], [1, 3]]
     assert franks[0]["hier"] is None
     for k in hranks[0]["params"]:
@@ -114,7 +129,6 @@ def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
 
 
 # ---- SLURM: node/local ranks from the environment, and the groups built from them -------------
-import pytest  # noqa: E402
 
 from lightning_topk import TopKDDPStrategy  # noqa: E402
 from lightning_topk.comm.exchanges.hierarchical import layout  # noqa: E402
@@ -397,10 +411,10 @@ def test_hierarchical_scatter_options_fail_fast_naming_the_option():
 
 
 @pytest.mark.slow
-def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(tmp_path):
+def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(two_nodes):
     """Through Lightning's launcher (the strategy picks the hook): digits, 2 nodes x 2, within 1 point."""
-    hs, hsranks = _two_nodes(tmp_path / "hs", "hierarchical_scatter")
-    hier, _ = _two_nodes(tmp_path / "hier", "hierarchical")
+    hs, hsranks = two_nodes("hierarchical_scatter")
+    hier, _ = two_nodes("hierarchical")
     assert hsranks[0]["hier"] == [[0, 1], [0, 2]] and hsranks[1]["hier"] == [[0, 1], [1, 3]]
     assert hsranks[0]["last"]["buckets_by"].get("hierarchical_scatter", 0) > 0
     assert hs["val_acc"] > 0.8 and abs(hs["val_acc"] - hier["val_acc"]) <= 0.01, (hs, hier)
