@@ -300,7 +300,9 @@ class StepStats:
     payload it replaced), ``bytes_intra`` / ``bytes_inter``. Wire (what leaves this rank for the algorithm
     actually used: ring all-reduce ``2(P-1)/P`` x payload, ring all-gather ``(P-1)`` x payload,
     all-to-all ``(P-1)`` blocks): ``bytes_wire``, and ``bytes_dense_wire`` for a dense fp32 ring all-reduce
-    of the same buckets (a bf16 one sends half of that).
+    of the same buckets (a bf16 one sends half of that). ``buckets_by``: buckets per exchange name, logged as
+    ``topk/buckets_<name>`` for every registered exchange (0 where none went that way), a newly registered
+    one included.
 
     On CUDA the times are CUDA-event pairs that are read only by :meth:`resolve` (called by
     :meth:`as_metrics`, at logging time), never in the hot path.
@@ -319,12 +321,6 @@ class StepStats:
     comm_time_s: float = 0.0
     predicted_s: float = 0.0  # exchange="auto": the cost model's select + comm time for this step's buckets
     buckets: int = 0
-    dense_buckets: int = 0
-    dense_bf16_buckets: int = 0
-    allgather_buckets: int = 0
-    hierarchical_buckets: int = 0
-    hierarchical_scatter_buckets: int = 0
-    scatter_buckets: int = 0
     nonfinite_buckets: int = 0
     # sparse local SGD (local_steps > 0): the last outer round on this rank
     outer_bytes: float = 0.0  # wire bytes this rank sent in it (ring all-gather: (replicas - 1) packets)
@@ -332,6 +328,9 @@ class StepStats:
     outer_density: float = 0.0
     outer_time_s: float = 0.0  # host time blocked in it
     outer_hidden_frac: float = 0.0  # outer_streaming: share of the exchange's flight behind compute
+    # buckets by the exchange that moved them (its registry name; a sparse exchange's dense steps and
+    # unshardable buckets count under "dense" / the exchange it fell back to): ``topk/buckets_<name>``
+    buckets_by: Dict[str, int] = field(default_factory=dict)
     _events: List[Tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
 
     @property
@@ -383,18 +382,26 @@ class StepStats:
             "topk/comm_ms": 1e3 * self.comm_time_s,
             "topk/predicted_ms": 1e3 * self.predicted_s,
             "topk/measured_ms": 1e3 * (self.select_time_s + self.comm_time_s),
-            "topk/buckets_dense": float(self.dense_buckets - self.dense_bf16_buckets),
-            "topk/buckets_dense_bf16": float(self.dense_bf16_buckets),
-            "topk/buckets_allgather": float(self.allgather_buckets),
-            "topk/buckets_hierarchical": float(self.hierarchical_buckets),
-            "topk/buckets_hierarchical_scatter": float(self.hierarchical_scatter_buckets),
-            "topk/buckets_scatter": float(self.scatter_buckets),
+            **{f"topk/buckets_{n}": float(self.buckets_by.get(n, 0)) for n in bucket_counters(self.buckets_by)},
             "topk/outer_bytes": float(self.outer_bytes),
             "topk/outer_bytes_per_step": float(self.outer_bytes_per_step),
             "topk/outer_density": float(self.outer_density),
             "topk/outer_time_s": float(self.outer_time_s),
             "topk/outer_hidden_frac": float(self.outer_hidden_frac),
         }
+
+    def buckets_via(self, *names: str) -> int:
+        """Buckets moved by any of the exchanges ``names``."""
+        return sum(self.buckets_by.get(n, 0) for n in names)
+
+
+def bucket_counters(extra: Iterable[str] = ()) -> List[str]:
+    """The exchange names that have a ``topk/buckets_<name>`` counter: every registered one (the same list
+    on every rank, so telemetry can reduce them in one all-reduce), then any other name in ``extra``."""
+    from lightning_topk.comm.exchanges import registry  # imports no exchange module itself
+
+    out = list(registry.names())
+    return out + [n for n in extra if n not in out]
 
 
 # ---- per-bucket storage, fault flags, undo copies, debug record -----------------------------------
@@ -765,10 +772,14 @@ class TopKState:
         self.current = StepStats(step=self.step)
         self.totals.resolve(ready_only=True)
 
-    def add_stats(self, stats: StepStats, **kw: int) -> None:
+    def add_stats(self, stats: StepStats, via: Optional[str] = None, /, **kw: int) -> None:
+        """Add the counters ``kw`` to ``stats`` and the totals; ``via``: one bucket moved by that exchange."""
         for k, v in kw.items():
             setattr(stats, k, getattr(stats, k) + v)
             setattr(self.totals, k, getattr(self.totals, k) + v)
+        if via is not None:
+            for s in (stats, self.totals):
+                s.buckets_by[via] = s.buckets_by.get(via, 0) + 1
 
     def add_time(self, stats: StepStats, name: str, start: Any) -> None:
         """Add the time since ``start`` (from :func:`clock`) to ``stats.<name>`` and the totals."""

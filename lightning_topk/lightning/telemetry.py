@@ -19,7 +19,7 @@ from typing import Dict
 
 import torch
 
-from lightning_topk.comm.state import StepStats
+from lightning_topk.comm.state import StepStats, bucket_counters
 
 PROG_BAR = ("topk/compression", "topk/density")
 
@@ -30,16 +30,20 @@ _RATIOS = ("topk/density", "topk/compression", "topk/compression_bf16", "topk/pa
 def reduced_metrics(stats: StepStats, strategy) -> Dict[str, float]:
     """``topk/*`` of ``stats`` reduced over all ranks (a collective: call on every rank, in the same order).
 
-    Every counter of :class:`StepStats` is summed over the ranks in one all-reduce; bytes, times and bucket
-    counts are then reported as means per rank, and the ratios (density, compression) as ratios of the sums.
+    Every counter of :class:`StepStats` (and its bucket count of every registered exchange) is summed over
+    the ranks in one all-reduce; bytes, times and bucket counts are then reported as means per rank, and the ratios (density, compression) as ratios of the sums.
     """
     stats.resolve()
-    names = [f.name for f in dataclasses.fields(StepStats) if not f.name.startswith("_") and f.name != "step"]
+    names = [f.name for f in dataclasses.fields(StepStats) if not f.name.startswith("_")
+             and f.name not in ("step", "buckets_by")]
+    via = bucket_counters()  # every registered exchange, in the same order on every rank
     world = max(1, int(strategy.world_size))
-    t = torch.tensor([float(getattr(stats, n)) for n in names], dtype=torch.float64, device=strategy.root_device)
+    t = torch.tensor([float(getattr(stats, n)) for n in names] + [float(stats.buckets_by.get(n, 0)) for n in via],
+                     dtype=torch.float64, device=strategy.root_device)
     if world > 1:
         t = strategy.reduce(t, reduce_op="sum")
-    summed = StepStats(step=stats.step, **{n: v for n, v in zip(names, t.tolist())})
+    vals = t.tolist()
+    summed = StepStats(step=stats.step, **dict(zip(names, vals)), buckets_by=dict(zip(via, vals[len(names):])))
     return {k: (v if k in _RATIOS else v / world) for k, v in summed.as_metrics().items()}
 
 

@@ -38,7 +38,7 @@ def test_wire_bytes_match_the_veth_counters(tmp_path, exchange):
         assert w > 0 and abs(v - w) <= 0.10 * w, (exchange, node, v, w)
     last = res.ranks[0]["telemetry_steps"][-1]
     if exchange == "scatter":
-        assert last["scatter_buckets"] > 0
+        assert last["buckets_by"].get("scatter", 0) > 0
     if exchange == "auto":
         assert s["plan"]  # the choices made, per bucket
 
@@ -55,7 +55,7 @@ def test_hierarchical_inter_node_wire_matches_the_veth_counters(tmp_path):
     warm = res.ranks[0]["warmup_steps"]
     inter = [sum(t["bytes_inter"] for t in r["telemetry_steps"][warm:]) / (len(r["telemetry_steps"]) - warm)
              for r in res.ranks]
-    assert all(t["hierarchical_buckets"] > 0 for t in (r["telemetry_steps"][-1] for r in res.ranks))
+    assert all(t["buckets_by"].get("hierarchical", 0) > 0 for t in (r["telemetry_steps"][-1] for r in res.ranks))
     for node, v in enumerate(s["inter_node_bytes_per_node"]):
         w = sum(inter[r["rank"]] for r in res.ranks if r["node_rank"] == node) * (2 - 1)
         assert w > 0 and abs(v - w) <= 0.10 * w, (node, v, w)

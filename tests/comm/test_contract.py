@@ -18,9 +18,10 @@ from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.exchanges import Exchange, Layout, exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import candidates_for
-from lightning_topk.comm.exchanges.dense import DenseExchange, dense_hook
+from lightning_topk.comm.exchanges.dense import DenseExchange
 from lightning_topk.comm.exchanges.hierarchical import make_groups
 from lightning_topk.comm.exchanges.scatter import fold_owner_residual
+from lightning_topk.lightning.telemetry import reduced_metrics
 from tests.helpers.dist import run_distributed
 from tests.helpers.exchanges import make_auto, owner_residuals
 from tests.helpers.syncs import SyncCounter
@@ -31,8 +32,8 @@ STEPS, SKIP = 4, 2
 
 
 class HalfDense(DenseExchange):
-    """A user's exchange: dense fp16 all-reduce, predicted at 0.4 of fp32's link time (so that ``auto``,
-    given the choice, takes it)."""
+    """A user's exchange: dense fp16 all-reduce (DenseExchange's hook with this dtype, counted under this
+    exchange's name), predicted at 0.4 of fp32's link time (so that ``auto``, given the choice, takes it)."""
 
     dtype = torch.float16
 
@@ -41,8 +42,19 @@ class HalfDense(DenseExchange):
         comp, comm = DenseExchange.predict(model, n, k, value_bytes)
         return comp, 0.4 * comm
 
-    def hook(self, state, bucket):
-        return dense_hook(state, bucket, torch.float16)
+
+class _Ranks:
+    """The part of a Lightning strategy that telemetry's reduction uses, over the default process group."""
+
+    root_device = torch.device("cpu")
+
+    @property
+    def world_size(self):
+        return dist.get_world_size()
+
+    def reduce(self, t, reduce_op="sum"):
+        dist.all_reduce(t)
+        return t
 
 
 def _register_example():
@@ -171,7 +183,8 @@ def _auto_with_example(rank, groups):
     for x, y in _batches(rank)[:2]:
         m.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
-    return cands, dict(st.exchange.plan), {n: p.grad.clone() for n, p in m.named_parameters()}
+    metrics = reduced_metrics(st.last, _Ranks())  # the Lightning strategy's telemetry, reduced over the ranks
+    return cands, dict(st.exchange.plan), {n: p.grad.clone() for n, p in m.named_parameters()}, metrics, st.last.buckets
 
 
 def _scenarios(rank, world):
@@ -268,7 +281,7 @@ def test_adding_an_exchange_is_one_class_and_one_register_line(runs):
     """The example exchange, registered in this file only: a valid `exchange` option, one of auto's
     candidates, chosen by auto through its own predict, and it trains like the others."""
     for r in runs:
-        cands, plan, grads = r["auto"]
+        cands, plan, grads, _, _ = r["auto"]
         assert "half_dense" in cands
         assert plan and set(plan.values()) == {"half_dense"}
         assert all(torch.isfinite(g).all() for g in grads.values())
@@ -282,6 +295,16 @@ def test_adding_an_exchange_is_one_class_and_one_register_line(runs):
         TopKConfig(exchange="half_dense")
     with pytest.raises(ValueError, match="is built in"):
         registry.unregister("allgather")
+
+
+def test_a_registered_exchange_has_its_bucket_counter_in_telemetry(runs):
+    """No telemetry code names the example exchange, yet its buckets are logged as topk/buckets_half_dense
+    (reduced over the 4 ranks like the built-ins' counters, which read 0 here)."""
+    for r in runs:
+        metrics, buckets = r["auto"][3], r["auto"][4]
+        assert buckets > 0 and metrics["topk/buckets_half_dense"] == buckets
+        for name in (n for n in registry.names() if n != "half_dense"):
+            assert metrics[f"topk/buckets_{name}"] == 0, name
 
 
 def test_state_keeps_no_exchange_specific_attribute():

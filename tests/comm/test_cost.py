@@ -380,9 +380,9 @@ def test_auto_picks_sparse_on_a_slow_link_and_dense_on_a_fast_one(runs):
         fast_plan, fast_stats, _ = r["fast"]
         assert slow_plan and set(slow_plan.values()) <= {"allgather", "scatter"}
         assert fast_plan and set(fast_plan.values()) <= {"dense", "dense_bf16"}
-        assert slow_stats.allgather_buckets + slow_stats.scatter_buckets == slow_stats.buckets
+        assert slow_stats.buckets_via("allgather", "scatter") == slow_stats.buckets
         assert slow_stats.bytes_wire < 0.2 * slow_stats.bytes_dense_wire
-        assert fast_stats.dense_buckets == fast_stats.buckets
+        assert fast_stats.buckets_via("dense", "dense_bf16") == fast_stats.buckets
         for s in (slow_stats, fast_stats):
             m = s.as_metrics()
             assert m["topk/predicted_ms"] > 0 and m["topk/measured_ms"] > 0
@@ -438,7 +438,8 @@ def test_dense_transport_conserves_and_averages(runs, kind):
         else:
             assert any(v.any() for v in a[0][t]["new"].values())  # the bf16 cast error stays behind
     last = a[1]
-    assert last.dense_buckets == last.buckets and last.dense_bf16_buckets == (last.buckets if kind == "bf16" else 0)
+    assert last.buckets_via("dense", "dense_bf16") == last.buckets
+    assert last.buckets_via("dense_bf16") == (last.buckets if kind == "bf16" else 0)
     assert last.bytes_wire == last.bytes_dense_wire // (2 if kind == "bf16" else 1)
 
 

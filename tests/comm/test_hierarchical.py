@@ -2,6 +2,7 @@
 all-gather inter-node tier and the scale-free one (exchange="hierarchical_scatter")."""
 import math
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -100,9 +101,23 @@ def _two_nodes(out, exchange, epochs=3):
     return json.loads((out / "result.json").read_text()), [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
-def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
-    hier, hranks = _two_nodes(tmp_path / "hier", "hierarchical")
-    flat, franks = _two_nodes(tmp_path / "flat", "allgather")
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """``exchange -> (result, per-launcher probes)`` of 2-node runs, each exchange run once for the module
+    (the hierarchical one serves both the flat and the hierarchical_scatter comparison)."""
+    runs = {}
+
+    def get(exchange):
+        if exchange not in runs:
+            runs[exchange] = _two_nodes(tmp_path_factory.mktemp(exchange), exchange)
+        return runs[exchange]
+
+    return get
+
+
+def test_two_nodes_hierarchical_converges_like_flat(two_nodes):
+    hier, hranks = two_nodes("hierarchical")
+    flat, franks = two_nodes("allgather")
     assert hranks[0]["hier"] == [[0, 1], [0, 2]] and hranks[1]["hier"] == [[0, 1], [1, 3]]
     assert franks[0]["hier"] is None
     for k in hranks[0]["params"]:
@@ -114,7 +129,6 @@ def test_two_nodes_hierarchical_converges_like_flat(tmp_path):
 
 
 # ---- SLURM: node/local ranks from the environment, and the groups built from them -------------
-import pytest  # noqa: E402
 
 from lightning_topk import TopKDDPStrategy  # noqa: E402
 from lightning_topk.comm.exchanges.hierarchical import layout  # noqa: E402
@@ -355,7 +369,7 @@ def test_hierarchical_scatter_wire_bytes_follow_the_formula(hs_runs):
             inter += (N * plan.slot + plan.out) * eb
             assert scatter_wire(plan, eb) == (N - 1) * (plan.slot + plan.out) * eb
         assert stats.bytes_wire == wire and stats.bytes_inter == inter
-        assert stats.hierarchical_scatter_buckets == stats.buckets == len(layout)
+        assert stats.buckets_via("hierarchical_scatter") == stats.buckets == len(layout)
         assert stats.as_metrics()["topk/buckets_hierarchical_scatter"] == len(layout)
     # per-rank inter-node bytes of the scale-free tier do not grow with the node count (the all-gather's do)
     s, ks = 1_000_000, 10_000
@@ -369,8 +383,8 @@ def test_hierarchical_scatter_wire_bytes_follow_the_formula(hs_runs):
 def test_auto_switching_away_from_hierarchical_scatter_keeps_owner_residuals(hs_runs):
     ranks = hs_runs["auto"]
     for r in ranks:
-        assert r[2]["stats"].hierarchical_scatter_buckets == r[2]["stats"].buckets > 0
-        assert r[3]["stats"].allgather_buckets == r[3]["stats"].buckets
+        assert r[2]["stats"].buckets_via("hierarchical_scatter") == r[2]["stats"].buckets > 0
+        assert r[3]["stats"].buckets_via("allgather") == r[3]["stats"].buckets
         assert any(t.any() for t in r[3]["old_owner"].values()) and not r[3]["new_owner"]
     for t in range(4):
         _conserved([r[t] for r in ranks])
@@ -397,10 +411,10 @@ def test_hierarchical_scatter_options_fail_fast_naming_the_option():
 
 
 @pytest.mark.slow
-def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(tmp_path):
+def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(two_nodes):
     """Through Lightning's launcher (the strategy picks the hook): digits, 2 nodes x 2, within 1 point."""
-    hs, hsranks = _two_nodes(tmp_path / "hs", "hierarchical_scatter")
-    hier, _ = _two_nodes(tmp_path / "hier", "hierarchical")
+    hs, hsranks = two_nodes("hierarchical_scatter")
+    hier, _ = two_nodes("hierarchical")
     assert hsranks[0]["hier"] == [[0, 1], [0, 2]] and hsranks[1]["hier"] == [[0, 1], [1, 3]]
-    assert hsranks[0]["last"]["hierarchical_scatter_buckets"] > 0
+    assert hsranks[0]["last"]["buckets_by"].get("hierarchical_scatter", 0) > 0
     assert hs["val_acc"] > 0.8 and abs(hs["val_acc"] - hier["val_acc"]) <= 0.01, (hs, hier)

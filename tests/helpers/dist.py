@@ -1,4 +1,10 @@
-"""Run a function in N real processes on gloo (torch.multiprocessing spawn), collect return values."""
+"""Run a function in N real processes on gloo, collect return values.
+
+The processes are forked from multiprocessing's fork server (the one the data module starts for its
+workers: torch and lightning_topk imported once, Lightning's strategies registered), not spawned: a spawned
+process imports torch and Lightning again (several seconds of CPU each, most of a small test's time on a
+2-core machine). Each one gets this process's environment and ``sys.path`` at the call, as under spawn.
+"""
 from __future__ import annotations
 
 import os
@@ -18,7 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str) -> None:
+def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: str, env: dict) -> None:
+    os.environ.clear()  # the caller's environment now, not the fork server's from when it started
+    os.environ.update(env)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -34,9 +42,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir: 
 
 def run_distributed(fn: Callable, world: int = 2, args: tuple = ()) -> List[Any]:
     """``fn(rank, world, *args)`` in ``world`` spawned processes; returns the per-rank results."""
+    from lightning_topk.data.datamodule import start_forkserver
+
+    start_forkserver()  # (no-op when it runs)
     with tempfile.TemporaryDirectory() as d:
-        mp.start_processes(_entry, args=(world, free_port(), fn, args, d), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(_entry, args=(world, free_port(), fn, args, d, dict(os.environ)), nprocs=world,
+                           join=True, start_method="forkserver")
         out = []
         for r in range(world):
             with open(os.path.join(d, f"{r}.pkl"), "rb") as f:

@@ -35,7 +35,7 @@ class DigitsCNN(DigitsNet):
         st = getattr(self.trainer.strategy, "topk_state", None)
         if st is not None and self.out_dir:
             info = dict(recipe=self.trainer.strategy.topk_recipe, numel=st.totals.numel,
-                        numel_sent=st.totals.numel_sent, allgather=st.totals.allgather_buckets,
+                        numel_sent=st.totals.numel_sent, allgather=st.totals.buckets_via("allgather"),
                         velocities=len(st.velocities()), momentum=self.trainer.optimizers[0].param_groups[0]["momentum"])
             with open(f"{self.out_dir}/topk{self.global_rank}.json", "w") as f:
                 json.dump(info, f)

@@ -26,22 +26,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.cost import BOOKKEEPING_PASSES
+from lightning_topk.comm.exchanges import kit
 from lightning_topk.comm.exchanges.base import Exchange
 from lightning_topk.comm.exchanges.dense import dense_hook
-from lightning_topk.comm.exchanges.kit import (
-    _all_gather,
-    _link,
-    deliver,
-    factor,
-    flat_group,
-    fp32_view,
-    rebuild,
-    record_sent,
-    select,
-    send_values,
-    sparse_k,
-    take_bucket,
-)
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import TopKState, clock
 from lightning_topk.comm.wire import index_dtype_for, pack, ring_allgather_wire, ring_allreduce_wire, unpack
@@ -49,44 +36,39 @@ from lightning_topk.comm.wire import index_dtype_for, pack, ring_allgather_wire,
 
 def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: top-k sparse allgather with error feedback (see module docstring)."""
-    group, world = flat_group(state)
+    group, world = kit.flat_group(state)
     cfg = state.config
-    grad = bucket.buffer()
-    n = grad.numel()
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
-    stats = state.current
-    k, ks, numels = sparse_k(state, params, n)
+    grad, n, params, names, device, stats = kit.open_bucket(state, bucket)
+    k, ks, numels = kit.sparse_k(state, params, n)
     if k == 0:  # a dense schedule step or a small bucket
         return dense_hook(state, bucket)
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
                     bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t0 = clock(device)
-    _, acc, vel = take_bucket(state, params, names, grad)
-    f = factor(state.grad_scale, world)
+    _, acc, vel = kit.take_bucket(state, params, names, grad)
+    f = kit.factor(state.grad_scale, world)
 
-    idx = select(state, acc, k, ks, numels)
-    wire = send_values(state, acc, idx, vel)
+    idx = kit.select(state, acc, k, ks, numels)
+    wire = kit.send_values(state, acc, idx, vel)
     if state.debug.enabled:
         sent = torch.zeros(n, dtype=torch.float32, device=device)
         sent.index_copy_(0, idx, wire.float())
-        record_sent(state, names, [p.numel() for p in params], sent)
+        kit.record_sent(state, names, [p.numel() for p in params], sent)
     idt = index_dtype_for(n)
     packed = pack(wire, idx, idt)
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
-    state.add_stats(stats, numel_sent=k, bytes_sent=packed.numel(), **_link(state, packed.numel()),
-                    bytes_wire=ring_allgather_wire(packed.numel(), world), allgather_buckets=1)
+    state.add_stats(stats, "allgather", numel_sent=k, bytes_sent=packed.numel(), **kit._link(state, packed.numel()),
+                    bytes_wire=ring_allgather_wire(packed.numel(), world))
     state.add_time(stats, "select_time_s", t0)
     t_launch = clock(device)
-    fut = _all_gather(out, packed, group=group, async_op=True).get_future()
+    fut = kit._all_gather(out, packed, group=group, async_op=True).get_future()
     wire_dtype = cfg.wire_dtype
 
     def finish(_f: torch.futures.Future) -> Tensor:
         # On gloo the future's value is not the gathered tensor: read `out`.
         state.add_time(stats, "comm_time_s", t_launch)
         values, indices = unpack(out, k, wire_dtype, world, idt)
-        return deliver(state, grad, rebuild(fp32_view(grad), values.mul_(f), indices))
+        return kit.deliver(state, grad, kit.rebuild(kit.fp32_view(grad), values.mul_(f), indices))
 
     if bucket.is_last():
         state.end_exchange()

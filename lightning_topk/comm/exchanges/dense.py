@@ -18,6 +18,7 @@ from lightning_topk.comm.exchanges.kit import (
     factor,
     flat_group,
     fp32_view,
+    open_bucket,
     record_grads,
     record_sent,
 )
@@ -26,19 +27,16 @@ from lightning_topk.comm.state import TopKState, clock
 from lightning_topk.comm.wire import ring_allreduce_wire, to_wire
 
 
-def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32):
+def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32,
+               via: Optional[str] = None):
     """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
     low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
     added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); with momentum
     correction the velocity is updated, sent and kept; otherwise no buffer is made and the cost is a
-    cast and a copy, as DDP's own compression hooks."""
+    cast and a copy, as DDP's own compression hooks. The bucket counts under the exchange ``via`` (default:
+    ``"dense"``, or ``"dense_bf16"`` for a low-precision wire)."""
     group, world = flat_group(state)
-    grad = bucket.buffer()
-    n = grad.numel()
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
-    stats = state.current
+    grad, n, params, names, device, stats = open_bucket(state, bucket)
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     # Momentum correction keeps a velocity for every bucket (the optimizer has no momentum of its own).
@@ -66,8 +64,8 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     if state.debug.enabled:
         record_sent(state, names, [p.numel() for p in params], wire.float() * world if low else wire)
     eb = wire.element_size()
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), dense_buckets=1,
-                    dense_bf16_buckets=int(low), numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
+    state.add_stats(stats, via or ("dense_bf16" if low else "dense"), buckets=1, numel=n,
+                    bytes_dense=n * grad.element_size(), numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
                     bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     f = factor(state.grad_scale, 1 if low else world)
     t_launch = clock(device)
@@ -110,7 +108,9 @@ class DenseExchange(Exchange):
             self.dtype = dtype
 
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        return dense_hook(state, bucket, self.dtype or state.config.wire_dtype)
+        if self.dtype is None:  # pinned: value_dtype's wire, counted as dense or dense_bf16
+            return dense_hook(state, bucket, state.config.wire_dtype)
+        return dense_hook(state, bucket, self.dtype, via=self.name)
 
     @classmethod
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:

@@ -157,9 +157,9 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     device = grad.device
     stats = state.current
     world = L * N
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), bytes_intra=s * L * 4,
-                    bytes_dense_wire=ring_allreduce_wire(4 * n, world),
-                    **{"hierarchical_scatter_buckets" if scatter else "hierarchical_buckets": 1})
+    state.add_stats(stats, "hierarchical_scatter" if scatter else "hierarchical", buckets=1, numel=n,
+                    bytes_dense=n * grad.element_size(), bytes_intra=s * L * 4,
+                    bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, device, multiple=L) if cfg.error_feedback else None

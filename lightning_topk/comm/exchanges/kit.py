@@ -8,14 +8,14 @@ anywhere) only device work is queued.
 """
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import Scale, TopKState, _BucketBuffers
+from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers
 from lightning_topk.comm.wire import (
     index_dtype_for,
     packed_nbytes,
@@ -48,6 +48,25 @@ def param_ks(state: TopKState, numels: Sequence[int]) -> List[int]:
     """``selection_scope="parameter"``: k per parameter (small parameters are sent whole)."""
     d = state.density_now()
     return [n if n < state.config.min_sparse_numel else max(1, math.ceil(d * n)) for n in numels]
+
+
+class BucketView(NamedTuple):
+    """What a hook reads off a DDP bucket: its flat buffer and size, its parameters and their names, the
+    device, and the stats of this step."""
+
+    grad: Tensor
+    n: int
+    params: List[Tensor]
+    names: Tuple[str, ...]
+    device: torch.device
+    stats: StepStats
+
+
+def open_bucket(state: TopKState, bucket: Any) -> BucketView:
+    """The :class:`BucketView` of a ``dist.GradBucket``."""
+    grad = bucket.buffer()
+    params = bucket.parameters()
+    return BucketView(grad, grad.numel(), params, state.names_of(params), grad.device, state.current)
 
 
 def flat_group(state: TopKState) -> Tuple[Any, int]:

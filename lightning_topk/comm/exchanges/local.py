@@ -93,8 +93,8 @@ class LocalExchange(Exchange):
         self._outer_stats(stats)
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         # what it replaces: a dense fp32 ring all-reduce among all ranks every step
-        state.add_stats(stats, buckets=1, numel=n, numel_sent=0, bytes_dense=n * grad.element_size(),
-                        dense_buckets=1, bytes_dense_wire=ring_allreduce_wire(4 * n, world))
+        state.add_stats(stats, "local", buckets=1, numel=n, numel_sent=0, bytes_dense=n * grad.element_size(),
+                        bytes_dense_wire=ring_allreduce_wire(4 * n, world))
         if L > 1:
             eb = grad.element_size()
             state.add_stats(stats, bytes_sent=n * eb, bytes_intra=n * eb, bytes_wire=ring_allreduce_wire(n * eb, L))

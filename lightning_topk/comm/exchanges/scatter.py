@@ -64,6 +64,7 @@ from lightning_topk.comm.exchanges.kit import (
     fp32_view,
     future_on,
     gather_entries,
+    open_bucket,
     rebuild,
     record_sent,
     select,
@@ -424,12 +425,8 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     ex: ScatterExchange = state.exchange_for("scatter")
     group, world = flat_group(state)
     rank = dist.get_rank(group)
-    grad = bucket.buffer()
-    n = grad.numel()
+    grad, n, params, names, device, stats = open_bucket(state, bucket)
     cfg = state.config
-    params = bucket.parameters()
-    names = state.names_of(params)
-    device = grad.device
     k, ks, numels = sparse_k(state, params, n)
     if k == 0 or world == 1:
         ex.flush(state)
@@ -437,8 +434,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
             ex.owners.fold_unclaimed(state)
         return topk_allgather_hook(state, bucket)  # dense (ring all-reduce) or nothing to spread
     plan = slot_plan(n, k, world, ex.options)
-    stats = state.current
-    state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(), scatter_buckets=1)
+    state.add_stats(stats, "scatter", buckets=1, numel=n, bytes_dense=n * grad.element_size())
     t0 = clock(device)
     b, acc, _ = take_bucket(state, params, names, grad)
     idx = select(state, acc, k, ks, numels)
