@@ -30,6 +30,7 @@ rank that was lost when a collective fails, and SLURM requeue at a step boundary
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import re
@@ -37,6 +38,7 @@ import signal
 import socket
 import threading
 import time
+import weakref
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -123,6 +125,12 @@ class Heartbeat:
         self._beat_store.add(self._key, 1)
         self._thread = threading.Thread(target=self._run, name="lightning_topk-heartbeat", daemon=True)
         self._thread.start()
+        # A script that ends without the strategy's teardown (Fabric never calls it) must not exit with the
+        # thread inside a C++ store call: that aborts the process ("terminate called without an active
+        # exception"). atexit handlers run before the interpreter stops its threads.
+        ref = weakref.ref(self)
+        self._at_exit = lambda: (lambda hb: hb.stop() if hb is not None else None)(ref())
+        atexit.register(self._at_exit)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -135,6 +143,7 @@ class Heartbeat:
         """Stop and join the thread (bounded: one store call can take up to ``STORE_TIMEOUT_S``), so that no
         store call is in flight when the process group is destroyed or the interpreter exits."""
         self._stop.set()
+        atexit.unregister(self._at_exit)
         if self._thread is not threading.current_thread():
             self._thread.join(self.interval + STORE_TIMEOUT_S + 1.0)
 

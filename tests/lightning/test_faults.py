@@ -1,6 +1,7 @@
 """Faults and bad input: a rank killed (SIGKILL) or stopped (SIGSTOP) mid-training, NaN/inf gradients,
 option combinations rejected before the process group starts. Real processes on gloo, real signals."""
 import json
+import os
 import signal
 import sys
 import time
@@ -201,3 +202,23 @@ def test_requeue_signal_is_ignored_by_forked_and_forkserver_children(tmp_path):
                        cwd=Path(__file__).resolve().parents[2])
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines() == ["survived, handler not run|survived, handler not run", "True"], p.stdout
+
+
+def test_a_script_that_ends_without_teardown_exits_cleanly():
+    """Fabric never calls the strategy's teardown: the heartbeat must be stopped at interpreter exit, not left
+    inside a C++ store call (which aborted the process: "terminate called without an active exception";
+    before the fix 9 of 12 such processes aborted)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.dist import free_port
+    from tests.helpers.procs import ROOT
+
+    for _ in range(3):
+        port = str(free_port())
+        procs = [subprocess.Popen([sys.executable, "tests/scripts/heartbeat_exit.py"], cwd=ROOT,
+                                  env=dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
+                                           OMP_NUM_THREADS="1"),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], outs
