@@ -143,6 +143,9 @@ def fabric_main(a, train, test) -> None:
     outer = fabric.strategy.topk_state.exchange.outer
     torch.save({"flat": flat, "acc": acc, "steps": steps, "rounds": outer.stats.rounds, "position": outer.position,
                 "metrics": fabric.strategy.topk_metrics()}, os.path.join(a.out, f"{a.tag}_rank{fabric.global_rank}.pt"))
+    # Known issue (docs/fabric.md): without teardown a Fabric script can abort at interpreter exit
+    fabric.barrier()
+    fabric.strategy.teardown()
 
 
 if __name__ == "__main__":
