@@ -280,14 +280,19 @@ def build_auto(state: Optional[TopKState], config: Any, layout: Layout, device: 
     return auto
 
 
+def _constants(config: Any, layout: Layout, device_type: str) -> Tuple[CostModel, int]:
+    """The timing-free cost model for ``layout`` and the value bytes per entry on the wire (as ``decide``)."""
+    model = cost.constant_model(layout.nodes, layout.local, device_type, config.auto_link_gbps)
+    return model, packed_nbytes(1, config.wire_dtype) - 4
+
+
 def plan_for(config: Any, layout: Layout, device_type: str, sizes: List[int]) -> Dict[int, Tuple[str, float]]:
     """What ``exchange="auto"`` under the constants model would send each bucket size by, with its predicted
     seconds, on ``layout`` (no probe, no collective: a pure function of its arguments). Buckets the flat hook
     sends dense anyway (below ``min_sparse_numel``, or density 1) are ``"dense"``. Used to explain a run that
     pins an exchange (the run summary)."""
-    model = cost.constant_model(layout.nodes, layout.local, device_type, config.auto_link_gbps)
+    model, vb = _constants(config, layout, device_type)
     cands = candidates_for(config, layout.nodes, layout.local, layout.nodes > 1 and layout.local > 1)
-    vb = packed_nbytes(1, config.wire_dtype) - 4
     out: Dict[int, Tuple[str, float]] = {}
     for n in sizes:
         if config.density >= 1.0 or n < config.min_sparse_numel:
@@ -300,8 +305,7 @@ def plan_for(config: Any, layout: Layout, device_type: str, sizes: List[int]) ->
 
 def predicted_for(config: Any, layout: Layout, device_type: str, sizes: List[int], exchange: str) -> float:
     """Seconds the constants model predicts for one step of ``exchange`` over buckets of ``sizes``."""
-    model = cost.constant_model(layout.nodes, layout.local, device_type, config.auto_link_gbps)
-    vb = packed_nbytes(1, config.wire_dtype) - 4
+    model, vb = _constants(config, layout, device_type)
     total = 0.0
     for n in sizes:
         dense = config.density >= 1.0 or n < config.min_sparse_numel

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.exchanges.base import Exchange, Layout
-from lightning_topk.comm.exchanges.kit import future_on
+from lightning_topk.comm.exchanges.kit import flat_group, future_on, open_bucket
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.outer import OuterOptions, OuterState
 from lightning_topk.comm.state import TopKState, clock
@@ -84,14 +84,11 @@ class LocalExchange(Exchange):
 
     # ---- the step ---------------------------------------------------------------------------------------
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
-        grad = bucket.buffer()
-        n = grad.numel()
-        names = state.names_of(bucket.parameters())
-        stats = state.current
+        grad, n, _params, names, _device, stats = open_bucket(state, bucket)
         state.flags.note_input(names, grad)
         L = self.groups.local_world if self.groups is not None else 1
         self._outer_stats(stats)
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        _group, world = flat_group(state)
         # what it replaces: a dense fp32 ring all-reduce among all ranks every step
         state.add_stats(stats, "local", buckets=1, numel=n, numel_sent=0, bytes_dense=n * grad.element_size(),
                         bytes_dense_wire=ring_allreduce_wire(4 * n, world))
