@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm.state import TopKConfig
+
 VALUE_BITS = (32, 16, 8, 4, 2)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -213,20 +215,6 @@ def outer_sgd_(theta: Tensor, mom: Tensor, g: Tensor, lr: float, momentum: float
 
 # ---- the outer state --------------------------------------------------------------------------------
 @dataclass
-class OuterOptions:
-    steps: int
-    lr: float = 1.0
-    momentum: float = 0.0
-    nesterov: bool = True
-    density: float = 1.0
-    chunk: int = 4096
-    bits: int = 32
-    ef_decay: float = 1.0
-    streaming: bool = False
-    nonfinite: str = "raise"
-
-
-@dataclass
 class OuterStats:
     """Telemetry of the last outer round on this rank."""
 
@@ -243,16 +231,16 @@ class OuterState:
     flight, for the parameters ``named`` (name -> tensor, in a fixed order).
 
     Args:
-        opts: the options.
+        config: the validated options; this reads ``local_steps``, ``nonfinite`` and the ``outer_*`` fields.
         named: the model's parameters by name (their order defines the flat vector).
         inter: group of the replicas this rank exchanges with (default: the world); ``local``/``local_rank``
             and ``intra``: the node's processes and the group that shares a replica (shards of the vector).
         flag_group: group over which a non-finite pseudo-gradient is decided (default: the world).
     """
 
-    def __init__(self, opts: OuterOptions, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
+    def __init__(self, config: TopKConfig, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
                  intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None) -> None:
-        self.opts = opts
+        self.config = config
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.numels = [p.numel() for p in self.params]
@@ -260,12 +248,12 @@ class OuterState:
         self.inter, self.intra, self.local, self.local_rank = inter, intra, local, local_rank
         self.flag_group = flag_group
         dev = self.params[0].device if self.params else torch.device("cpu")
-        c = chunk_size(-(-self.n // local), opts.chunk)
+        c = chunk_size(-(-self.n // local), config.outer_chunk)
         C_all = -(-self.n // c)
         Cs = -(-C_all // local)
         self.shard = Cs * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
         self.lo = local_rank * self.shard
-        self.layout = PacketLayout(Cs, c, chunk_k(c, opts.density), opts.bits)
+        self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
         self.theta = self.flat_params()  # θ_outer
         self.anchor: Optional[Tensor] = None  # streaming: where this round started (θ_outer when sent)
         self.mom = torch.zeros(self.shard, device=dev)
@@ -305,7 +293,7 @@ class OuterState:
         self.position += 1
         if self._flight is not None and self._done_at is None and self._flight[0].is_completed():
             self._done_at = time.perf_counter()
-        if self.position < self.opts.steps:
+        if self.position < self.config.local_steps:
             return False
         self.position = 0
         self.outer_round()
@@ -313,7 +301,7 @@ class OuterState:
 
     def outer_round(self) -> None:
         t0 = time.perf_counter()
-        o = self.opts
+        o = self.config
         local = self.flat_params()
         anchor = self.anchor if self.anchor is not None else self.theta
         delta = self._mine(anchor) - self._mine(local)
@@ -327,14 +315,14 @@ class OuterState:
         if fault and o.nonfinite == "skip":
             self.stats.skipped += 1
             self.write_params(self.theta)  # θ_local := θ_outer; buffers untouched
-            if o.streaming:
+            if o.outer_streaming:
                 self.anchor = self.theta.clone()
             self.stats.time_s = time.perf_counter() - t0
             return
-        self.ef.mul_(o.ef_decay).add_(delta)
+        self.ef.mul_(o.outer_ef_decay).add_(delta)
         packet, _ = compress(self.ef, self.layout)
         gathered, work = self._launch(packet)
-        if o.streaming:
+        if o.outer_streaming:
             self._flight = (work, gathered, time.perf_counter())
             self._done_at = None
             self.anchor = self.theta.clone()
@@ -356,7 +344,7 @@ class OuterState:
     def _fault(self, delta: Tensor) -> bool:
         """Non-finite Δ on any rank, decided once on every rank (one all-reduce of a flag)."""
         flag = (~torch.isfinite(delta)).any().float().reshape(1)
-        if self.opts.nonfinite != "propagate" and dist.is_available() and dist.is_initialized():
+        if self.config.nonfinite != "propagate" and dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, group=self.flag_group)
             return bool(flag.item() > 0)
         return False
@@ -410,9 +398,9 @@ class OuterState:
 
     def _update(self, g: Tensor) -> None:
         """Outer SGD on this rank's shard, then (several processes per node) the intra-node all-gather."""
-        o = self.opts
+        o = self.config
         mine = self._mine(self.theta)
-        outer_sgd_(mine, self.mom, g, o.lr, o.momentum, o.nesterov)
+        outer_sgd_(mine, self.mom, g, o.outer_lr, o.outer_momentum, o.outer_nesterov)
         if self.local > 1:
             out = torch.empty_like(self.theta)
             _all_gather(out, mine.contiguous(), group=self.intra)

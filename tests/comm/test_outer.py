@@ -7,7 +7,6 @@ import torch.nn as nn
 
 from lightning_topk.comm.outer import (
     VALUE_BITS,
-    OuterOptions,
     OuterState,
     PacketLayout,
     chunk_k,
@@ -19,6 +18,7 @@ from lightning_topk.comm.outer import (
     quantize,
     unpack_codes,
 )
+from lightning_topk.comm.state import TopKConfig
 from tests.helpers.dist import run_distributed
 
 
@@ -91,7 +91,7 @@ def _h1_equals_ddp(rank, world):
     torch.manual_seed(10 + rank)
     x, y = torch.randn(32, 20), torch.randint(0, 5, (32,))
     m = _model()
-    st = OuterState(OuterOptions(steps=1, density=1.0, bits=32, lr=1.0, momentum=0.0), list(m.named_parameters()))
+    st = OuterState(TopKConfig(local_steps=1, outer_density=1.0, outer_value_bits=32, outer_lr=1.0, outer_momentum=0.0), list(m.named_parameters()))
     ref = _model()
     opt, ropt = torch.optim.SGD(m.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(3):
@@ -122,8 +122,8 @@ def _sharded(rank, world, streaming):
     from lightning_topk.comm.exchanges.hierarchical import make_groups
 
     h = make_groups(2, 2, rank)
-    opts = OuterOptions(steps=3, density=0.1, chunk=128, bits=4, lr=0.7, momentum=0.9, nesterov=True,
-                        ef_decay=0.95, streaming=streaming)
+    opts = TopKConfig(local_steps=3, outer_density=0.1, outer_chunk=128, outer_value_bits=4, outer_lr=0.7,
+                      outer_momentum=0.9, outer_nesterov=True, outer_ef_decay=0.95, outer_streaming=streaming)
     torch.manual_seed(20 + h.node_rank)  # data per node (a node is one replica)
     data = [(torch.randn(16, 20), torch.randint(0, 5, (16,))) for _ in range(8)]
 
@@ -166,7 +166,7 @@ def test_two_nodes_sharded_rounds_agree_and_resume_inside_a_round(streaming):
 def _fault(rank, world, mode):
     """A non-finite pseudo-gradient on rank 1 only: decided once on every rank."""
     m = _model()
-    st = OuterState(OuterOptions(steps=2, density=0.5, bits=8, nonfinite=mode), list(m.named_parameters()))
+    st = OuterState(TopKConfig(local_steps=2, outer_density=0.5, outer_value_bits=8, nonfinite=mode), list(m.named_parameters()))
     theta0 = _flat(m).clone()
     with torch.no_grad():
         for p in m.parameters():

@@ -24,18 +24,11 @@ from torch import Tensor
 from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import flat_group, future_on, open_bucket
 from lightning_topk.comm.exchanges.registry import register
-from lightning_topk.comm.outer import OuterOptions, OuterState
+from lightning_topk.comm.outer import OuterState
 from lightning_topk.comm.state import TopKState, clock
 from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)
-
-
-def outer_options(config: Any) -> OuterOptions:
-    return OuterOptions(steps=config.local_steps, lr=config.outer_lr, momentum=config.outer_momentum,
-                        nesterov=config.outer_nesterov, density=config.outer_density, chunk=config.outer_chunk,
-                        bits=config.outer_value_bits, ef_decay=config.outer_ef_decay,
-                        streaming=config.outer_streaming, nonfinite=config.nonfinite)
 
 
 @register("local")
@@ -69,7 +62,7 @@ class LocalExchange(Exchange):
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         g = self.groups
         local = g.local_world if g is not None else 1
-        self.outer = OuterState(outer_options(self.state.config), named,
+        self.outer = OuterState(self.state.config, named,
                                 inter=g.inter if g is not None else self.state.process_group,
                                 intra=g.intra if g is not None else None, local=local,
                                 local_rank=g.local_rank if g is not None else 0,
@@ -119,7 +112,7 @@ class LocalExchange(Exchange):
         if o is None or o.stats.rounds == 0:
             return
         stats.outer_bytes = float(o.stats.bytes)
-        stats.outer_bytes_per_step = o.stats.bytes / max(1, o.opts.steps)
+        stats.outer_bytes_per_step = o.stats.bytes / max(1, o.config.local_steps)
         stats.outer_density = o.stats.density
         stats.outer_time_s = o.stats.time_s
         stats.outer_hidden_frac = o.stats.hidden_frac
