@@ -19,7 +19,11 @@ Recipes (``RECIPES``), each on top of error feedback with the exact selector:
 * ``warmup``: DGC's density warm-up (``warmup_steps``, from ``warmup_start=0.25``);
 * ``mc``: DGC momentum correction with momentum-factor masking (``momentum_correction=True``): the hook
   keeps the velocity, so the optimizer runs without momentum (SGD only);
-* ``mc_warmup``: both.
+* ``mc_warmup``: both;
+* ``mc_nomask``: momentum correction without the masking (``momentum_masking=False``): error feedback on
+  the local momentum;
+* ``auto``: what ``recipe="auto"`` (:func:`~lightning_topk.comm.recipe.apply_recipe`) makes of the optimizer
+  and density: the default a user runs.
 
 Usage::
 
@@ -39,10 +43,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from lightning_topk.comm.exchanges.kit import bucket_k, rebuild, select, send_values, take_bucket
+from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, sparse_k, take_bucket
+from lightning_topk.comm.recipe import apply_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 
-RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup")
+RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "auto")
 TASKS = ("digits", "digits_cnn", "mnist5k")
 OPTS = ("sgd", "adamw")
 
@@ -96,11 +101,12 @@ def config_for(recipe: str, density: float, warmup_steps: int = 40) -> Optional[
         return None
     if recipe not in RECIPES:
         raise ValueError(f"convergence: recipe must be one of {list(RECIPES)}, got {recipe!r}")
-    kw: Dict[str, Any] = dict(density=density, min_sparse_numel=0, exchange="allgather", selector="exact")
+    kw: Dict[str, Any] = dict(density=density, min_sparse_numel=0, exchange="allgather", selector="exact",
+                              recipe="auto" if recipe == "auto" else "none")
     if recipe in ("warmup", "mc_warmup"):
         kw.update(warmup_steps=warmup_steps, warmup_start=0.25)
-    if recipe in ("mc", "mc_warmup"):
-        kw.update(momentum_correction=True, momentum=0.9)
+    if recipe in ("mc", "mc_warmup", "mc_nomask"):
+        kw.update(momentum_correction=True, momentum=0.9, momentum_masking=recipe != "mc_nomask")
     return TopKConfig(**kw)
 
 
@@ -123,7 +129,7 @@ class SimulatedAllgather:
         n = out.numel()
         values, indices = [], []
         for st, g in zip(self.states, grads):
-            k = bucket_k(st, n)
+            k, ks, numels = sparse_k(st, self.params, n)
             b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g)
             if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
                 values.append(acc.clone())
@@ -131,7 +137,7 @@ class SimulatedAllgather:
                 if b is not None:
                     acc.zero_()
             else:
-                idx = select(st, acc, k)
+                idx = select(st, acc, k, ks, numels)
                 values.append(send_values(st, acc, idx, vel).float())
                 indices.append(idx)
             st.end_exchange()
@@ -204,6 +210,8 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
     if cfg is not None and opt != "sgd" and cfg.momentum_correction:
         raise ValueError(f"convergence: recipe {recipe!r} (momentum correction) is for SGD with momentum")
     optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction)
+    if cfg is not None and cfg.recipe == "auto":  # as the strategy does at setup (may move SGD's momentum)
+        cfg = apply_recipe(cfg, [optim])[0]
     sim = SimulatedAllgather(cfg, named, world) if cfg is not None else None
     run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps)
     t0 = time.perf_counter()

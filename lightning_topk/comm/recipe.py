@@ -25,7 +25,10 @@ import torch
 
 from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig
 
-__all__ = ["RECIPE_CHOICES", "apply_recipe", "recipe_for"]
+__all__ = ["MASKING_BELOW", "RECIPE_CHOICES", "apply_recipe", "masking_for", "recipe_for"]
+
+# Momentum-factor masking pays below this density and costs above it (MNIST-5k, steps to 90%, docs/convergence.md).
+MASKING_BELOW = 0.003
 
 
 def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str]:
@@ -67,4 +70,13 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
     m = float(opt.param_groups[0]["momentum"])
     for g in opt.param_groups:
         g["momentum"] = 0.0
-    return replace(config, momentum_correction=True, momentum=m), f"recipe=auto -> momentum_correction ({why})"
+    masking = masking_for(config.density)
+    how = "with momentum-factor masking" if masking else "without masking"
+    return (replace(config, momentum_correction=True, momentum=m, momentum_masking=masking),
+            f"recipe=auto -> momentum_correction {how} ({why}; density {config.density:g})")
+
+
+def masking_for(density: float) -> bool:
+    """Whether ``recipe="auto"``'s momentum correction masks the velocity at this density: below
+    :data:`MASKING_BELOW` (a pure function of the configuration: the same on every rank)."""
+    return density < MASKING_BELOW

@@ -60,6 +60,10 @@ class TopKConfig:
             with an optimizer without momentum (``recipe="auto"`` sets this up for SGD). Needs
             ``error_feedback``; flat exchange only.
         momentum: momentum used by ``momentum_correction``, in [0, 1).
+        momentum_masking: with ``momentum_correction``, DGC's momentum-factor masking: a sparse step zeroes
+            the velocity where it sent (``True``), or keeps it (``False``: error feedback on the local
+            momentum, which at density 1 is SGD momentum). ``recipe="auto"`` sets it from the density
+            (masking only below ``recipe.MASKING_BELOW``; ``docs/convergence.md``).
         recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
@@ -135,6 +139,7 @@ class TopKConfig:
     error_feedback: bool = True
     momentum_correction: bool = False
     momentum: float = 0.9
+    momentum_masking: bool = True
     recipe: str = "auto"
     dense_steps: int = 0
     warmup_steps: int = 0
@@ -173,7 +178,8 @@ class TopKConfig:
             value_dtype_of(self.value_dtype)
         except ValueError as e:
             raise ValueError(f"topk_ddp: {e}") from None
-        for name in ("error_feedback", "momentum_correction", "log_telemetry", "outer_nesterov", "outer_streaming"):
+        for name in ("error_feedback", "momentum_correction", "momentum_masking", "log_telemetry", "outer_nesterov",
+                     "outer_streaming"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:

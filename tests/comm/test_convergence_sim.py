@@ -19,6 +19,7 @@ STEPS, BATCH = 12, 32
 CASES = {  # recipe -> (optimizer, density)
     "ef": ("adamw", 0.02),
     "mc_warmup": ("sgd", 0.01),
+    "mc_nomask": ("sgd", 0.01),  # momentum_masking=False: the velocity is kept where sent
 }
 
 
