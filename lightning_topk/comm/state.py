@@ -268,7 +268,15 @@ class TopKConfig:
             return self.auto_sparse_penalty
         from lightning_topk.comm.cost import sparse_penalty
 
-        return sparse_penalty(self.density, "momentum_correction" if self.momentum_correction else "error_feedback")
+        return sparse_penalty(self.density, self.recipe_in_use)
+
+    @property
+    def recipe_in_use(self) -> str:
+        """The convergence recipe these options run (a key of :data:`lightning_topk.comm.cost.SPARSE_PENALTY`):
+        ``"error_feedback"``, ``"momentum_correction"`` (with masking) or ``"momentum_correction_unmasked"``."""
+        if not self.momentum_correction:
+            return "error_feedback"
+        return "momentum_correction" if self.momentum_masking else "momentum_correction_unmasked"
 
     @property
     def wire_dtype(self) -> torch.dtype:

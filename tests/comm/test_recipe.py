@@ -5,8 +5,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
-from lightning_topk.comm.exchanges import exchange_hook
-from lightning_topk.comm.exchanges import kit
+from lightning_topk.comm.exchanges import exchange_hook, kit
 from lightning_topk.comm.recipe import MASKING_BELOW, apply_recipe, masking_for, recipe_for
 from lightning_topk.optim import LARS
 from tests.helpers.dist import run_distributed
@@ -44,8 +43,8 @@ def test_a_sparse_step_zeroes_the_velocity_where_it_sent_only_with_masking(maski
     p = nn.Parameter(torch.zeros(8))
     st.bind([("p", p)])
     g = torch.tensor([1.0, -8.0, 2.0, 0.5, 7.0, -1.0, 0.0, 3.0])
-    for step in range(2):
-        b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+    for _ in range(2):
+        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
         idx = kit.select(st, acc, kit.bucket_k(st, 8))
         sent = kit.send_values(st, acc, idx, vel)
         st.end_exchange()
