@@ -23,7 +23,7 @@ def test_sgd_with_momentum_gets_momentum_correction_and_loses_its_own_momentum()
     assert cfg.density == 0.001 and cfg.recipe == "auto"  # the rest as given
 
 
-@pytest.mark.parametrize("density, masking", [(0.01, False), (0.005, False), (0.003, False), (0.002, True),
+@pytest.mark.parametrize("density, masking", [(0.01, False), (0.005, False), (0.003, True), (0.002, True),
                                               (0.001, True), (0.0001, True)])
 def test_auto_masks_the_velocity_only_at_low_density(density, masking):
     """Momentum-factor masking measured better below MASKING_BELOW and worse above it (docs/convergence.md):
