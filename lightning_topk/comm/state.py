@@ -67,7 +67,8 @@ class TopKConfig:
         recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
-            with the optimizer's momentum, whose momentum is then set to 0; for anything else (AdamW, Adam,
+            with the optimizer's momentum (``momentum_masking`` below density 0.005, not from there up), whose
+            momentum is then set to 0; for anything else (AdamW, Adam,
             LARS) plain error feedback. ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
