@@ -55,8 +55,9 @@ class TopKConfig:
             are clamped to it; the clipped part and the rounding error stay in the residual.
         error_feedback: keep what was not sent and add it to the next step's gradient.
         momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
-            with momentum-factor masking (the velocity is zeroed where entries were sent by a sparse step;
-            a dense step sends the whole velocity and keeps it, so it acts as heavy-ball momentum). Use it
+            with momentum-factor masking if ``momentum_masking`` (the velocity is zeroed where entries were
+            sent by a sparse step; a dense step sends the whole velocity and keeps it, so it acts as
+            heavy-ball momentum). Use it
             with an optimizer without momentum (``recipe="auto"`` sets this up for SGD). Needs
             ``error_feedback``; flat exchange only.
         momentum: momentum used by ``momentum_correction``, in [0, 1).
