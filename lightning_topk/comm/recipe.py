@@ -30,7 +30,8 @@ from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig
 __all__ = ["MASKING_BELOW", "RECIPE_CHOICES", "apply_recipe", "masking_for", "recipe_for"]
 
 # Momentum-factor masking pays below this density and costs above it (docs/convergence.md: at 0.01 masking was
-# slower on MNIST-5k and digits, at 0.001 faster on both, at 0.003 a tie on MNIST-5k and faster on digits).
+# slower on MNIST-5k and digits, at 0.001 faster on both; at 0.005 slower on MNIST-5k, the task, and
+# faster on digits; at 0.003 a tie on MNIST-5k and faster on digits).
 MASKING_BELOW = 0.005
 
 
