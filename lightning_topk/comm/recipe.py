@@ -10,8 +10,9 @@ plain error feedback by default (a density warm-up helps at 0.001, but its lengt
 * ``torch.optim.SGD`` with momentum > 0, dampening 0 and no Nesterov in every parameter group, one momentum
   value for all groups: turns ``momentum_correction`` on with that momentum, with ``momentum_masking`` below
   density :data:`MASKING_BELOW` and without it from there up, and sets the optimizer's momentum to 0 (the
-  velocity lives in the hook's state: checkpointed per rank, rolled back by a skipped step). Only while sparse steps can happen (``density < 1``) and the exchange supports momentum
-  correction (the flat ones: ``auto`` then chooses among them alone, ``allgather``, ``dense``).
+  velocity lives in the hook's state: checkpointed per rank, rolled back by a skipped step). Only while
+  sparse steps can happen (``density < 1``) and the exchange supports momentum correction (the flat ones:
+  ``auto`` then chooses among them alone, ``allgather``, ``dense``).
 * With ``local_steps`` > 0 (sparse local SGD) there is no per-step top-k: nothing, the optimizer untouched.
 * Anything else (Adam, AdamW, the repo's LARS, whose trust ratio is taken on the raw gradient, Nesterov,
   dampening, several optimizers): plain error feedback, the optimizer untouched.

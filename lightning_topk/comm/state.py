@@ -57,9 +57,8 @@ class TopKConfig:
         momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
             with momentum-factor masking if ``momentum_masking`` (the velocity is zeroed where entries were
             sent by a sparse step; a dense step sends the whole velocity and keeps it, so it acts as
-            heavy-ball momentum). Use it
-            with an optimizer without momentum (``recipe="auto"`` sets this up for SGD). Needs
-            ``error_feedback``; flat exchange only.
+            heavy-ball momentum). Use it with an optimizer without momentum (``recipe="auto"`` sets this up
+            for SGD). Needs ``error_feedback``; flat exchange only.
         momentum: momentum used by ``momentum_correction``, in [0, 1).
         momentum_masking: with ``momentum_correction``, DGC's momentum-factor masking: a sparse step zeroes
             the velocity where it sent (``True``), or keeps it (``False``: error feedback on the local
@@ -69,8 +68,8 @@ class TopKConfig:
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
             with the optimizer's momentum (``momentum_masking`` below density 0.005, not from there up), whose
-            momentum is then set to 0; for anything else (AdamW, Adam,
-            LARS) plain error feedback. ``"none"``: the options as given.
+            momentum is then set to 0; for anything else (AdamW, Adam, LARS) plain error feedback.
+            ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to

@@ -33,6 +33,8 @@ def test_auto_masks_the_velocity_only_at_low_density(density, masking):
     assert cfg.momentum_correction and cfg.momentum_masking is masking and masking_for(density) is masking
     assert ("with momentum-factor masking" if masking else "without masking") in note
     assert (density < MASKING_BELOW) is masking
+    with pytest.raises(ValueError, match="momentum_masking must be true or false"):
+        TopKConfig(momentum_masking="no")
 
 
 @pytest.mark.parametrize("masking", [True, False])
