@@ -100,6 +100,23 @@ def test_strategies_precisions_optimizers_instantiate(cfg_env):
     assert lrs[0] == pytest.approx(0.1 * base) and max(lrs) == pytest.approx(base) and lrs[-1] < 0.01 * base
 
 
+def test_every_experiment_composes_with_every_strategy(cfg_env):
+    """An experiment's top-k settings reach strategy=topk_ddp only (experiment_strategy/): under the default
+    experiment, `strategy=topk_local` used to fail (its pinned exchange contradicts local_steps) and
+    `strategy=ddp` handed DistributedDataParallel a `density` keyword."""
+    from lightning_topk.comm import TopKConfig
+
+    topk_keys = set(TopKConfig.option_names())
+    for exp in options("experiment"):
+        for name in options("strategy"):
+            node = cfg_env(f"experiment={exp}", f"strategy={name}").strategy
+            s = instantiate(node)  # TopKConfig validates here
+            if not isinstance(s, lightning_topk.TopKDDPStrategy):
+                assert not topk_keys & set(node), (exp, name, sorted(topk_keys & set(node)))
+            elif name == "topk_ddp" and exp == "quick":
+                assert s.topk_config.exchange == "allgather" and s.topk_config.min_sparse_numel == 4096
+
+
 def test_default_config_builds_and_overrides_reach_objects(cfg_env, tmp_path):
     cfg = cfg_env("strategy.density=0.005", "strategy.selector=mstopk", "optimizer=lars", "optimizer.lr=0.3",
                   "trainer.max_epochs=3", "trainer.devices=1", "data.batch_size=16", "model.net.width=8",
