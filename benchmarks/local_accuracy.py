@@ -3,7 +3,7 @@ on loopback (gloo, one machine, no network shaping: accuracy only), the same see
 every entry.
 
     nice -n 10 python benchmarks/local_accuracy.py [--tasks digits,mnist5k,lm] [--strategies ddp,topk_local]
-        [--nodes 4] [--out benchmarks/results/local_accuracy] [--plot docs/local_sgd_lm.png]
+        [--seeds 0,1,2] [--lm-seeds 0] [--nodes 4] [--out benchmarks/results/local_accuracy] [--plot docs/local_sgd_lm.png]
 
 Tasks (benchmarks/local_accuracy_worker.py runs each entry):
 - digits: MLP 64-128-10, AdamW 3e-3, 240 samples per step, 96 steps (16 epochs); test accuracy (20% held out);
@@ -33,13 +33,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC = {"digits": "val/acc", "mnist5k": "val/acc", "lm": "val/loss"}
 
 
-def run_entry(out: str, task: str, strategy: str, nodes: int, extra) -> dict:
+def run_entry(out: str, task: str, strategy: str, nodes: int, seed: int, extra) -> dict:
     sys.path.insert(0, ROOT)
     from tests.helpers.procs import run_nodes
 
-    tag = f"{task}-{strategy}"
+    tag = f"{task}-{strategy}-{seed}"
     run_nodes(["benchmarks/local_accuracy_worker.py", "--task", task, "--strategy", strategy, "--nodes", str(nodes),
-               "--out", out, "--tag", tag, *extra], num_nodes=nodes, timeout=1800)
+               "--seed", str(seed), "--out", out, "--tag", tag, *extra], num_nodes=nodes, timeout=1800)
     with open(os.path.join(out, f"{tag}.json")) as f:
         return json.load(f)
 
@@ -59,8 +59,8 @@ def plot(results: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for strategy, r in results.items():
-        rows = r["rows"]
+    for strategy, runs in results.items():
+        rows = runs[0]["rows"]
         ax1.plot([x["train_s"] for x in rows], [x["val/loss"] for x in rows], marker="o", label=strategy)
         ax2.plot([x["tokens"] / 1e6 for x in rows], [x["val/loss"] for x in rows], marker="o", label=strategy)
     ax1.set_xlabel("training time (s, 4 processes on one shared 2-core machine)")
@@ -79,6 +79,8 @@ def main() -> None:
     ap.add_argument("--tasks", default="digits,mnist5k,lm")
     ap.add_argument("--strategies", default="ddp,topk_local")
     ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--seeds", default="0", help="comma-separated seeds (model initialisation and data order)")
+    ap.add_argument("--lm-seeds", default="0", help="seeds of the lm task (its runs are the long ones)")
     ap.add_argument("--steps", type=int, default=0, help="max_steps for every task (0: each task's default)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "local_accuracy"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "local_sgd_lm.png"))
@@ -88,26 +90,29 @@ def main() -> None:
     results: dict = {}
     with tempfile.TemporaryDirectory() as d:
         for task in tasks:
-            for strategy in strategies:
-                t0 = time.perf_counter()
-                r = run_entry(d, task, strategy, a.nodes, extra)
-                r["wall_s"] = time.perf_counter() - t0
-                results.setdefault(task, {})[strategy] = r
-                print(f"{task} {strategy}: {METRIC[task]} {r['final']:.4f} after {r['steps']} steps, "
-                      f"{r['train_s']:.1f} s training", flush=True)
+            for seed in map(int, (a.lm_seeds if task == "lm" else a.seeds).split(",")):
+                for strategy in strategies:
+                    t0 = time.perf_counter()
+                    r = run_entry(d, task, strategy, a.nodes, seed, extra)
+                    r["wall_s"] = time.perf_counter() - t0
+                    results.setdefault(task, {}).setdefault(strategy, []).append(r)
+                    print(f"{task} {strategy} seed {seed}: {METRIC[task]} {r['final']:.4f} after {r['steps']} steps, "
+                          f"{r['train_s']:.1f} s training", flush=True)
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     head = (f"{a.nodes} nodes x 1 process (gloo, loopback), same seeds and samples per entry; "
             f"{time.strftime('%Y-%m-%d')}, 2-core x86_64, no GPU, torch {torch.__version__}; load at the end: {up}")
-    lines = [head, "", "| task | strategy | steps | samples (tokens) | metric | final | vs ddp | training s |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [head, "", "| task | strategy | steps | samples (tokens) | metric | final, mean over seeds | per seed "
+             "| vs ddp | training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
     for task, by in results.items():
-        ref = by.get("ddp", {}).get("final")
-        for strategy, r in by.items():
-            last = r["rows"][-1]
+        mean = {s: sum(r["final"] for r in runs) / len(runs) for s, runs in by.items()}
+        for strategy, runs in by.items():
+            last = runs[0]["rows"][-1]
             size = f"{last['samples']:,}" + (f" ({last['tokens']:,})" if task == "lm" else "")
-            vs = "" if strategy == "ddp" or ref is None else verdict(task, r["final"], ref)
-            lines.append(f"| {task} | {strategy} | {r['steps']} | {size} | {METRIC[task]} | {r['final']:.4f} | {vs} "
-                         f"| {r['train_s']:.1f} |")
+            vs = "" if strategy == "ddp" or "ddp" not in mean else verdict(task, mean[strategy], mean["ddp"])
+            per_seed = ", ".join(f"{r['final']:.4f}" for r in runs)
+            secs = sum(r["train_s"] for r in runs) / len(runs)
+            lines.append(f"| {task} | {strategy} | {runs[0]['steps']} | {size} | {METRIC[task]} | {mean[strategy]:.4f} "
+                         f"| {per_seed} | {vs} | {secs:.1f} |")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({"header": head, "results": results}, f, indent=1)

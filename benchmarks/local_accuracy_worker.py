@@ -120,10 +120,11 @@ def main() -> None:
     ap.add_argument("--tag", required=True)
     ap.add_argument("--steps", type=int, default=0, help="max_steps (0: the task's default)")
     ap.add_argument("--eval-every", type=int, default=0, help="optimizer steps between evaluations (0: default)")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     ap.add_argument("--override", action="append", default=[], help="extra Hydra override (strategy.*, ...)")
     a = ap.parse_args()
     torch.set_num_threads(1)
-    base = [f"strategy={a.strategy}", "strategy.process_group_backend=gloo", *a.override]
+    base = [f"strategy={a.strategy}", "strategy.process_group_backend=gloo", f"seed={a.seed}", *a.override]
     if a.task == "lm":
         cfg = compose("experiment=transformer_lm_bytes", *base)
         from hydra.utils import instantiate
@@ -141,7 +142,7 @@ def main() -> None:
 
         dm = None
         train, test = arrays(a.task)
-        pl.seed_everything(0, workers=True)
+        pl.seed_everything(a.seed, workers=True)
         model = MLP(64, 128, 3e-3) if a.task == "digits" else MLP(784, 256, 3e-3)
         # digits: 1,437 training samples -> 360 per rank of 4, 60 per batch: 6 steps per epoch, 16 epochs;
         # mnist5k: 4,000 -> 1,000 per rank, 50 per batch: 20 steps per epoch, 16 epochs.
@@ -165,7 +166,7 @@ def main() -> None:
         trainer.fit(model, train_loader, val_loader)
     if trainer.is_global_zero:
         m = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}
-        out = {"task": a.task, "strategy": a.strategy, "nodes": a.nodes, "steps": trainer.global_step,
+        out = {"task": a.task, "strategy": a.strategy, "seed": a.seed, "nodes": a.nodes, "steps": trainer.global_step,
                "batch_per_rank": batch, "rows": rec.rows, "final": rec.rows[-1][metric] if rec.rows else None,
                "train_s": rec.rows[-1]["train_s"] if rec.rows else None, "metrics": m,
                "params": sum(p.numel() for p in model.parameters())}
