@@ -95,3 +95,12 @@ def _first_train_loss(run_dir) -> float:
     (path,) = run_dir.glob("csv/version_*/metrics.csv")
     rows = [r for r in csv.DictReader(path.open()) if r.get("train/loss")]
     return float(min(rows, key=lambda r: int(r["step"]))["train/loss"])
+
+
+def test_every_packaged_file_is_package_data():
+    """A file under lightning_topk/data/packaged that pyproject.toml does not list is missing from the wheel."""
+    tomllib = pytest.importorskip("tomllib")
+    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {f"packaged/{p.name}" for p in (ROOT / "lightning_topk" / "data" / "packaged").iterdir() if p.is_file()}
+    assert {"packaged/stdlib_docs.txt.gz", "packaged/stdlib_docs.LICENSE.txt"} <= shipped
+    assert shipped <= set(listed["lightning_topk.data"])
