@@ -12,6 +12,7 @@ Tasks (benchmarks/local_accuracy_worker.py runs each entry):
 - lm: the preset experiment=transformer_lm_bytes (TransformerLM d_model 128, 2 layers, 64-byte context,
   AdamW 2e-3 with warm-up + cosine) on the packaged byte-level text (data=bytes_text), 16 sequences per rank
   per step, 320 steps (4 ranks: 1.31M tokens); held-out loss in nats per byte.
+`--variant` adds entries with Hydra overrides (diagnostics; the registered defaults stay the `topk_local` row).
 Strategies are the Hydra groups: ddp, topk_local (the registered defaults: H 16, outer density 0.1, 4-bit,
 outer lr 0.7, Nesterov 0.9), topk_ddp (per-step top-k, density 0.01). Evaluations every 32 steps (outer-round
 ends). Writes OUT.json (every entry's rows), OUT.md (the table) and the LM's loss-vs-time/tokens plot.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -33,13 +35,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC = {"digits": "val/acc", "mnist5k": "val/acc", "lm": "val/loss"}
 
 
-def run_entry(out: str, task: str, strategy: str, nodes: int, seed: int, extra) -> dict:
+def run_entry(out: str, task: str, entry: str, nodes: int, seed: int, extra, variants: dict) -> dict:
     sys.path.insert(0, ROOT)
     from tests.helpers.procs import run_nodes
 
-    tag = f"{task}-{strategy}-{seed}"
+    strategy, overrides = variants.get(entry, (entry, []))
+    label = re.sub(r"\W+", "_", entry)
+    tag = f"{task}-{label}-{seed}"
     run_nodes(["benchmarks/local_accuracy_worker.py", "--task", task, "--strategy", strategy, "--nodes", str(nodes),
-               "--seed", str(seed), "--out", out, "--tag", tag, *extra], num_nodes=nodes, timeout=1800)
+               "--seed", str(seed), "--out", out, "--tag", tag, *extra,
+               *[x for o in overrides for x in ("--override", o)]], num_nodes=nodes, timeout=1800)
     with open(os.path.join(out, f"{tag}.json")) as f:
         return json.load(f)
 
@@ -61,14 +66,15 @@ def plot(results: dict, path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for strategy, runs in results.items():
         rows = runs[0]["rows"]
-        ax1.plot([x["train_s"] for x in rows], [x["val/loss"] for x in rows], marker="o", label=strategy)
-        ax2.plot([x["tokens"] / 1e6 for x in rows], [x["val/loss"] for x in rows], marker="o", label=strategy)
+        style = dict(marker="o", label=strategy, ls="-" if strategy in ("ddp", "topk_local", "topk_ddp") else "--")
+        ax1.plot([x["train_s"] for x in rows], [x["val/loss"] for x in rows], **style)
+        ax2.plot([x["tokens"] / 1e6 for x in rows], [x["val/loss"] for x in rows], **style)
     ax1.set_xlabel("training time (s, 4 processes on one shared 2-core machine)")
     ax2.set_xlabel("tokens trained (millions, all ranks)")
     for ax in (ax1, ax2):
         ax.set_ylabel("held-out loss (nats/byte)")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.suptitle("Transformer LM (transformer_lm_bytes) on the packaged byte-level text, 4 nodes x 1 process")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -81,11 +87,20 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (model initialisation and data order)")
     ap.add_argument("--lm-seeds", default="0", help="seeds of the lm task (its runs are the long ones)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=STRATEGY:OVERRIDE;OVERRIDE",
+                    help="an extra entry: a strategy group with Hydra overrides, e.g. "
+                         "'dense fp32=topk_local:strategy.outer_density=1.0;strategy.outer_value_bits=32'")
     ap.add_argument("--steps", type=int, default=0, help="max_steps for every task (0: each task's default)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "local_accuracy"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "local_sgd_lm.png"))
     a = ap.parse_args()
     tasks, strategies = a.tasks.split(","), a.strategies.split(",")
+    variants = {}
+    for v in a.variant:
+        label, _, spec = v.partition("=")
+        strategy, _, ov = spec.partition(":")
+        variants[label] = (strategy, [o for o in ov.split(";") if o])
+        strategies.append(label)
     extra = ["--steps", str(a.steps)] if a.steps else []
     results: dict = {}
     with tempfile.TemporaryDirectory() as d:
@@ -93,8 +108,9 @@ def main() -> None:
             for seed in map(int, (a.lm_seeds if task == "lm" else a.seeds).split(",")):
                 for strategy in strategies:
                     t0 = time.perf_counter()
-                    r = run_entry(d, task, strategy, a.nodes, seed, extra)
+                    r = run_entry(d, task, strategy, a.nodes, seed, extra, variants)
                     r["wall_s"] = time.perf_counter() - t0
+                    r["entry"], r["overrides"] = strategy, variants.get(strategy, (strategy, []))[1]
                     results.setdefault(task, {}).setdefault(strategy, []).append(r)
                     print(f"{task} {strategy} seed {seed}: {METRIC[task]} {r['final']:.4f} after {r['steps']} steps, "
                           f"{r['train_s']:.1f} s training", flush=True)
