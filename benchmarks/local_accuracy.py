@@ -87,9 +87,9 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--seeds", default="0", help="comma-separated seeds (model initialisation and data order)")
     ap.add_argument("--lm-seeds", default="0", help="seeds of the lm task (its runs are the long ones)")
-    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=STRATEGY:OVERRIDE;OVERRIDE",
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL|STRATEGY|OVERRIDE;OVERRIDE",
                     help="an extra entry: a strategy group with Hydra overrides, e.g. "
-                         "'dense fp32=topk_local:strategy.outer_density=1.0;strategy.outer_value_bits=32'")
+                         "'dense fp32|topk_local|strategy.outer_density=1.0;strategy.outer_value_bits=32'")
     ap.add_argument("--steps", type=int, default=0, help="max_steps for every task (0: each task's default)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "local_accuracy"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "local_sgd_lm.png"))
@@ -97,8 +97,7 @@ def main() -> None:
     tasks, strategies = a.tasks.split(","), a.strategies.split(",")
     variants = {}
     for v in a.variant:
-        label, _, spec = v.partition("=")
-        strategy, _, ov = spec.partition(":")
+        label, strategy, ov = v.split("|")
         variants[label] = (strategy, [o for o in ov.split(";") if o])
         strategies.append(label)
     extra = ["--steps", str(a.steps)] if a.steps else []
