@@ -104,3 +104,16 @@ def test_every_packaged_file_is_package_data():
     shipped = {f"packaged/{p.name}" for p in (ROOT / "lightning_topk" / "data" / "packaged").iterdir() if p.is_file()}
     assert {"packaged/stdlib_docs.txt.gz", "packaged/stdlib_docs.LICENSE.txt"} <= shipped
     assert shipped <= set(listed["lightning_topk.data"])
+
+
+def test_packaged_datamodule_text_options_fail_fast(tmp_path):
+    from lightning_topk.app.factories import packaged_datamodule
+
+    with pytest.raises(ValueError, match="seq_len"):
+        packaged_datamodule("bytes_text", cache_dir=str(tmp_path))  # no seq_len
+    with pytest.raises(ValueError, match="image_size"):
+        packaged_datamodule("bytes_text", cache_dir=str(tmp_path), seq_len=65, image_size=8)
+    with pytest.raises(ValueError, match="seq_len applies to dataset='bytes_text' only"):
+        packaged_datamodule("digits", cache_dir=str(tmp_path), seq_len=65)
+    dm = packaged_datamodule("bytes_text", cache_dir=str(tmp_path), seq_len=65, keys=["npy"], num_workers=0)
+    assert len(dm.train_shards) == 4 and len(dm.val_shards) == 1
