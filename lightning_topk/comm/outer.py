@@ -288,8 +288,9 @@ class OuterState:
 
     # ---- rounds -----------------------------------------------------------------------------------
     def step(self) -> bool:
-        """After an inner optimizer step that happened: counts it; at the H-th runs the outer round.
-        Returns whether an outer round ran."""
+        """After an inner optimizer-step attempt (one this replica skipped too: the rounds stay aligned across
+        replicas, and a replica that skipped contributes a Δ of fewer steps): counts it; at the H-th runs the
+        outer round. Returns whether an outer round ran."""
         self.position += 1
         if self._flight is not None and self._done_at is None and self._flight[0].is_completed():
             self._done_at = time.perf_counter()

@@ -64,14 +64,35 @@ def test_bad_local_options_are_named(kw, name):
         TopKDDPStrategy(**kw)
 
 
-def test_skipped_inner_step_inside_a_round_does_not_count_on_any_rank(tmp_path):
-    # rank 0's loss is inf at step 5 (inside the second round): the controller skips it on both ranks, the
-    # outer position does not advance, so the 12 steps make 11 that happened: 2 rounds and 3 steps.
+def test_skipped_inner_step_is_the_nodes_own_and_the_rounds_stay_aligned(tmp_path):
+    # rank 0's loss is inf at step 5 (inside the second round). Each node decides its inner steps alone (no
+    # collective between the nodes): node 0 skips it, node 1 does not. The position counts attempts, so both
+    # nodes enter every round at the same step: 12 attempts, H=4, 3 rounds, and after the last one the
+    # replicas agree again (node 0's pseudo-gradient of the second round is one step short).
     out = _run(tmp_path, "skip", "--epochs", "2", "--H", "4", "--inject-step", "5", "--nonfinite", "skip")
+    assert [out[r]["skips"] for r in range(2)] == [1, 0]
     for r in range(2):
         assert out[r]["steps"] == 12
-        assert (out[r]["rounds"], out[r]["position"]) == (2, 3), r
+        assert (out[r]["rounds"], out[r]["position"]) == (3, 0), r
         assert bool(torch.isfinite(out[r]["flat"]).all())
+        assert out[r]["inner_collectives"] == [], (r, out[r]["inner_collectives"])
+        assert out[r]["outer_collectives"] > 0
+    assert torch.equal(out[0]["flat"], out[1]["flat"])
+
+
+def test_no_inter_node_collective_between_outer_rounds_two_by_two(tmp_path):
+    # 2 nodes x 2 processes, rank 0's loss inf at step 2: the node's dense all-reduce spreads it to rank 1, so
+    # node 0 (ranks 0, 1) skips that step, decided over the node's group; node 1 (ranks 2, 3) does not. Inside
+    # the batches, only the outer rounds' collectives span the nodes (none from the controller or telemetry).
+    out = _run(tmp_path, "skip22", "--epochs", "3", "--devices", "2", "--H", "3", "--inject-step", "2",
+               "--nonfinite", "skip", world=4)
+    assert [out[r]["skips"] for r in range(4)] == [1, 1, 0, 0]
+    for r in range(4):
+        assert out[r]["steps"] == 9
+        assert (out[r]["rounds"], out[r]["position"]) == (3, 0), r
+        assert out[r]["inner_collectives"] == [], (r, out[r]["inner_collectives"])
+        assert out[r]["outer_collectives"] > 0
+        assert torch.equal(out[r]["flat"], out[0]["flat"]), r
 
 
 def test_fabric_equals_the_trainer(tmp_path):
