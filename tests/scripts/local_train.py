@@ -82,6 +82,15 @@ class Net(pl.LightningModule):
     def setup(self, stage):
         torch.set_num_threads(1)
 
+    def on_train_start(self):
+        # the outer state as the first step finds it (a resumed run: as loaded)
+        ex = getattr(getattr(self.trainer.strategy, "topk_state", None), "exchange", None)
+        o = getattr(ex, "outer", None)
+        if o is not None:
+            self.start = {"theta_outer": o.theta.clone(), "momentum": o.mom.clone(), "ef": o.ef.clone(),
+                          "position": o.position, "rounds": o.stats.rounds, "lo": o.lo, "shard": o.shard,
+                          "flat": torch.cat([p.detach().reshape(-1) for p in self.parameters()])}
+
     def on_train_batch_start(self, batch, batch_idx):
         WATCH["in_batch"] = True
 
@@ -120,6 +129,7 @@ def main() -> None:
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--devices", type=int, default=1, help="processes per node")
+    ap.add_argument("--nodes", type=int, default=2, help="simulated nodes (run_nodes' num_nodes)")
     ap.add_argument("--inject-step", type=int)
     ap.add_argument("--nonfinite", default="raise")
     ap.add_argument("--fabric", action="store_true")
@@ -140,7 +150,7 @@ def main() -> None:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
     model = Net(a.opt, a.lr, a.inject_step)
-    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=2, strategy=strategy, max_epochs=a.epochs,
+    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accumulate_grad_batches=a.accumulate, deterministic=True,
                          log_every_n_steps=1)
@@ -158,7 +168,10 @@ def main() -> None:
     torch.save({"flat": flat, "acc": acc, "steps": trainer.global_step,
                 "rounds": outer.stats.rounds if outer is not None else 0,
                 "position": outer.position if outer is not None else -1,
-                "skips": ctl.skipped_steps if ctl is not None else -1,
+                "skips": ctl.skipped_steps if ctl is not None else -1, "start": getattr(model, "start", None),
+                "theta_outer": outer.theta.clone() if outer is not None else None,
+                "momentum": outer.mom.clone() if outer is not None else None,
+                "ef": outer.ef.clone() if outer is not None else None,
                 "inner_collectives": list(WATCH["inner"]), "outer_collectives": WATCH["outer"],
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
