@@ -31,6 +31,7 @@ from that start (``θ_anchor``).
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from torch import Tensor
 
 from lightning_topk.comm.state import TopKConfig
 
+log = logging.getLogger(__name__)
 VALUE_BITS = (32, 16, 8, 4, 2)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -263,6 +265,13 @@ class OuterState:
         self._flight: Optional[Tuple[Any, Tensor, float]] = None  # (work, gathered bytes, launch time)
         self._done_at: Optional[float] = None
         self.stats = OuterStats()
+        if config.outer_streaming and config.outer_momentum > 0 and local_rank == 0 and self._first_replica():
+            log.warning("topk_local: outer_streaming with outer_momentum=%g: outer momentum applied one round late "
+                        "diverged on the namespace cluster (docs/local_sgd.md); use outer_momentum=0 with streaming",
+                        config.outer_momentum)
+
+    def _first_replica(self) -> bool:
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
     # ---- flat views ------------------------------------------------------------------------------
     def flat_params(self) -> Tensor:
