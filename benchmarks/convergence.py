@@ -19,13 +19,18 @@ Recipes (``RECIPES``), each on top of error feedback with the exact selector:
 * ``warmup``: DGC's density warm-up (``warmup_steps``, from ``warmup_start=0.25``);
 * ``mc``: DGC momentum correction with momentum-factor masking (``momentum_correction=True``): the hook
   keeps the velocity, so the optimizer runs without momentum (SGD only);
-* ``mc_warmup``: both.
+* ``mc_warmup``: both;
+* ``mc_nomask``: momentum correction without the masking (``momentum_masking=False``): error feedback on
+  the local momentum;
+* ``auto``: what ``recipe="auto"`` (:func:`~lightning_topk.comm.recipe.apply_recipe`) makes of the optimizer
+  and density: the default a user runs.
 
 Usage::
 
     python benchmarks/convergence.py                      # the whole grid, table on stdout
     python benchmarks/convergence.py --task mnist5k --opt sgd --density 0.001 --recipe ef mc
     python benchmarks/convergence.py --markdown benchmarks/results/convergence.md
+    python benchmarks/convergence.py --task mnist5k --opt adamw --recipe ef --set warmup_steps=100   # options on top
 """
 from __future__ import annotations
 
@@ -39,10 +44,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import Tensor, nn
 
-from lightning_topk.comm.exchanges.kit import bucket_k, rebuild, select, send_values, take_bucket
+from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, sparse_k, take_bucket
+from lightning_topk.comm.recipe import apply_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 
-RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup")
+RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "auto")
 TASKS = ("digits", "digits_cnn", "mnist5k")
 OPTS = ("sgd", "adamw")
 
@@ -90,17 +96,20 @@ def optimizer_for(name: str, params: Sequence[Tensor], momentum_in_hook: bool) -
     raise ValueError(f"convergence: opt must be one of {list(OPTS)}, got {name!r}")
 
 
-def config_for(recipe: str, density: float, warmup_steps: int = 40) -> Optional[TopKConfig]:
-    """The TopKConfig of a recipe (None: dense)."""
+def config_for(recipe: str, density: float, warmup_steps: int = 40,
+               overrides: Optional[Dict[str, Any]] = None) -> Optional[TopKConfig]:
+    """The TopKConfig of a recipe (None: dense), with ``overrides`` (TopKConfig options, ``--set``) on top."""
     if recipe == "dense":
         return None
     if recipe not in RECIPES:
         raise ValueError(f"convergence: recipe must be one of {list(RECIPES)}, got {recipe!r}")
-    kw: Dict[str, Any] = dict(density=density, min_sparse_numel=0, exchange="allgather", selector="exact")
+    kw: Dict[str, Any] = dict(density=density, min_sparse_numel=0, exchange="allgather", selector="exact",
+                              recipe="auto" if recipe == "auto" else "none")
     if recipe in ("warmup", "mc_warmup"):
         kw.update(warmup_steps=warmup_steps, warmup_start=0.25)
-    if recipe in ("mc", "mc_warmup"):
-        kw.update(momentum_correction=True, momentum=0.9)
+    if recipe in ("mc", "mc_warmup", "mc_nomask"):
+        kw.update(momentum_correction=True, momentum=0.9, momentum_masking=recipe != "mc_nomask")
+    kw.update(overrides or {})
     return TopKConfig(**kw)
 
 
@@ -123,7 +132,7 @@ class SimulatedAllgather:
         n = out.numel()
         values, indices = [], []
         for st, g in zip(self.states, grads):
-            k = bucket_k(st, n)
+            k, ks, numels = sparse_k(st, self.params, n)
             b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g)
             if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
                 values.append(acc.clone())
@@ -131,7 +140,7 @@ class SimulatedAllgather:
                 if b is not None:
                     acc.zero_()
             else:
-                idx = select(st, acc, k)
+                idx = select(st, acc, k, ks, numels)
                 values.append(send_values(st, acc, idx, vel).float())
                 indices.append(idx)
             st.end_exchange()
@@ -193,17 +202,20 @@ class Run:
 def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 300, world: int = 4,
           batch: int = 32, eval_every: int = 5, seed: int = 0, warmup_steps: int = 40,
           data: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
-          on_step: Optional[Callable[[int, nn.Module], None]] = None) -> Run:
+          on_step: Optional[Callable[[int, nn.Module], None]] = None,
+          overrides: Optional[Dict[str, Any]] = None) -> Run:
     """Train ``steps`` steps of ``world`` simulated ranks (``batch`` samples each, disjoint shards of a
     seeded shuffle, a new shuffle each epoch) and record the test accuracy every ``eval_every`` steps."""
     xtr, ytr, xte, yte = data if data is not None else load(task)
     model = model_for(task, seed)
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    cfg = config_for(recipe, density, warmup_steps)
+    cfg = config_for(recipe, density, warmup_steps, overrides)
     if cfg is not None and opt != "sgd" and cfg.momentum_correction:
         raise ValueError(f"convergence: recipe {recipe!r} (momentum correction) is for SGD with momentum")
     optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction)
+    if cfg is not None and cfg.recipe == "auto":  # as the strategy does at setup (may move SGD's momentum)
+        cfg = apply_recipe(cfg, [optim])[0]
     sim = SimulatedAllgather(cfg, named, world) if cfg is not None else None
     run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps)
     t0 = time.perf_counter()
@@ -231,7 +243,7 @@ TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80,
 
 
 def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], recipes: Sequence[str],
-         seeds: Sequence[int], steps: Optional[int] = None) -> List[Run]:
+         seeds: Sequence[int], steps: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None) -> List[Run]:
     runs = []
     for task in tasks:
         data = load(task)
@@ -241,7 +253,8 @@ def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], 
                     continue
                 for density in ([1.0] if recipe == "dense" else densities):
                     for seed in seeds:
-                        r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data)
+                        r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data,
+                                  overrides=None if recipe == "dense" else overrides)
                         runs.append(r)
                         print(f"{task:8s} {opt:5s} rho={r.density:<6g} {recipe:10s} seed={seed} "
                               f"final={r.final:.3f} to{TARGETS[task]}="
@@ -280,6 +293,20 @@ def table(runs: Sequence[Run]) -> str:
     return "\n".join(lines)
 
 
+def parse_set(items: Sequence[str]) -> Dict[str, Any]:
+    """``--set`` items (``option=value``, the value read as YAML: ``100``, ``0.5``, ``false``) as TopKConfig
+    keyword arguments."""
+    import yaml
+
+    out: Dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or key not in TopKConfig.option_names():
+            raise ValueError(f"convergence: --set takes OPTION=VALUE with a TopKConfig option, got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--task", nargs="+", default=list(TASKS), choices=TASKS)
@@ -288,11 +315,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--recipe", nargs="+", default=list(RECIPES), choices=RECIPES)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     ap.add_argument("--steps", type=int, help="steps per run (default: digits 240, mnist5k 300)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
+                    help="TopKConfig options on top of every sparse recipe, e.g. warmup_steps=100 dense_steps=10")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write the curves here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps)
+    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set))
     md = table(runs)
     print(md)
     if a.markdown:

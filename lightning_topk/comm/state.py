@@ -55,16 +55,21 @@ class TopKConfig:
             are clamped to it; the clipped part and the rounding error stay in the residual.
         error_feedback: keep what was not sent and add it to the next step's gradient.
         momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
-            with momentum-factor masking (the velocity is zeroed where entries were sent by a sparse step;
-            a dense step sends the whole velocity and keeps it, so it acts as heavy-ball momentum). Use it
-            with an optimizer without momentum (``recipe="auto"`` sets this up for SGD). Needs
-            ``error_feedback``; flat exchange only.
+            with momentum-factor masking if ``momentum_masking`` (the velocity is zeroed where entries were
+            sent by a sparse step; a dense step sends the whole velocity and keeps it, so it acts as
+            heavy-ball momentum). Use it with an optimizer without momentum (``recipe="auto"`` sets this up
+            for SGD). Needs ``error_feedback``; flat exchange only.
         momentum: momentum used by ``momentum_correction``, in [0, 1).
+        momentum_masking: with ``momentum_correction``, DGC's momentum-factor masking: a sparse step zeroes
+            the velocity where it sent (``True``), or keeps it (``False``: error feedback on the local
+            momentum, which at density 1 is SGD momentum). ``recipe="auto"`` sets it from the density
+            (masking only below ``recipe.MASKING_BELOW``; ``docs/convergence.md``).
         recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
-            with the optimizer's momentum, whose momentum is then set to 0; for anything else (AdamW, Adam,
-            LARS) plain error feedback. ``"none"``: the options as given.
+            with the optimizer's momentum (``momentum_masking`` below density 0.005, not from there up), whose
+            momentum is then set to 0; for anything else (AdamW, Adam, LARS) plain error feedback.
+            ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
@@ -136,6 +141,7 @@ class TopKConfig:
     error_feedback: bool = True
     momentum_correction: bool = False
     momentum: float = 0.9
+    momentum_masking: bool = True
     recipe: str = "auto"
     dense_steps: int = 0
     warmup_steps: int = 0
@@ -174,7 +180,8 @@ class TopKConfig:
             value_dtype_of(self.value_dtype)
         except ValueError as e:
             raise ValueError(f"topk_ddp: {e}") from None
-        for name in ("error_feedback", "momentum_correction", "log_telemetry", "outer_nesterov", "outer_streaming"):
+        for name in ("error_feedback", "momentum_correction", "momentum_masking", "log_telemetry", "outer_nesterov",
+                     "outer_streaming"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
@@ -263,7 +270,15 @@ class TopKConfig:
             return self.auto_sparse_penalty
         from lightning_topk.comm.cost import sparse_penalty
 
-        return sparse_penalty(self.density, "momentum_correction" if self.momentum_correction else "error_feedback")
+        return sparse_penalty(self.density, self.recipe_in_use)
+
+    @property
+    def recipe_in_use(self) -> str:
+        """The convergence recipe these options run (a key of :data:`lightning_topk.comm.cost.SPARSE_PENALTY`):
+        ``"error_feedback"``, ``"momentum_correction"`` (with masking) or ``"momentum_correction_unmasked"``."""
+        if not self.momentum_correction:
+            return "error_feedback"
+        return "momentum_correction" if self.momentum_masking else "momentum_correction_unmasked"
 
     @property
     def wire_dtype(self) -> torch.dtype:

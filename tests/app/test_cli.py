@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers.procs import blocking_env
+from tests.helpers.procs import blocking_env, python_for
 
 FAST = ["trainer.num_sanity_val_steps=0", "data.num_workers=0", "trainer.enable_model_summary=false"]
 
@@ -23,7 +23,11 @@ def cli(args, tmp_path, timeout=300, module=True, block=()):
         env = blocking_env(tmp_path, block, env)
     for k in [k for k in env if k.startswith(("SLURM_", "MASTER_")) or k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")]:
         env.pop(k)
-    cmd = [sys.executable, "-m", "lightning_topk"] if module else [str(Path(sys.executable).parent / "lightning-topk-train")]
+    if module:
+        exe, env = python_for(env)
+        cmd = [exe, "-m", "lightning_topk"]
+    else:
+        cmd = [str(Path(sys.executable).parent / "lightning-topk-train")]
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
 
 

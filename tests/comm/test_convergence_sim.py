@@ -19,6 +19,7 @@ STEPS, BATCH = 12, 32
 CASES = {  # recipe -> (optimizer, density)
     "ef": ("adamw", 0.02),
     "mc_warmup": ("sgd", 0.01),
+    "mc_nomask": ("sgd", 0.01),  # momentum_masking=False: the velocity is kept where sent
 }
 
 
@@ -39,7 +40,8 @@ def _real(rank, world):
             nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx]).backward()
             optim.step()
         out[recipe] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
-                       {k: v.clone() for k, v in state.residuals().items()}, state.totals.numel_sent)
+                       {k: v.clone() for k, v in state.residuals().items()}, state.totals.numel_sent,
+                       {k: v.clone() for k, v in state.velocities().items()})
     return out
 
 
@@ -58,13 +60,17 @@ def test_simulation_matches_two_gloo_processes(real, recipe):
     assert len(sims) == STEPS and run.curve
     got, residuals = sims[-1], [st.residuals() for st in run.states]
     for rank in range(2):
-        params, res, sent = real[rank][recipe]
+        params, res, sent, vel = real[rank][recipe]
         assert 0 < sent
         for k, v in params.items():
             assert torch.allclose(got[k], v, atol=2e-5, rtol=1e-4), (recipe, rank, k)
         # the real rank's residual (per-rank state) is the simulated rank's
         for name, r in res.items():
             assert torch.allclose(residuals[rank][name], r, atol=2e-5, rtol=1e-4), (recipe, rank, name)
+        # and so is its momentum-correction velocity (masked at the sent entries or kept)
+        assert vel.keys() == run.states[rank].velocities().keys() and bool(vel) == recipe.startswith("mc")
+        for name, v in vel.items():
+            assert torch.allclose(run.states[rank].velocities()[name], v, atol=2e-5, rtol=1e-4), (recipe, rank, name)
     # and it is not trivially so: the two ranks' residuals differ, and training moved the parameters
     r0, r1 = real[0][recipe][1], real[1][recipe][1]
     assert any(not torch.equal(r0[n], r1[n]) for n in r0)

@@ -5,8 +5,8 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
-from lightning_topk.comm.exchanges import exchange_hook
-from lightning_topk.comm.recipe import apply_recipe, recipe_for
+from lightning_topk.comm.exchanges import exchange_hook, kit
+from lightning_topk.comm.recipe import MASKING_BELOW, apply_recipe, masking_for, recipe_for
 from lightning_topk.optim import LARS
 from tests.helpers.dist import run_distributed
 
@@ -21,6 +21,50 @@ def test_sgd_with_momentum_gets_momentum_correction_and_loses_its_own_momentum()
     assert cfg.momentum_correction and cfg.momentum == 0.8 and "-> momentum_correction" in note
     assert all(g["momentum"] == 0.0 for g in opt.param_groups)
     assert cfg.density == 0.001 and cfg.recipe == "auto"  # the rest as given
+
+
+@pytest.mark.parametrize("density, masking", [(0.01, False), (0.005, False), (0.003, True), (0.002, True),
+                                              (0.001, True), (0.0001, True)])
+def test_auto_masks_the_velocity_only_at_low_density(density, masking):
+    """Momentum-factor masking measured better below MASKING_BELOW and worse above it (docs/convergence.md):
+    the choice follows the density alone, so every rank makes it alike."""
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    cfg, note = apply_recipe(TopKConfig(density=density), [opt])
+    assert cfg.momentum_correction and cfg.momentum_masking is masking and masking_for(density) is masking
+    assert ("with momentum-factor masking" if masking else "without masking") in note
+    assert (density < MASKING_BELOW) is masking
+    with pytest.raises(ValueError, match="momentum_masking must be true or false"):
+        TopKConfig(momentum_masking="no")
+
+
+@pytest.mark.parametrize("masking", [True, False])
+def test_a_sparse_step_zeroes_the_velocity_where_it_sent_only_with_masking(masking):
+    cfg = TopKConfig(density=0.25, momentum_correction=True, momentum=0.5, momentum_masking=masking,
+                     min_sparse_numel=0, exchange="allgather", recipe="none")
+    st = TopKState(cfg)
+    p = nn.Parameter(torch.zeros(8))
+    st.bind([("p", p)])
+    g = torch.tensor([1.0, -8.0, 2.0, 0.5, 7.0, -1.0, 0.0, 3.0])
+    for _ in range(2):
+        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+        idx = kit.select(st, acc, kit.bucket_k(st, 8))
+        sent = kit.send_values(st, acc, idx, vel)
+        st.end_exchange()
+    # step 1: u = g, v = g, sends -8 and 7, v keeps the rest. step 2: u = 0.5 u + g, v += u.
+    u1 = g.clone()
+    if masking:
+        u1[[1, 4]] = 0.0
+    u2 = 0.5 * u1 + g
+    v2 = g.clone()
+    v2[[1, 4]] = 0.0
+    v2 += u2
+    top = v2.abs().topk(2).indices
+    assert set(idx.tolist()) == set(top.tolist())
+    assert torch.allclose(sent, v2[idx])
+    u2[idx] = 0.0 if masking else u2[idx]
+    v2[idx] = 0.0
+    assert torch.allclose(st.velocities()["p"], u2) and torch.allclose(st.residuals()["p"], v2)
+    assert masking or st.velocities()["p"][idx].abs().sum() > 0  # kept where sent
 
 
 @pytest.mark.parametrize("make, why", [

@@ -8,9 +8,9 @@ import textwrap
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_topk.data import WebDataModule, array_samples, load_arrays, write_shards
+from tests.helpers.dist import run_distributed
 
 N, WORLD, BATCH, EPOCHS = 400, 2, 32, 2
 
@@ -29,45 +29,33 @@ def shard_sets(tmp_path_factory):
 CONFIGS = [(7, "fork", "encoded"), (1, "spawn", "decoded")]  # (shard count, worker start method, RAM level)
 
 
-def _rank_main(rank, shard_sets, port, out_dir):
-    """Every configuration in one process group: one spawn of 2 ranks serves both parametrised checks."""
+def _rank_main(rank, world, shard_sets, out_dir):
+    """Every configuration in one process group: one launch of 2 ranks serves both parametrised checks."""
     os.environ.pop("RANK", None)  # prove nothing reads it
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        for nshards, worker_start, ram_cache in CONFIGS:
-            dm = WebDataModule(shard_sets[nshards], keys=("png", "cls"), image_mode="L", batch_size=BATCH,
-                               num_workers=2, seed=11, shuffle_buffer=64, worker_start=worker_start,
-                               persistent_workers=worker_start == "spawn", ram_cache=ram_cache)
-            dm.setup("fit")  # rank and world size come from torch.distributed here
-            loader = dm.train_dataloader()
-            epochs = []
-            for _ in range(EPOCHS):
-                ids, steps = [], 0
-                for batch in loader:
-                    ids += batch["ids"].tolist()
-                    steps += 1
-                    dist.barrier()  # a rank with fewer batches would leave the other one waiting here
-                epochs.append({"ids": ids, "steps": steps, "len": len(loader)})
-            del loader  # persistent workers end here, before the next configuration
-            with open(os.path.join(out_dir, f"{nshards}_{worker_start}_{ram_cache}_rank{rank}.json"), "w") as f:
-                json.dump({"epochs": epochs, "stats": dm.cache_stats()}, f)
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for nshards, worker_start, ram_cache in CONFIGS:
+        dm = WebDataModule(shard_sets[nshards], keys=("png", "cls"), image_mode="L", batch_size=BATCH,
+                           num_workers=2, seed=11, shuffle_buffer=64, worker_start=worker_start,
+                           persistent_workers=worker_start == "spawn", ram_cache=ram_cache)
+        dm.setup("fit")  # rank and world size come from torch.distributed here
+        loader = dm.train_dataloader()
+        epochs = []
+        for _ in range(EPOCHS):
+            ids, steps = [], 0
+            for batch in loader:
+                ids += batch["ids"].tolist()
+                steps += 1
+                dist.barrier()  # a rank with fewer batches would leave the other one waiting here
+            epochs.append({"ids": ids, "steps": steps, "len": len(loader)})
+        del loader  # persistent workers end here, before the next configuration
+        with open(os.path.join(out_dir, f"{nshards}_{worker_start}_{ram_cache}_rank{rank}.json"), "w") as f:
+            json.dump({"epochs": epochs, "stats": dm.cache_stats()}, f)
+        dist.barrier()
 
 
 @pytest.fixture(scope="module")
 def two_rank_results(shard_sets, tmp_path_factory):
     out = tmp_path_factory.mktemp("two_ranks")
-    mp.spawn(_rank_main, args=(shard_sets, _free_port(), str(out)), nprocs=WORLD, join=True)
+    run_distributed(_rank_main, WORLD, (shard_sets, str(out)))
     return out
 
 

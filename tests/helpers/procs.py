@@ -8,6 +8,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "scripts"
 
 
+def python_for(env):
+    """The interpreter to run a script with ``env``: a test zygote's shim (torch and Lightning already
+    imported; tests/helpers/zygote.py) where that is the same as a fresh interpreter, else ``sys.executable``."""
+    from tests.helpers import zygote
+
+    z = zygote.command_env(env)
+    return (sys.executable, env) if z is None else (zygote.shim(), z)
+
+
 def run_script(args, timeout=420, env=None, cwd=None):
     """Run a Python script in a fresh process (Lightning's popen launcher re-runs sys.argv)."""
     e = dict(os.environ)
@@ -19,7 +28,8 @@ def run_script(args, timeout=420, env=None, cwd=None):
         e.pop(k, None)
     if env:
         e.update(env)
-    p = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
+    exe, e = python_for(e)
+    p = subprocess.run([exe, *map(str, args)], capture_output=True, text=True, timeout=timeout,
                        env=e, cwd=cwd or ROOT)
     if p.returncode != 0:
         raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}")
@@ -38,7 +48,8 @@ def run_nodes(args, num_nodes=2, timeout=600, env=None):
         for k in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK", "LOCAL_WORLD_SIZE"):
             e.pop(k, None)
         e.update(env or {})
-        procs.append(subprocess.Popen([sys.executable, *map(str, args)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+        exe, e = python_for(e)
+        procs.append(subprocess.Popen([exe, *map(str, args)], cwd=ROOT, env=e, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
     try:
         logs = [p.communicate(timeout=timeout)[0] for p in procs]

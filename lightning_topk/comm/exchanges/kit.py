@@ -161,7 +161,8 @@ def select(state: TopKState, acc: Tensor, k: int, ks: Optional[Sequence[int]] = 
 def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor]) -> Tensor:
     """Wire values of the selected entries; with error feedback ``acc`` (the residual) keeps what was not
     sent: 0 at the sent entries for fp32 wire, else the rounding error and any clipped part, so that
-    ``sent + new residual = old residual + grad/scale`` up to fp32 rounding."""
+    ``sent + new residual = old residual + grad/scale`` up to fp32 rounding. With momentum correction the
+    velocity is zeroed at the sent entries (``momentum_masking``) or kept."""
     values = acc.index_select(0, idx)
     wire = to_wire(values, state.config.wire_dtype)
     if state.config.error_feedback:
@@ -169,7 +170,7 @@ def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor
             acc.index_fill_(0, idx, 0.0)
         else:
             acc.index_copy_(0, idx, values - wire.float())
-        if vel is not None:
+        if vel is not None and state.config.momentum_masking:
             vel.index_fill_(0, idx, 0.0)  # momentum factor masking
     return wire
 
