@@ -46,7 +46,8 @@ def reduced_metrics(stats: StepStats, strategy) -> Dict[str, float]:
     t = torch.tensor([float(getattr(stats, n)) for n in names] + [float(stats.buckets_by.get(n, 0)) for n in via],
                      dtype=torch.float64, device=strategy.root_device)
     if world > 1:
-        t = strategy.reduce(t, group=group, reduce_op="sum")
+        kw = {} if group is None else {"group": group}  # the node's group (local SGD), else the strategy's own
+        t = strategy.reduce(t, reduce_op="sum", **kw)
     vals = t.tolist()
     summed = StepStats(step=stats.step, **dict(zip(names, vals)), buckets_by=dict(zip(via, vals[len(names):])))
     return {k: (v if k in _RATIOS else v / world) for k, v in summed.as_metrics().items()}
