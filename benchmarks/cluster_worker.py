@@ -43,6 +43,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outer-density", type=float, default=0.1, help="topk_ddp --local-steps: outer top-k density")
     p.add_argument("--outer-bits", type=int, default=4, help="topk_ddp --local-steps: bits per outer value")
     p.add_argument("--outer-streaming", action="store_true", help="topk_ddp --local-steps: apply one round late")
+    p.add_argument("--outer-lr", type=float, default=None, help="topk_ddp --local-steps: outer lr (default: TopKConfig's)")
+    p.add_argument("--outer-momentum", type=float, default=None,
+                   help="topk_ddp --local-steps: outer momentum (default: TopKConfig's)")
     p.add_argument("--nonfinite", default="raise", choices=("raise", "skip", "propagate"),
                    help="topk_ddp: non-finite policy (propagate: no per-step flag all-reduce)")
     p.add_argument("--bucket-cap-mb", type=float, default=None,
@@ -66,7 +69,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="stop once the target accuracy is reached and at least --min-steps steps ran")
     p.add_argument("--min-steps", type=int, default=15)
     p.add_argument("--max-time", type=float, default=0.0,
-                   help="stop at the first evaluation after this many seconds of training (0: no limit)")
+                   help="stop at the first evaluation after this many seconds of training, even before --min-steps "
+                        "(0: no limit)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     a = p.parse_args(argv)
@@ -169,6 +173,9 @@ def make_strategy(args: argparse.Namespace):
         if args.auto_link_gbps is not None:
             extra["auto_link_gbps"] = args.auto_link_gbps
         if args.local_steps > 0:
+            for opt in ("outer_lr", "outer_momentum"):
+                if getattr(args, opt) is not None:
+                    extra[opt] = getattr(args, opt)
             return TopKDDPStrategy(local_steps=args.local_steps, outer_density=args.outer_density,
                                    outer_value_bits=args.outer_bits, outer_streaming=args.outer_streaming,
                                    nonfinite=args.nonfinite, log_telemetry=False, process_group_backend="gloo", **extra)
@@ -337,7 +344,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 acc, out_of_time = self.evaluate(pl_module, out_of_time)
                 evals.append({"step": step, "time": step_end[-1], "acc": acc})
                 reached = args.stop_at_target and acc >= args.target_acc
-                if step >= args.min_steps and (reached or out_of_time):
+                if (step >= args.min_steps and reached) or out_of_time:  # --max-time caps --min-steps too
                     trainer.should_stop = True
                 self.paused += time.perf_counter() - now
 

@@ -1,7 +1,8 @@
 """Sparse local SGD ablation on sklearn digits: 2 simulated nodes x 1 process on loopback (gloo), a Trainer,
 AdamW 3e-3, batch 120 per rank, the same samples for every entry; plain DDP beside it.
 
-    python benchmarks/local_ablation.py [--epochs 16] [--out benchmarks/results/local_ablation.md]
+    python benchmarks/local_ablation.py [--epochs 16] [--opt adamw|sgd --lr LR] [--only NAME,NAME]
+                                        [--out benchmarks/results/local_ablation.md]
 
 Each entry runs tests/scripts/local_train.py; accuracy is rank 0's on the held-out 20% after the last outer
 round (epochs x 6 steps is a multiple of every H here). Wire bytes are the outer packet one rank sends per
@@ -32,6 +33,12 @@ ENTRIES = {
                                                "--outer-momentum", "0"],
     "H=32 ρ=0.1 4-bit": ["--H", "32", "--density", "0.1", "--bits", "4", *DILOCO],
     "H=32 ρ=0.1 4-bit streaming": ["--H", "32", "--density", "0.1", "--bits", "4", "--streaming", *DILOCO],
+    # streaming with other outer steps (the DiLoCo one applied one round late diverged once on the cluster)
+    "H=16 ρ=0.1 4-bit streaming, outer lr 0.35 μ 0.9": ["--H", "16", "--density", "0.1", "--bits", "4", "--streaming",
+                                                       "--outer-lr", "0.35", "--outer-momentum", "0.9"],
+    "H=16 ρ=0.1 4-bit streaming, outer lr 0.7 μ 0": ["--H", "16", "--density", "0.1", "--bits", "4", "--streaming",
+                                                     "--outer-lr", "0.7", "--outer-momentum", "0"],
+    "H=32 ρ=0.02 2-bit (cluster entry topk_local_wan)": ["--H", "32", "--density", "0.02", "--bits", "2", *DILOCO],
 }
 
 
@@ -49,20 +56,23 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=16)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "local_ablation.md"))
     ap.add_argument("--only", default="")
+    ap.add_argument("--opt", default="adamw", choices=("adamw", "sgd"), help="inner optimizer (sgd: momentum 0.9)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="inner learning rate")
     a = ap.parse_args()
     names = [n for n in ENTRIES if not a.only or n in a.only.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for i, name in enumerate(names):
             t0 = time.perf_counter()
-            r = run(d, f"e{i}", ENTRIES[name], a.epochs)
+            r = run(d, f"e{i}", ["--opt", a.opt, "--lr", str(a.lr), *ENTRIES[name]], a.epochs)
             m = r["metrics"]
             bpp = m.get("topk/outer_bytes", 0.0) / NPARAMS
             bps = m.get("topk/outer_bytes_per_step", 0.0) / NPARAMS
             rows.append((name, r["acc"], r["steps"], r["rounds"], bpp, bps, time.perf_counter() - t0))
             print(rows[-1], flush=True)
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    lines = [f"Digits, 2 nodes x 1 process (gloo, loopback), AdamW 3e-3, batch 120/rank, {a.epochs} epochs; "
+    inner = f"AdamW {a.lr:g}" if a.opt == "adamw" else f"SGD {a.lr:g} momentum 0.9"
+    lines = [f"Digits, 2 nodes x 1 process (gloo, loopback), {inner}, batch 120/rank, {a.epochs} epochs; "
              f"{time.strftime('%Y-%m-%d')}, 2-core x86_64, no GPU, torch {torch.__version__}; load: {up}", "",
              "| entry | test acc | steps | outer rounds | outer bytes/param/round | outer bytes/param/step |",
              "|---|---|---|---|---|---|"]

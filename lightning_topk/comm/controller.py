@@ -1,14 +1,19 @@
-"""One decision per step for gradient faults, identical on every rank.
+"""One decision per step for gradient faults, identical on every rank of the decision group.
 
 The hooks only raise device-side flags (:class:`~lightning_topk.comm.state.FaultFlags`): non-finite values
 in what a rank put into the exchange, and in each bucket's whole rebuilt result. :meth:`StepController.finish_step`
 gathers them, together with a loss scaler's ``found_inf``, into one tiny tensor, reduces it across ranks
-with **one** all-reduce, reads it to the host (the one host sync per step, outside the hooks) and decides:
+with **one** all-reduce, reads it to the host (the one host sync per step, outside the hooks) and decides.
+The all-reduce spans the exchange's :meth:`decision_group <lightning_topk.comm.exchanges.base.Exchange.decision_group>`:
+every rank, except under sparse local SGD (``exchange="local"``), where a node is one replica and decides its
+inner steps alone (its ranks; no collective at all with one process per node), so that no inner step waits
+for another node. The decision on the pseudo-gradient at the outer round stays global
+(:mod:`lightning_topk.comm.outer`). The policy:
 
 * no fault: commit (the residual updates of the step stand);
 * a loss scaler is in charge (fp16): the scaler's skip applies on every rank alike (its ``found_inf`` is
   replaced by the global verdict) and the residuals are rolled back;
-* otherwise by ``nonfinite``: ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` rolls the
+* otherwise by ``nonfinite``: ``"raise"`` raises ``FloatingPointError`` on every rank of the group, ``"skip"`` rolls the
   residuals back and tells the caller to skip the optimizer step, ``"propagate"`` commits.
 
 Use without Lightning::
@@ -56,6 +61,7 @@ class StepController:
         self.device = device
         self._scaler = False
         self.last_decision: Optional[Decision] = None  # of the last finish_step (the strategy resets it)
+        self.skipped_steps = 0  # optimizer steps this rank skipped (nonfinite="skip" or a loss scaler's skip)
         state.undo.step = state.step
         state.undo.enabled = state.config.nonfinite == "skip"
         if state.exchange is not None:
@@ -63,7 +69,18 @@ class StepController:
 
     @property
     def group(self) -> Any:
+        """The group of the per-step decision: the exchange's :meth:`decision_group
+        <lightning_topk.comm.exchanges.base.Exchange.decision_group>` (all ranks, except under local SGD:
+        the node's ranks, or ``None``, this process alone, with one process per node)."""
+        ex = self.state.exchange
+        if ex is not None:
+            return ex.decision_group(self.state)
         return self.state.process_group if self.state.process_group is not None else dist.group.WORLD
+
+    @property
+    def node_scope(self) -> bool:
+        """Whether the per-step decision is taken by each node alone (local SGD: the node is one replica)."""
+        return bool(getattr(self.state.exchange, "local_sgd", False))
 
     def begin_step(self, grad_scale: Scale = 1.0, scaler: bool = False) -> None:
         """Before a backward that may exchange: the loss scale the gradients carry (a float, or the scaler's
@@ -114,15 +131,25 @@ class StepController:
             raise FloatingPointError(
                 f"topk_ddp: {message}. Set nonfinite='skip' to skip such steps on all ranks, or use fp16 loss scaling."
             )
-        log.warning("topk_ddp: skipping the optimizer step on all ranks (residuals rolled back): %s", message)
+        if self.node_scope:
+            log.warning("topk_local: skipping the inner optimizer step on this node's ranks (local SGD: each node "
+                        "decides its inner steps; the step still counts toward the outer round): %s", message)
+        else:
+            log.warning("topk_ddp: skipping the optimizer step on all ranks (residuals rolled back): %s", message)
         return self._end(commit=False)
 
     # ---- internals ---------------------------------------------------------------------------------
     def _world(self) -> int:
-        return dist.get_world_size(self.group) if dist.is_available() and dist.is_initialized() else 1
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1
+        group = self.group
+        return 1 if group is None else dist.get_world_size(group)
 
     def _rank(self) -> int:
-        return dist.get_rank(self.group) if dist.is_available() and dist.is_initialized() else 0
+        if not (dist.is_available() and dist.is_initialized()):
+            return 0
+        group = self.group
+        return 0 if group is None else dist.get_rank(group)
 
     def _flag_device(self, found_inf: Sequence[Tensor]) -> torch.device:
         if self.device is not None:
@@ -156,7 +183,8 @@ class StepController:
         if after:
             parts.append(f"after the exchange in parameter(s) {after[:8]}")
         if origin:
-            parts.append(f"it entered the exchange on rank(s) {origin}")
+            where = " of this node (local ranks)" if self.node_scope else ""
+            parts.append(f"it entered the exchange on rank(s) {origin}{where}")
         mine = [names for names, bad in self.state.flags.inputs.items() if bool(bad)]
         if mine:
             local = [n for names in mine for n in names]
@@ -172,6 +200,7 @@ class StepController:
         else:
             st.undo.rollback()
             st.step = st.undo.step  # a skipped step did not happen: the density schedule stays put
+            self.skipped_steps += 1
         st.flags.clear()
         st.undo.step = st.step
         self.last_decision = Decision.COMMIT if commit else Decision.SKIP

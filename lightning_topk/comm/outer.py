@@ -31,6 +31,7 @@ from that start (``θ_anchor``).
 """
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from torch import Tensor
 
 from lightning_topk.comm.state import TopKConfig
 
+log = logging.getLogger(__name__)
 VALUE_BITS = (32, 16, 8, 4, 2)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -263,6 +265,13 @@ class OuterState:
         self._flight: Optional[Tuple[Any, Tensor, float]] = None  # (work, gathered bytes, launch time)
         self._done_at: Optional[float] = None
         self.stats = OuterStats()
+        if config.outer_streaming and config.outer_momentum > 0 and local_rank == 0 and self._first_replica():
+            log.warning("topk_local: outer_streaming with outer_momentum=%g: outer momentum applied one round late "
+                        "diverged on the namespace cluster (docs/local_sgd.md); use outer_momentum=0 with streaming",
+                        config.outer_momentum)
+
+    def _first_replica(self) -> bool:
+        return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
     # ---- flat views ------------------------------------------------------------------------------
     def flat_params(self) -> Tensor:
@@ -288,8 +297,9 @@ class OuterState:
 
     # ---- rounds -----------------------------------------------------------------------------------
     def step(self) -> bool:
-        """After an inner optimizer step that happened: counts it; at the H-th runs the outer round.
-        Returns whether an outer round ran."""
+        """After an inner optimizer-step attempt (one this replica skipped too: the rounds stay aligned across
+        replicas, and a replica that skipped contributes a Δ of fewer steps): counts it; at the H-th runs the
+        outer round. Returns whether an outer round ran."""
         self.position += 1
         if self._flight is not None and self._done_at is None and self._flight[0].is_completed():
             self._done_at = time.perf_counter()
@@ -446,8 +456,9 @@ class OuterState:
         return sd
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (same layout of local ranks), θ_local into the parameters included."""
-        if list(sd.get("shard", [])) != [self.local, self.local_rank, self.shard]:
+        """Restore :meth:`state_dict` (same layout of local ranks), or a section :func:`reshard` made for this
+        rank from another layout; θ_local into the parameters included."""
+        if not sd.get("resharded") and list(sd.get("shard", [])) != [self.local, self.local_rank, self.shard]:
             raise ValueError(f"topk_local: saved outer state is sharded as {sd.get('shard')} (processes per node, "
                              f"local rank, shard size), this run as {[self.local, self.local_rank, self.shard]}; "
                              "resume with the same devices per node and outer_chunk")
@@ -461,6 +472,60 @@ class OuterState:
         self.stats.rounds = int(sd.get("rounds", 0))
         self._flight = None
         self.write_params(self._from_names(sd["theta_local"], True, like))
+
+
+def _sum_names(sections: Sequence[Dict[str, Any]], key: str) -> Dict[str, Tensor]:
+    """Per-parameter sums of ``key`` over ``sections``, in their order (bit-identical on every rank)."""
+    out: Dict[str, Tensor] = {}
+    for sec in sections:
+        for name, t in sec[key].items():
+            t = t.to(torch.float64)
+            out[name] = t.clone() if name not in out else out[name].add_(t)
+    return out
+
+
+def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) -> Dict[str, Any]:
+    """The outer state of a rank of replica (node) ``replica`` in a new layout, from the sections of *every*
+    saved rank (global rank order, ``old_local`` processes per saved node; per-name tensors, so the new
+    layout may have other nodes, processes per node or ``outer_chunk``):
+
+    * θ_outer, the streaming start point, the position and the round count are the same on every saved
+      rank: rank 0's;
+    * outer momentum and a streamed update not yet applied are the same on every saved replica, sharded
+      over its processes: the sum of replica 0's shards (each holds zeros outside its shard);
+    * the error-feedback buffers are per replica: each new replica gets their average ``(1/R) Σ_r e_r``. The
+      exchange applies the mean of what the replicas send, so the pending update ``(1/R') Σ e`` is unchanged
+      (the residuals' rule, :mod:`lightning_topk.lightning.checkpoint`);
+    * θ_local and the inner optimizer state (inside a round each replica has its own) come as a pair from
+      saved replica ``replica mod R``: with fewer replicas, the current round's progress of the others is
+      dropped; with more, some trajectories are duplicated.
+
+    Raises ``ValueError`` when the saved ranks disagree on the position (not one checkpoint).
+    """
+    if not sections or old_local < 1 or len(sections) % old_local:
+        raise ValueError(f"topk_local: cannot reshard {len(sections)} saved outer states of {old_local} "
+                         "processes per node")
+    R = len(sections) // old_local
+    positions = sorted({int(s["position"]) for s in sections})
+    if len(positions) != 1:
+        raise ValueError(f"topk_local: the saved ranks' outer states are at different positions {positions} "
+                         "(shards of different checkpoints); cannot reshard")
+    node0 = sections[:old_local]
+    src = sections[(replica % R) * old_local]
+    f32 = (lambda d: {n: t.to(torch.float32) for n, t in d.items()})
+    ef = {n: (t / R).to(torch.float32) for n, t in _sum_names(sections, "ef").items()}
+    out: Dict[str, Any] = {
+        "resharded": True, "position": positions[0], "rounds": int(sections[0].get("rounds", 0)),
+        "theta_outer": dict(sections[0]["theta_outer"]), "theta_local": dict(src["theta_local"]),
+        "momentum": f32(_sum_names(node0, "momentum")), "ef": ef,
+    }
+    if "anchor" in sections[0]:
+        out["anchor"] = dict(sections[0]["anchor"])
+    if "pending" in sections[0]:
+        out["pending"] = f32(_sum_names(node0, "pending"))
+    if src.get("inner_optimizer_states") is not None:
+        out["inner_optimizer_states"] = src["inner_optimizer_states"]
+    return out
 
 
 def wire_bytes_per_param(density: float, bits: int, chunk: int = 4096) -> float:

@@ -131,7 +131,8 @@ class TopKConfig:
         outer_ef_decay: error-feedback decay in [0, 1]: ``e = outer_ef_decay * e + Δ`` (0: no error
             feedback).
         outer_streaming: launch the outer all-gather asynchronously and apply its result one round late,
-            so the next round's compute overlaps it.
+            so the next round's compute overlaps it. Use it with ``outer_momentum=0``: the DiLoCo outer
+            momentum (0.9, Nesterov) applied one round late diverged (docs/local_sgd.md); a warning says so.
     """
 
     density: float = 0.01

@@ -44,6 +44,11 @@ warning (from rank 0) that says what was redistributed or reset:
 * a checkpoint without top-k state (plain ``ddp``, weights-only) or with missing/corrupt/stale shards:
   the affected residuals start at zero; the density schedule continues at the saved step (or the
   checkpoint's ``global_step``);
+* sparse local SGD (``local_steps`` > 0) saved and resumed in another layout (world size, nodes, processes per
+  node) or with another ``outer_chunk``: the outer state is resharded from every saved rank's section
+  (:func:`lightning_topk.comm.outer.reshard`: θ_outer and outer momentum carried, error feedback averaged
+  over the saved replicas like residuals, each new replica takes a saved replica's θ_local and inner
+  optimizer state); a missing or unusable shard then fails with a message naming it;
 * residuals of parameters the model no longer has (or whose size changed) are dropped; velocities
   are dropped when ``momentum_correction`` is now off (with ``recipe="auto"``: once the optimizer shows
   it stays off), everything when ``error_feedback`` is off.
@@ -275,6 +280,8 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
     if sdir is None:
         notes.append(f"shard directory {shard_dir(ckpt_path)!r} not found; residuals of all ranks reset to zero")
         return done(step, empty, plan_only)
+    if _local_reshard(cfg, meta, strategy):
+        return done(step, empty, {"exchanges": {"local": _resharded_local(strategy, sdir, meta)}})
     if old_world == world:
         # Everyone checks every shard's header (cheap with mmap) so all ranks take the same decision.
         bad = {r: why for r in range(old_world)
@@ -307,6 +314,47 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
                  f"the {old_world} saved ranks' residuals" + (" and velocities" if tensors["velocity"] else "")
                  + ", which keeps the pending update (1/W)*sum(residuals) unchanged")
     return done(step, tensors)
+
+
+def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
+    """Sparse local SGD saved and resumed, in another layout (world size, nodes, processes per node) or with
+    another ``outer_chunk``: the outer state is resharded (:func:`lightning_topk.comm.outer.reshard`)."""
+    saved = meta.get("config") or {}
+    if cfg.local_steps <= 0 or int(saved.get("local_steps", 0) or 0) <= 0:
+        return False
+    return (int(meta.get("world_size", 0)) != int(strategy.world_size)
+            or int(meta.get("num_nodes", 0)) != int(strategy.num_nodes)
+            or int(meta.get("local_world_size", 0)) != int(strategy.num_processes)
+            or saved.get("outer_chunk") != cfg.outer_chunk)
+
+
+def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's ``local`` section resharded from every saved rank's (the same on every rank of a replica);
+    raises ``ValueError`` naming what is missing (every rank reads every shard, so all raise alike)."""
+    from lightning_topk.comm.outer import reshard
+
+    old_world, old_local = int(meta.get("world_size", 0)), int(meta.get("local_world_size", 1) or 1)
+    where = (f"{old_world} ranks ({meta.get('num_nodes')} nodes x {old_local}) to {strategy.world_size} "
+             f"({strategy.num_nodes} x {strategy.num_processes})")
+    sections, bad = [], {}
+    for r in range(old_world):
+        shard, why = read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
+        section = upgrade_sections(shard).get("local") if shard is not None else None
+        if shard is not None and not section:
+            why = "no local SGD section"
+        if why:
+            bad[r] = why
+        else:
+            sections.append(section)
+    if bad:
+        raise ValueError("topk_local: cannot reshard the outer state (theta_outer, outer momentum, error feedback) "
+                         f"from {where}: shards not usable (" + ", ".join(f"rank {r}: {w}" for r, w in sorted(bad.items()))
+                         + "); resume with the saved layout, or from a checkpoint whose shards are all present")
+    out = reshard(sections, old_local, int(strategy.global_rank) // max(1, int(strategy.num_processes)))
+    _rank_zero_warn(f"lightning_topk: topk_local resharded the outer state from {where}: theta_outer and the outer "
+                    "momentum carried over, each replica's error feedback is the average of the saved replicas', "
+                    "each replica continues the round from a saved replica's weights and inner optimizer state")
+    return out
 
 
 def _fold_owner(shard: dict) -> None:

@@ -82,7 +82,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
             else:
                 _drop_grads(self._topk_module, optimizer)
         out = fabric_step(optimizer, **kwargs)
-        if ctl is not None and not skip and self.topk_state is not None:  # local SGD counts steps that happened
+        if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
         return out
 

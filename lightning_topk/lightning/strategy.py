@@ -251,10 +251,11 @@ class TopKStrategyMixin:
         return out
 
     def _after_step(self) -> None:
-        """Tell the exchange about an optimizer step that happened (local SGD counts them; a step the
-        controller skipped, or one Lightning skipped because the closure returned None, does not count)."""
+        """Tell the exchange about an optimizer-step attempt (local SGD counts them: a step the controller
+        skipped counts too, since under local SGD each node decides its inner steps alone and the outer
+        rounds must stay aligned across nodes; with gradient accumulation, one per optimizer-step call)."""
         ctl, state = self.topk_controller, self.topk_state
-        if ctl is not None and state is not None and ctl.last_decision is Decision.COMMIT:
+        if ctl is not None and state is not None and state.exchange is not None:
             state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
         if ctl is not None:
             ctl.last_decision = None

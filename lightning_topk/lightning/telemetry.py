@@ -7,6 +7,10 @@ issued on every rank at the same step, and logs the result with ``LightningModul
 are in ``trainer.callback_metrics`` on every rank, go to every logger, and ``topk/compression`` and
 ``topk/density`` are on the progress bar.
 
+Under sparse local SGD (``local_steps`` > 0) the reduction spans the node's ranks only (no inter-node
+collective between outer rounds): the outer bytes and densities are the same on every node, the times are
+this node's.
+
 Reduced values: bytes, times and bucket counts are means per rank; ``topk/density`` and the compression
 figures are ratios of the sums (all ranks' entries sent / entries; wire bytes of a dense fp32 ring
 all-reduce / wire bytes actually sent).
@@ -15,9 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Dict
+from typing import Any, Dict, Tuple
 
 import torch
+import torch.distributed as dist
 
 from lightning_topk.comm.state import StepStats, bucket_counters
 
@@ -37,14 +42,26 @@ def reduced_metrics(stats: StepStats, strategy) -> Dict[str, float]:
     names = [f.name for f in dataclasses.fields(StepStats) if not f.name.startswith("_")
              and f.name not in ("step", "buckets_by")]
     via = bucket_counters()  # every registered exchange, in the same order on every rank
-    world = max(1, int(strategy.world_size))
+    group, world = _scope(strategy)
     t = torch.tensor([float(getattr(stats, n)) for n in names] + [float(stats.buckets_by.get(n, 0)) for n in via],
                      dtype=torch.float64, device=strategy.root_device)
     if world > 1:
-        t = strategy.reduce(t, reduce_op="sum")
+        kw = {} if group is None else {"group": group}  # the node's group (local SGD), else the strategy's own
+        t = strategy.reduce(t, reduce_op="sum", **kw)
     vals = t.tolist()
     summed = StepStats(step=stats.step, **dict(zip(names, vals)), buckets_by=dict(zip(via, vals[len(names):])))
     return {k: (v if k in _RATIOS else v / world) for k, v in summed.as_metrics().items()}
+
+
+def _scope(strategy) -> Tuple[Any, int]:
+    """(group, size) the metrics are reduced over: every rank, except under sparse local SGD, where nothing may
+    cross the node boundary between outer rounds: the node's ranks (its exchange's decision group)."""
+    state = getattr(strategy, "topk_state", None)
+    ex = getattr(state, "exchange", None)
+    if getattr(ex, "local_sgd", False) and dist.is_available() and dist.is_initialized():
+        group = ex.decision_group(state)
+        return group, 1 if group is None else dist.get_world_size(group)
+    return None, max(1, int(strategy.world_size))
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,6 +1,8 @@
 """Sparse local SGD (local_steps > 0, strategy topk_local) with a real Trainer, two simulated nodes of one
 process each on gloo (tests/scripts/local_train.py): bit-exact resume inside an outer round (streaming on,
 per-rank AdamW state), convergence on sklearn digits next to plain DDP, and bad options named."""
+import os
+
 import pytest
 import torch
 
@@ -10,8 +12,8 @@ from tests.helpers.procs import run_nodes
 SCRIPT = "tests/scripts/local_train.py"
 
 
-def _run(tmp_path, tag, *args, world=2):
-    run_nodes([SCRIPT, "--out", tmp_path, "--tag", tag, *args], num_nodes=2)
+def _run(tmp_path, tag, *args, world=2, nodes=2):
+    run_nodes([SCRIPT, "--out", tmp_path, "--tag", tag, "--nodes", nodes, *args], num_nodes=nodes)
     return [torch.load(tmp_path / f"{tag}_rank{r}.pt") for r in range(world)]
 
 
@@ -64,14 +66,35 @@ def test_bad_local_options_are_named(kw, name):
         TopKDDPStrategy(**kw)
 
 
-def test_skipped_inner_step_inside_a_round_does_not_count_on_any_rank(tmp_path):
-    # rank 0's loss is inf at step 5 (inside the second round): the controller skips it on both ranks, the
-    # outer position does not advance, so the 12 steps make 11 that happened: 2 rounds and 3 steps.
+def test_skipped_inner_step_is_the_nodes_own_and_the_rounds_stay_aligned(tmp_path):
+    # rank 0's loss is inf at step 5 (inside the second round). Each node decides its inner steps alone (no
+    # collective between the nodes): node 0 skips it, node 1 does not. The position counts attempts, so both
+    # nodes enter every round at the same step: 12 attempts, H=4, 3 rounds, and after the last one the
+    # replicas agree again (node 0's pseudo-gradient of the second round is one step short).
     out = _run(tmp_path, "skip", "--epochs", "2", "--H", "4", "--inject-step", "5", "--nonfinite", "skip")
+    assert [out[r]["skips"] for r in range(2)] == [1, 0]
     for r in range(2):
         assert out[r]["steps"] == 12
-        assert (out[r]["rounds"], out[r]["position"]) == (2, 3), r
+        assert (out[r]["rounds"], out[r]["position"]) == (3, 0), r
         assert bool(torch.isfinite(out[r]["flat"]).all())
+        assert out[r]["inner_collectives"] == [], (r, out[r]["inner_collectives"])
+        assert out[r]["outer_collectives"] > 0
+    assert torch.equal(out[0]["flat"], out[1]["flat"])
+
+
+def test_no_inter_node_collective_between_outer_rounds_two_by_two(tmp_path):
+    # 2 nodes x 2 processes, rank 0's loss inf at step 2: the node's dense all-reduce spreads it to rank 1, so
+    # node 0 (ranks 0, 1) skips that step, decided over the node's group; node 1 (ranks 2, 3) does not. Inside
+    # the batches, only the outer rounds' collectives span the nodes (none from the controller or telemetry).
+    out = _run(tmp_path, "skip22", "--epochs", "3", "--devices", "2", "--H", "3", "--inject-step", "2",
+               "--nonfinite", "skip", world=4)
+    assert [out[r]["skips"] for r in range(4)] == [1, 1, 0, 0]
+    for r in range(4):
+        assert out[r]["steps"] == 9
+        assert (out[r]["rounds"], out[r]["position"]) == (3, 0), r
+        assert out[r]["inner_collectives"] == [], (r, out[r]["inner_collectives"])
+        assert out[r]["outer_collectives"] > 0
+        assert torch.equal(out[r]["flat"], out[0]["flat"]), r
 
 
 def test_fabric_equals_the_trainer(tmp_path):
@@ -146,3 +169,50 @@ def test_cli_run_summary_names_the_mode(tmp_path):
     assert s["mode"].startswith("sparse local SGD: 8 local steps") and "mode" in p.stdout
     assert "auto_would" not in s.get("exchange", {}), "no per-bucket 'auto would' advice for local SGD"
     assert s["metrics"]["test/acc"] > 0.5
+
+
+def test_world_size_change_reshards_the_outer_state(tmp_path):
+    # Saved at 2 nodes x 1, 2 steps into the second round (H=4), with outer momentum and error feedback set.
+    common = ["--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9"]
+    ckpt = str(tmp_path / "e1.ckpt")
+    stop = _run(tmp_path, "stop", "--epochs", "1", "--save", ckpt, *common)
+    assert stop[0]["position"] == 2 and float(stop[0]["momentum"].abs().sum()) > 0
+    assert torch.equal(stop[0]["theta_outer"], stop[1]["theta_outer"])
+    ef_avg = (stop[0]["ef"] + stop[1]["ef"]) / 2
+    assert float(ef_avg.abs().sum()) > 0
+
+    # 4 nodes x 1: θ_outer and momentum carried, each replica's EF the average, θ_local from replica r mod 2
+    four = _run(tmp_path, "four", "--epochs", "3", "--resume", ckpt, *common, world=4, nodes=4)
+    for r in range(4):
+        st = four[r]["start"]
+        assert st["position"] == 2 and st["rounds"] == 1, r
+        assert torch.equal(st["theta_outer"], stop[0]["theta_outer"]), r
+        assert torch.equal(st["momentum"], stop[0]["momentum"]), r
+        assert torch.allclose(st["ef"], ef_avg, rtol=0, atol=1e-7), r
+        assert torch.equal(st["flat"], stop[r % 2]["flat"]), r
+        # training went on: 1 epoch of 6 steps at world 2, 2 epochs of 3 at world 4; rounds at 4 and 8
+        assert four[r]["steps"] == 12 and (four[r]["rounds"], four[r]["position"]) == (3, 0), r
+        assert bool(torch.isfinite(four[r]["flat"]).all())
+        assert torch.equal(four[r]["flat"], four[0]["flat"]), r
+
+    # 1 node x 2 (same world size, another layout): the outer state is sharded over the node's two processes
+    one = _run(tmp_path, "one", "--epochs", "2", "--resume", ckpt, "--devices", "2", *common, nodes=1)
+    for r in range(2):
+        st = one[r]["start"]
+        lo, n = st["lo"], st["shard"]
+        full = stop[0]["flat"].numel()  # the flat vectors are zero-padded to whole chunks (per layout)
+        assert n < full and st["position"] == 2
+        assert torch.equal(st["theta_outer"][:full], stop[0]["theta_outer"][:full]), r
+        hi = min(lo + n, stop[0]["momentum"].numel())
+        assert torch.equal(st["momentum"][:hi - lo], stop[0]["momentum"][lo:hi]), r
+        assert torch.allclose(st["ef"][:hi - lo], ef_avg[lo:hi], rtol=0, atol=1e-7), r
+        assert torch.equal(st["flat"], stop[0]["flat"]), r
+        assert one[r]["steps"] == 12 and bool(torch.isfinite(one[r]["flat"]).all())
+
+    # a saved rank's shard is missing: resharding cannot be done, and says so
+    from lightning_topk.lightning.checkpoint import shard_path
+
+    os.remove(shard_path(ckpt, 1))
+    with pytest.raises(AssertionError, match=r"cannot reshard the outer state.*rank 1: missing"):
+        _run(tmp_path, "bad", "--epochs", "3", "--resume", ckpt, *common, world=4, nodes=4)

@@ -8,6 +8,10 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --resume PATH               ckpt_path=PATH
   --inject-step S             rank 0's loss is inf at global step S (with --nonfinite skip: skipped on every rank)
   --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
+
+Each rank also records the collectives it issued inside training batches whose group spans more than one
+node (torch.distributed's functions wrapped), apart from those of the outer rounds, and how many steps its
+step controller skipped.
 """
 import argparse
 import os
@@ -26,6 +30,47 @@ from tests.helpers.digits import digits
 warnings.filterwarnings("ignore")
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "barrier",
+               "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather", "scatter", "reduce")
+WATCH = {"in_batch": False, "in_round": False, "per_node": 1, "inner": [], "outer": 0}
+
+
+def watch_collectives(per_node: int) -> None:
+    """Count the collectives whose group spans nodes: inside a batch outside an outer round (``inner``: none
+    expected under local SGD) and inside outer rounds (``outer``)."""
+    import torch.distributed as dist
+
+    from lightning_topk.comm.outer import OuterState
+
+    WATCH["per_node"] = per_node
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            if WATCH["in_batch"]:
+                group = kwargs.get("group")
+                ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+                if len({r // WATCH["per_node"] for r in ranks}) > 1:
+                    if WATCH["in_round"]:
+                        WATCH["outer"] += 1
+                    else:
+                        WATCH["inner"].append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in COLLECTIVES:
+        setattr(dist, name, wrap(name, getattr(dist, name)))
+    round_ = OuterState.outer_round
+
+    def outer_round(self):
+        WATCH["in_round"] = True
+        try:
+            return round_(self)
+        finally:
+            WATCH["in_round"] = False
+
+    OuterState.outer_round = outer_round
+
+
 class Net(pl.LightningModule):
     def __init__(self, opt: str, lr: float, inject_step=None) -> None:
         super().__init__()
@@ -36,6 +81,21 @@ class Net(pl.LightningModule):
 
     def setup(self, stage):
         torch.set_num_threads(1)
+
+    def on_train_start(self):
+        # the outer state as the first step finds it (a resumed run: as loaded)
+        ex = getattr(getattr(self.trainer.strategy, "topk_state", None), "exchange", None)
+        o = getattr(ex, "outer", None)
+        if o is not None:
+            self.start = {"theta_outer": o.theta.clone(), "momentum": o.mom.clone(), "ef": o.ef.clone(),
+                          "position": o.position, "rounds": o.stats.rounds, "lo": o.lo, "shard": o.shard,
+                          "flat": torch.cat([p.detach().reshape(-1) for p in self.parameters()])}
+
+    def on_train_batch_start(self, batch, batch_idx):
+        WATCH["in_batch"] = True
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        WATCH["in_batch"] = False
 
     def training_step(self, batch, _):
         x, y = batch
@@ -69,6 +129,7 @@ def main() -> None:
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--devices", type=int, default=1, help="processes per node")
+    ap.add_argument("--nodes", type=int, default=2, help="simulated nodes (run_nodes' num_nodes)")
     ap.add_argument("--inject-step", type=int)
     ap.add_argument("--nonfinite", default="raise")
     ap.add_argument("--fabric", action="store_true")
@@ -77,6 +138,7 @@ def main() -> None:
     a = ap.parse_args()
 
     train, test = digits()
+    watch_collectives(a.devices)
     if a.strategy == "ddp":
         strategy = pl.strategies.DDPStrategy(process_group_backend="gloo")
     else:
@@ -88,7 +150,7 @@ def main() -> None:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
     model = Net(a.opt, a.lr, a.inject_step)
-    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=2, strategy=strategy, max_epochs=a.epochs,
+    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accumulate_grad_batches=a.accumulate, deterministic=True,
                          log_every_n_steps=1)
@@ -102,9 +164,15 @@ def main() -> None:
     st = getattr(trainer.strategy, "topk_state", None)
     ex = st.exchange if st is not None else None
     outer = getattr(ex, "outer", None)
+    ctl = getattr(trainer.strategy, "topk_controller", None)
     torch.save({"flat": flat, "acc": acc, "steps": trainer.global_step,
                 "rounds": outer.stats.rounds if outer is not None else 0,
                 "position": outer.position if outer is not None else -1,
+                "skips": ctl.skipped_steps if ctl is not None else -1, "start": getattr(model, "start", None),
+                "theta_outer": outer.theta.clone() if outer is not None else None,
+                "momentum": outer.mom.clone() if outer is not None else None,
+                "ef": outer.ef.clone() if outer is not None else None,
+                "inner_collectives": list(WATCH["inner"]), "outer_collectives": WATCH["outer"],
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
 

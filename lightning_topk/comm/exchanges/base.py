@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
+import torch.distributed as dist
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -90,7 +92,15 @@ class Exchange:
         """The last bucket of the step has been launched."""
 
     def after_optimizer_step(self, params: Any) -> None:
-        """After the optimizer stepped ``params`` (named parameters)."""
+        """After every optimizer-step attempt on ``params`` (named parameters): a step the controller
+        skipped is reported too (local SGD counts attempts, so that every node reaches its outer round at
+        the same step)."""
+
+    def decision_group(self, state: Any) -> Any:
+        """The process group of the :class:`~lightning_topk.comm.controller.StepController`'s per-step
+        fault decision (its one all-reduce): all the ranks of the flat group here, since every rank
+        applies the average of every rank's gradient. ``None`` means this process alone (no collective)."""
+        return state.process_group if state.process_group is not None else dist.group.WORLD
 
     # ---- the cost model ----------------------------------------------------------------------------
     @classmethod

@@ -2,7 +2,9 @@
 
 Every inner step the comm hook all-reduces each bucket densely *inside the node* (the node's processes then
 hold one replica); with one process per node it issues no collective at all and hands DDP the local
-gradient. Every ``local_steps`` optimizer steps that happened, :meth:`LocalExchange.after_optimizer_step`
+gradient. The step controller's per-step fault decision is the node's too (:meth:`LocalExchange.decision_group`):
+between outer rounds nothing crosses the node boundary. Every ``local_steps`` optimizer-step attempts
+(skipped ones included, so that every node enters the round at the same step), :meth:`LocalExchange.after_optimizer_step`
 runs the outer round of :class:`~lightning_topk.comm.outer.OuterState` (pseudo-gradient, error feedback,
 per-chunk top-k, quantized values, all-gather among the nodes, outer SGD, ``θ_local := θ_outer``).
 
@@ -117,8 +119,15 @@ class LocalExchange(Exchange):
         stats.outer_time_s = o.stats.time_s
         stats.outer_hidden_frac = o.stats.hidden_frac
 
+    def decision_group(self, state: Any) -> Any:
+        """Inner steps are decided by the node alone (it is one replica): its ranks, or no collective at all
+        (``None``) with one process per node. No inner step waits for another node."""
+        g = self.groups
+        return g.intra if g is not None and g.local_world > 1 else None
+
     def after_optimizer_step(self, params: Any) -> None:
-        """Count an inner optimizer step that happened; run the outer round at the H-th."""
+        """Count an inner optimizer-step attempt (a step this node skipped counts too: every node reaches the
+        outer round at the same step); run the outer round at the H-th."""
         if self.outer is None:
             raise RuntimeError("topk_local: the exchange was not bound to the parameters before the first step; "
                                "call state.exchange.bind(model.named_parameters()) after building it")
