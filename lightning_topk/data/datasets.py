@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 from PIL import Image
@@ -64,23 +64,36 @@ def ensure_digits_shards(root: str, dataset: str = "digits", num_shards: int = 4
     if dataset not in DATASETS:
         raise ValueError(f"dataset must be one of {DATASETS}, got {dataset!r}")
     name = f"{dataset}-{image_size or 'native'}px-{num_shards}shards-val{val_fraction:g}-seed{seed}"
+
+    def write(tmp: str) -> Dict[str, Any]:
+        images, labels = load_arrays(dataset, image_size)
+        order = np.random.default_rng(seed).permutation(len(images))
+        n_val = max(1, int(round(len(images) * val_fraction)))
+        val_idx, train_idx = order[:n_val], order[n_val:]
+        train = write_shards(array_samples(images[train_idx], labels[train_idx], key_prefix="train"), tmp,
+                             prefix="train", num_shards=num_shards, total=len(train_idx), progress=progress)
+        val = write_shards(array_samples(images[val_idx], labels[val_idx], key_prefix="val"), tmp, prefix="val",
+                           num_shards=max(1, num_shards // 4), total=len(val_idx), progress=progress)
+        return {"train": train, "val": val, "num_classes": 10, "image_shape": list(images.shape[1:])}
+
+    return publish_split_shards(root, name, write)
+
+
+def publish_split_shards(root: str, name: str, write: Callable[[str], Dict[str, Any]]) -> Dict[str, List[str]]:
+    """``{"train": [...], "val": [...]}`` of the shard set ``root/name``, made first if missing by
+    ``write(tmp_dir)`` (which writes the shards and returns their paths under "train"/"val" plus any
+    metadata for ``splits.json``). Built under a temporary name and renamed into place, so concurrent
+    callers (several DDP ranks) and interrupted runs never see half-written shards."""
     final = os.path.join(os.path.abspath(root), name)
     manifest = os.path.join(final, "splits.json")
     if not os.path.isfile(manifest):
         os.makedirs(root, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
         try:
-            images, labels = load_arrays(dataset, image_size)
-            order = np.random.default_rng(seed).permutation(len(images))
-            n_val = max(1, int(round(len(images) * val_fraction)))
-            val_idx, train_idx = order[:n_val], order[n_val:]
-            train = write_shards(array_samples(images[train_idx], labels[train_idx], key_prefix="train"), tmp,
-                                 prefix="train", num_shards=num_shards, total=len(train_idx), progress=progress)
-            val = write_shards(array_samples(images[val_idx], labels[val_idx], key_prefix="val"), tmp, prefix="val",
-                               num_shards=max(1, num_shards // 4), total=len(val_idx), progress=progress)
+            meta = write(tmp)
+            meta.update({k: [os.path.basename(p) for p in meta[k]] for k in ("train", "val")})
             with open(os.path.join(tmp, "splits.json"), "w") as f:
-                json.dump({"train": [os.path.basename(p) for p in train], "val": [os.path.basename(p) for p in val],
-                           "num_classes": 10, "image_shape": list(images.shape[1:])}, f)
+                json.dump(meta, f)
             os.chmod(tmp, 0o755)  # mkdtemp creates 0700
             try:
                 os.rename(tmp, final)

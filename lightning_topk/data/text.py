@@ -7,14 +7,12 @@
 from __future__ import annotations
 
 import gzip
-import json
 import os
-import shutil
-import tempfile
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
+from .datasets import publish_split_shards
 from .writer import encode_image, write_shards
 
 #: The packaged text, gzip-compressed UTF-8 (``tools/make_packaged_text.py``).
@@ -55,27 +53,12 @@ def ensure_text_shards(root: str, seq_len: int = 129, num_shards: int = 4, val_f
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     train, val = byte_sequences(seq_len, val_fraction, seed)
     name = f"bytes_text-seq{seq_len}-{num_shards}shards-val{val_fraction:g}-seed{seed}"
-    final = os.path.join(os.path.abspath(root), name)
-    manifest = os.path.join(final, "splits.json")
-    if not os.path.isfile(manifest):
-        os.makedirs(root, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)
-        try:
-            paths = {}
-            for split, part, shards in (("train", train, num_shards), ("val", val, max(1, num_shards // 4))):
-                samples = ({"__key__": f"{split}{i:09d}", "npy": encode_image(s, "npy")} for i, s in enumerate(part))
-                paths[split] = write_shards(samples, tmp, prefix=split, num_shards=shards, total=len(part))
-            with open(os.path.join(tmp, "splits.json"), "w") as f:
-                json.dump({k: [os.path.basename(p) for p in v] for k, v in paths.items()}
-                          | {"vocab_size": VOCAB_SIZE, "seq_len": seq_len}, f)
-            os.chmod(tmp, 0o755)
-            try:
-                os.rename(tmp, final)
-            except OSError:  # another process finished first
-                if not os.path.isfile(manifest):
-                    raise
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    with open(manifest) as f:
-        splits = json.load(f)
-    return {k: [os.path.join(final, n) for n in splits[k]] for k in ("train", "val")}
+
+    def write(tmp: str) -> Dict[str, Any]:
+        paths: Dict[str, Any] = {}
+        for split, part, shards in (("train", train, num_shards), ("val", val, max(1, num_shards // 4))):
+            samples = ({"__key__": f"{split}{i:09d}", "npy": encode_image(s, "npy")} for i, s in enumerate(part))
+            paths[split] = write_shards(samples, tmp, prefix=split, num_shards=shards, total=len(part))
+        return paths | {"vocab_size": VOCAB_SIZE, "seq_len": seq_len}
+
+    return publish_split_shards(root, name, write)

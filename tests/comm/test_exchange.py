@@ -193,3 +193,40 @@ def test_parameter_scope_sends_k_per_parameter_and_conserves(runs):
                 assert int(sent[name].count_nonzero()) <= k, name
                 o = old.get(name, torch.zeros_like(g))
                 assert torch.allclose(sent[name] + new[name], o + g, atol=1e-6, rtol=1e-5), name
+
+
+def _peer_never_comes(rank, world):
+    """Rank 0 never joins rank 1's exchange: rank 1's hook must fail with the collective's own timeout. Its
+    callback used to read the output buffer regardless (torch.empty on an error: IndexError or, worse,
+    garbage gradients)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_topk.comm.exchanges.dense import dense_topk_hook
+
+    errors = {}
+    for name, hook, cfg in (("allgather", topk_allgather_hook, dict(density=0.05, min_sparse_numel=0)),
+                            ("dense", dense_topk_hook, dict(density=1.0))):
+        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=2))
+        m = _model()
+        ddp = DDP(m, process_group=group, bucket_cap_mb=0.05)
+        st = TopKState(TopKConfig(**cfg), process_group=group)
+        st.bind(m.named_parameters())
+        ddp.register_comm_hook(st, hook)
+        if rank == 1:
+            x, y = _batches(rank, 1)[0]
+            try:
+                nn.functional.cross_entropy(ddp(x), y).backward()
+                errors[name] = None
+            except Exception as e:
+                errors[name] = str(e)
+        dist.barrier()  # the default group still works
+    return errors
+
+
+def test_a_failed_collective_raises_its_own_error_not_a_garbage_result():
+    errors = run_distributed(_peer_never_comes, 2)[1]
+    for name, msg in errors.items():
+        assert msg is not None, name
+        assert "index out of range" not in msg and "timed out" in msg.lower(), (name, msg[-500:])

@@ -64,7 +64,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     fut = kit._all_gather(out, packed, group=group, async_op=True).get_future()
     wire_dtype = cfg.wire_dtype
 
-    def finish(_f: torch.futures.Future) -> Tensor:
+    def finish(done: torch.futures.Future) -> Tensor:
+        done.wait()  # a failed or timed-out all-gather raises its own error here, before `out` is read
         # On gloo the future's value is not the gathered tensor: read `out`.
         state.add_time(stats, "comm_time_s", t_launch)
         values, indices = unpack(out, k, wire_dtype, world, idt)

@@ -71,7 +71,8 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     t_launch = clock(device)
     fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
-    def finish(_f: torch.futures.Future) -> torch.Tensor:
+    def finish(done: torch.futures.Future) -> torch.Tensor:
+        done.wait()  # a failed all-reduce raises its own error, before `wire` is read
         state.add_time(stats, "comm_time_s", t_launch)
         if low:
             state.flags.note_result(wire)  # half the bytes of the widened result; widening keeps NaN/inf

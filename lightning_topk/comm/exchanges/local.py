@@ -93,7 +93,8 @@ class LocalExchange(Exchange):
             t = clock(grad.device)
             fut = dist.all_reduce(grad, group=self.groups.intra, async_op=True).get_future()
 
-            def finish(_f: torch.futures.Future) -> Tensor:
+            def finish(done: torch.futures.Future) -> Tensor:
+                done.wait()  # a failed all-reduce raises its own error, before `grad` is read
                 state.add_time(stats, "comm_time_s", t)
                 grad.div_(L)
                 state.flags.note_result(grad)

@@ -481,8 +481,9 @@ def _flush(state: TopKState, p: Optional["_Pending"]) -> None:
     g = scatter_forward(state, p.job)
     state.add_time(p.stats, "select_time_s", t0)
 
-    def done(_f: torch.futures.Future) -> None:
+    def done(fut: torch.futures.Future) -> None:
         try:
+            fut.wait()  # a failed exchange raises its own error, before its buffers are read
             values, indices = g.entries()
             dense = rebuild(fp32_view(p.grad), values.mul_(p.factor), indices)
             state.add_time(p.stats, "comm_time_s", p.t_launch)
