@@ -75,7 +75,7 @@ class StepController:
         ex = self.state.exchange
         if ex is not None:
             return ex.decision_group(self.state)
-        return self.state.process_group if self.state.process_group is not None else dist.group.WORLD
+        return self.state.flat_group
 
     @property
     def node_scope(self) -> bool:

@@ -618,6 +618,13 @@ class TopKState:
         self.totals = StepStats()
 
     # ---- binding parameters to names -------------------------------------------------------
+    @property
+    def flat_group(self) -> Any:
+        """The flat exchange's process group: ``process_group``, or the world by default."""
+        import torch.distributed as dist
+
+        return self.process_group if self.process_group is not None else dist.group.WORLD
+
     def bind(self, named_parameters: Iterable[Tuple[str, Tensor]]) -> None:
         """Tell the state the names of the model's parameters (keys of residuals in checkpoints)."""
         self._names = {id(p): n for n, p in named_parameters}
@@ -714,7 +721,7 @@ class TopKState:
         g = self.groups
         if g is not None:
             return Layout(g.num_nodes, g.local_world, g.node_rank * g.local_world + g.local_rank)
-        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        group = self.flat_group
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank(group) if world > 1 else 0
         nodes = self.num_nodes if self.num_nodes > 0 and world % self.num_nodes == 0 else 1

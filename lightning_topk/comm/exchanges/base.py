@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
-import torch.distributed as dist
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -100,7 +98,7 @@ class Exchange:
         """The process group of the :class:`~lightning_topk.comm.controller.StepController`'s per-step
         fault decision (its one all-reduce): all the ranks of the flat group here, since every rank
         applies the average of every rank's gradient. ``None`` means this process alone (no collective)."""
-        return state.process_group if state.process_group is not None else dist.group.WORLD
+        return state.flat_group
 
     # ---- the cost model ----------------------------------------------------------------------------
     @classmethod

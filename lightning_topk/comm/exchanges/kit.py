@@ -71,7 +71,7 @@ def open_bucket(state: TopKState, bucket: Any) -> BucketView:
 
 def flat_group(state: TopKState) -> Tuple[Any, int]:
     """The flat exchange's process group (the world by default) and its size."""
-    group = state.process_group if state.process_group is not None else dist.group.WORLD
+    group = state.flat_group
     return group, dist.get_world_size(group)
 
 
