@@ -58,7 +58,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
         return getattr(self, "_topk_fabric_optimizers", None)
 
     def setup_module(self, module):
-        self._choose_bucket_cap(module)
+        self._configure_buckets(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
         self._register_ddp_hooks()

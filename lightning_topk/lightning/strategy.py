@@ -64,14 +64,20 @@ class TopKStrategyMixin:
     # ---- DDP's buckets --------------------------------------------------------------------------
     @override
     def _setup_model(self, model: Any) -> Any:
-        self._choose_bucket_cap(model)
+        self._configure_buckets(model)
         return super()._setup_model(model)
 
-    def _choose_bucket_cap(self, model: Any) -> None:
-        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
+    def _configure_buckets(self, model: Any) -> None:
+        """DDP's buckets for the exchange. Local SGD: the gradients are views of the buckets (no copy per step).
+        Otherwise, unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
         bucket rule (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange
         overlaps the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
         kw = getattr(self, "_ddp_kwargs", None)
+        if kw is not None and self._exchange() == "local":
+            # Local SGD's inner steps move no gradient between nodes: with the gradients as views of DDP's
+            # buckets, DDP adds no copy of them per step (on the 11.3M-parameter cluster model a step
+            # otherwise costs ~25% more than without DDP; BENCHMARKS.md). The user's setting wins.
+            kw.setdefault("gradient_as_bucket_view", True)
         if self._topk_user_cap or kw is None or self.world_size < 2:  # one process: nothing to overlap
             return
         from lightning_topk.comm.cost import choose_bucket_cap, constant_model

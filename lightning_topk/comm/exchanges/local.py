@@ -80,7 +80,7 @@ class LocalExchange(Exchange):
     # ---- the step ---------------------------------------------------------------------------------------
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
         grad, n, _params, names, _device, stats = open_bucket(state, bucket)
-        state.flags.note_input(names, grad)
+        bad = state.flags.note_input(names, grad)
         L = self.groups.local_world if self.groups is not None else 1
         self._outer_stats(stats)
         _group, world = flat_group(state)
@@ -102,7 +102,7 @@ class LocalExchange(Exchange):
 
             out = fut.then(finish)
         else:
-            state.flags.note_result(grad)
+            state.flags.note_result(grad, bad)  # the input itself: one read pass, not two
             out = future_on(grad.device)
             out.set_result(grad)
         if bucket.is_last():
