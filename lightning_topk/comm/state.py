@@ -453,9 +453,10 @@ class FaultFlags:
         self.inputs: Dict[Tuple[str, ...], Tensor] = {}
         self.result: Optional[Tensor] = None
 
-    def note_input(self, names: Tuple[str, ...], x: Tensor) -> Tensor:
-        """Flag non-finite values in ``x``; returns the flag (a result that *is* ``x``, unchanged, can reuse it)."""
-        bad = nonfinite(x)
+    def note_input(self, names: Tuple[str, ...], x: Optional[Tensor], bad: Optional[Tensor] = None) -> Tensor:
+        """Flag non-finite values in ``x`` (``bad``: its flag, when already known); returns the flag (a result
+        that *is* ``x``, unchanged, can reuse it)."""
+        bad = nonfinite(x) if bad is None else bad
         with self._lock:
             cur = self.inputs.get(names)
             self.inputs[names] = bad if cur is None else cur | bad

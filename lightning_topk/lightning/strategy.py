@@ -46,6 +46,8 @@ class TopKStrategyMixin:
         self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
         self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
         self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
+        if "bucket_cap_mb" in kwargs and kwargs["bucket_cap_mb"] is None:
+            del kwargs["bucket_cap_mb"]  # null in a config: the bucket rule's choice
         super().__init__(**kwargs)
 
     @property
@@ -68,16 +70,21 @@ class TopKStrategyMixin:
         return super()._setup_model(model)
 
     def _configure_buckets(self, model: Any) -> None:
-        """DDP's buckets for the exchange. Local SGD: the gradients are views of the buckets (no copy per step).
-        Otherwise, unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
+        """DDP's buckets for the exchange: the gradients are views of the buckets (no copy per step), and unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
         bucket rule (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange
         overlaps the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
         kw = getattr(self, "_ddp_kwargs", None)
-        if kw is not None and self._exchange() == "local":
-            # Local SGD's inner steps move no gradient between nodes: with the gradients as views of DDP's
-            # buckets, DDP adds no copy of them per step (on the 11.3M-parameter cluster model a step
-            # otherwise costs ~25% more than without DDP; BENCHMARKS.md). The user's setting wins.
-            kw.setdefault("gradient_as_bucket_view", True)
+        if kw is not None and self._exchange() == "local" and kw.get("broadcast_buffers") is None:
+            # DDP would broadcast buffers (BatchNorm statistics) from rank 0 at every forward: a collective
+            # across all nodes every inner step. Under local SGD each process keeps its own.
+            kw["broadcast_buffers"] = False
+        if kw is not None:
+            # The gradients are views of DDP's buckets: DDP copies no gradient into its buckets and back every
+            # step (local SGD's inner steps on the 11.3M-parameter cluster model cost ~35% more than without
+            # DDP with the copies; BENCHMARKS.md). The hooks see the same bucket either way. The user's
+            # setting wins.
+            if kw.get("gradient_as_bucket_view") is None:
+                kw["gradient_as_bucket_view"] = True
         if self._topk_user_cap or kw is None or self.world_size < 2:  # one process: nothing to overlap
             return
         from lightning_topk.comm.cost import choose_bucket_cap, constant_model
@@ -159,6 +166,12 @@ class TopKStrategyMixin:
         from lightning_topk.comm.exchanges import exchange_hook
 
         self.model.register_comm_hook(state, exchange_hook)
+        if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
+            # Local SGD, one process per node: an inner step has nothing to reduce, so DDP's reducer stays
+            # off (Lightning's and Fabric's no_sync contexts restore this value); the exchange flags the
+            # gradients before the step's decision instead of in the hook.
+            state.exchange.bypass = True
+            self.model.require_backward_grad_sync = False
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
 

@@ -170,7 +170,7 @@ def main() -> None:
                 "rounds": outer.stats.rounds if outer is not None else 0,
                 "position": outer.position if outer is not None else -1,
                 "skips": ctl.skipped_steps if ctl is not None else -1, "start": getattr(model, "start", None),
-                "grad_views": getattr(model, "grad_views", None),
+                "grad_views": getattr(model, "grad_views", None), "bypass": getattr(ex, "bypass", None),
                 "theta_outer": outer.theta.clone() if outer is not None else None,
                 "momentum": outer.mom.clone() if outer is not None else None,
                 "ef": outer.ef.clone() if outer is not None else None,
