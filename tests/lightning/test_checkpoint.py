@@ -220,6 +220,37 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
         assert_same_state(load(runs, "straight", r), resumed)
 
 
+def test_slurm_requeue_under_local_sgd_waits_for_the_outer_round_end(tmp_path):
+    """Sparse local SGD (H=8): the requeue decision is a collective across all nodes, so it is taken at outer
+    round ends only (none between rounds). The signal at step >= 5 is acted on at step 8 (the old code: at the
+    next step, 5-7), and the requeued job resumes from there."""
+    env, scontrol_log = fake_scontrol(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    args = [SCRIPT, "--out", out, "--phases", "slurm", "--defaults", "--local-steps", "8", "--slow", "0.1"]
+    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4545, extra_env=env)
+    try:
+        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 5, 120, "5 training steps", job)
+        assert progress(out, 0) < 8
+        for r in range(2):
+            job.signal(r, signal.SIGUSR1)
+        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
+    finally:
+        job.kill_all()
+    hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
+    saved_at = torch.load(hpc, weights_only=True)["global_step"]
+    assert saved_at % 8 == 0 and saved_at >= 8, saved_at
+    args[args.index("--slow") + 1] = "0"
+    job2 = Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4545, extra_env=env)
+    try:
+        assert job2.wait_all(240) == [0, 0], job2.log(0)[-3000:]
+    finally:
+        job2.kill_all()
+    for r in range(2):
+        resumed = load(out, "slurm", r)
+        assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt") and resumed["global_step"] == 2 * 22
+
+
 def test_slurm_requeue_every_rank_saves_under_rank_zeros_name(tmp_path):
     """Rank 1 names its requeue checkpoint 2 s after rank 0 wrote hpc_ckpt_1.ckpt (its logger is slow to
     finalize, which Lightning's handler does first). Each rank used to list the folder itself and rank 1
