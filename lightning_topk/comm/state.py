@@ -62,8 +62,8 @@ class TopKConfig:
         momentum: momentum used by ``momentum_correction``, in [0, 1).
         momentum_masking: with ``momentum_correction``, DGC's momentum-factor masking: a sparse step zeroes
             the velocity where it sent (``True``), or keeps it (``False``: error feedback on the local
-            momentum, which at density 1 is SGD momentum). ``recipe="auto"`` sets it from the density
-            (masking only below ``recipe.MASKING_BELOW``; ``docs/convergence.md``).
+            momentum, which at density 1 is SGD momentum). ``recipe="auto"`` sets ``False``
+            (``docs/convergence.md``).
         momentum_lookahead: with ``momentum_correction``, a sparse step's residual accumulates
             ``u = v + c * (v - v_prev)`` instead of the velocity ``v`` (c = this option, a number in [0, 10]):
             the entries it sends carry c steps of their momentum ahead of time, and the residual keeps the
@@ -76,9 +76,9 @@ class TopKConfig:
         recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
-            with the optimizer's momentum (``momentum_masking`` below density 0.005, not from there up), whose
-            momentum is then set to 0; for anything else (AdamW, Adam, LARS) plain error feedback.
-            ``"none"``: the options as given.
+            with the optimizer's momentum, without masking and with ``momentum_lookahead`` =
+            ``recipe.LOOKAHEAD`` (3), whose momentum is then set to 0; for anything else (AdamW, Adam, LARS)
+            plain error feedback. ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
