@@ -22,8 +22,8 @@ Recipes (``RECIPES``), each on top of error feedback with the exact selector:
 * ``mc_warmup``: both;
 * ``mc_nomask``: momentum correction without the masking (``momentum_masking=False``): error feedback on
   the local momentum;
-* ``mc_look``: ``mc_nomask`` with the momentum lookahead (``momentum_lookahead=recipe.LOOKAHEAD``): a sparse
-  step's residual accumulates ``v + c*(v - v_prev)``;
+* ``mc_look``: ``mc_nomask`` with the momentum lookahead (``momentum_lookahead=0.9``, the momentum, as
+  ``recipe="auto"`` sets it): a sparse step's residual accumulates ``v + c*(v - v_prev)`` = ``g + m*v``;
 * ``auto``: what ``recipe="auto"`` (:func:`~lightning_topk.comm.recipe.apply_recipe`) makes of the optimizer
   and density: the default a user runs.
 
@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, sparse_k, take_bucket
-from lightning_topk.comm.recipe import LOOKAHEAD, apply_recipe
+from lightning_topk.comm.recipe import apply_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 
 RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "mc_look", "auto")
@@ -112,7 +112,7 @@ def config_for(recipe: str, density: float, warmup_steps: int = 40,
     if recipe in ("mc", "mc_warmup", "mc_nomask", "mc_look"):
         kw.update(momentum_correction=True, momentum=0.9, momentum_masking=recipe not in ("mc_nomask", "mc_look"))
     if recipe == "mc_look":
-        kw.update(momentum_lookahead=LOOKAHEAD)
+        kw.update(momentum_lookahead=0.9)  # the momentum: Nesterov's update, as recipe="auto" sets it
     kw.update(overrides or {})
     return TopKConfig(**kw)
 

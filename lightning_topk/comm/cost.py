@@ -158,7 +158,7 @@ class CostModel:
 # (what recipe="auto" leaves on plain error feedback; SGD without the recipe measured 1.58 and 2.67);
 # "momentum_correction": SGD with its momentum moved into the hook, with momentum-factor masking
 # (recipe="auto" for SGD below density 0.005 before the lookahead); "momentum_correction_unmasked": the same
-# without the masking; "momentum_lookahead": unmasked with momentum_lookahead = recipe.LOOKAHEAD (what
+# without the masking; "momentum_lookahead": unmasked with momentum_lookahead = momentum = 0.9 (what
 # recipe="auto" runs for SGD with momentum; seeds 0-4).
 SPARSE_PENALTY: Dict[str, Dict[float, float]] = {
     "error_feedback": {1.0: 1.0, 0.01: 2.20, 0.001: 4.20},

@@ -4,16 +4,16 @@ Measured (``benchmarks/convergence.py``, ``docs/convergence.md``): with SGD with
 correction (the hook keeps the velocity and selects from it) reaches the targets in fewer steps than plain
 error feedback, and a momentum lookahead on the sparse steps (``momentum_lookahead``: the residual
 accumulates ``v + c*(v - v_prev)``, so a sent entry carries its next c steps of momentum at once) removes most
-of the remaining delay: on MNIST-5k at density 0.01 it reaches 80% and 90% in as many steps as dense SGD
-with momentum. With the lookahead, momentum-factor masking no longer pays at any density measured (0.01 and
+of the remaining delay: on MNIST-5k at density 0.01 it reaches 80% and 90% within 1.1x of dense SGD
+with momentum's steps. With the lookahead, momentum-factor masking no longer pays at any density measured (0.01 and
 0.001), so it is off. With AdamW no recipe a hook can apply beats plain error feedback by default (a
 density warm-up helps at 0.001, but its length depends on the run). So ``recipe="auto"`` does:
 
 * ``torch.optim.SGD`` with momentum > 0, dampening 0 and no Nesterov in every parameter group, one momentum
   value for all groups: turns ``momentum_correction`` on with that momentum, without masking and with
-  ``momentum_lookahead`` = :data:`LOOKAHEAD`, and sets the optimizer's momentum to 0 (the velocity lives in
-  the hook's state: checkpointed per rank, rolled back by a skipped step). Only while sparse steps can
-  happen (``density < 1``) and the exchange supports momentum correction (the flat ones: ``auto`` then
+  ``momentum_lookahead`` = that momentum (Nesterov's update through error feedback), and sets the
+  optimizer's momentum to 0 (the velocity lives in the hook's state: checkpointed per rank, rolled back by
+  a skipped step). Only while sparse steps can happen (``density < 1``) and the exchange supports momentum correction (the flat ones: ``auto`` then
   chooses among them alone, ``allgather``, ``dense``).
 * With ``local_steps`` > 0 (sparse local SGD) there is no per-step top-k: nothing, the optimizer untouched.
 * Anything else (Adam, AdamW, the repo's LARS, whose trust ratio is taken on the raw gradient, Nesterov,
@@ -30,12 +30,13 @@ import torch
 
 from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig
 
-__all__ = ["LOOKAHEAD", "RECIPE_CHOICES", "apply_recipe", "recipe_for"]
+__all__ = ["RECIPE_CHOICES", "apply_recipe", "recipe_for"]
 
-# recipe="auto"'s momentum_lookahead (docs/convergence.md, MNIST-5k, seeds 0-4): 3 reached 80%/90% at 1.04x/0.99x
-# of dense's steps at density 0.01 (1 at 1.08x/1.10x, 6 at 0.90x/0.93x), and stayed stable at 4x the
-# learning rate, where c = m/(1-m) = 9 (momentum-free SGD at lr/(1-m), in effect) diverged.
-LOOKAHEAD = 3.0
+# recipe="auto" sets momentum_lookahead to the optimizer's momentum m: the residual then accumulates
+# u = v + m (v - v_prev) = g + m v, PyTorch's Nesterov update, and every entry sent each step would be exactly
+# SGD(nesterov=True). Measured (docs/convergence.md, MNIST-5k, seeds 0-4): 1 reached 80%/90% at 1.08x/1.08x
+# of dense's steps at density 0.01 and trained at 8x the preset learning rate; 3 reached 1.04x/0.96x but
+# diverged there, where heavy-ball dense and the lookahead-free recipe still train.
 
 
 def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str]:
@@ -77,7 +78,6 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
     m = float(opt.param_groups[0]["momentum"])
     for g in opt.param_groups:
         g["momentum"] = 0.0
-    return (replace(config, momentum_correction=True, momentum=m, momentum_masking=False,
-                    momentum_lookahead=LOOKAHEAD),
-            f"recipe=auto -> momentum_correction without masking, momentum_lookahead {LOOKAHEAD:g} ({why}; "
+    return (replace(config, momentum_correction=True, momentum=m, momentum_masking=False, momentum_lookahead=m),
+            f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov) ({why}; "
             f"density {config.density:g})")

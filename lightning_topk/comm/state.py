@@ -72,12 +72,12 @@ class TopKConfig:
             PyTorch's Nesterov momentum; a larger c extrapolates further and lowers the largest stable
             learning rate (about ``2(1+m)/(1+2c)`` times the inverse curvature against ``2(1+m)`` for heavy
             ball). Dense steps accumulate ``v`` as before, so at density 1 nothing changes. 0 (default): off.
-            Needs ``momentum_correction``; ``recipe="auto"`` sets it (``recipe.LOOKAHEAD``).
+            Needs ``momentum_correction``; ``recipe="auto"`` sets it to ``momentum``.
         recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
-            with the optimizer's momentum, without masking and with ``momentum_lookahead`` =
-            ``recipe.LOOKAHEAD`` (3), whose momentum is then set to 0; for anything else (AdamW, Adam, LARS)
+            with the optimizer's momentum, without masking and with ``momentum_lookahead`` = that momentum
+            (Nesterov's update), whose momentum is then set to 0; for anything else (AdamW, Adam, LARS)
             plain error feedback. ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
@@ -294,7 +294,7 @@ class TopKConfig:
         """The convergence recipe these options run (a key of :data:`lightning_topk.comm.cost.SPARSE_PENALTY`):
         ``"error_feedback"``, ``"momentum_correction"`` (with masking, with or without lookahead),
         ``"momentum_correction_unmasked"`` or ``"momentum_lookahead"`` (unmasked, ``momentum_lookahead`` > 0;
-        measured at ``recipe.LOOKAHEAD``)."""
+        measured with c = ``momentum`` = 0.9, as ``recipe="auto"`` sets it)."""
         if not self.momentum_correction:
             return "error_feedback"
         if self.momentum_masking:

@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm.exchanges import exchange_hook, kit
-from lightning_topk.comm.recipe import LOOKAHEAD, apply_recipe, recipe_for
+from lightning_topk.comm.recipe import apply_recipe, recipe_for
 from lightning_topk.optim import LARS
 from tests.helpers.dist import run_distributed
 
@@ -25,13 +25,14 @@ def test_sgd_with_momentum_gets_momentum_correction_and_loses_its_own_momentum()
 
 
 @pytest.mark.parametrize("density", [0.05, 0.01, 0.005, 0.003, 0.001, 0.0001])
-def test_auto_runs_the_lookahead_without_masking_at_every_density(density):
+def test_auto_runs_the_nesterov_lookahead_without_masking_at_every_density(density):
     """With the lookahead, masking measured worse at 0.01 and at 0.001 (docs/convergence.md): auto sets the same
-    pair at every density, from the configuration alone, so every rank makes it alike."""
-    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+    pair at every density, the lookahead equal to the momentum (Nesterov's update), from the configuration and
+    the optimizer alone, so every rank makes it alike."""
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.85)
     cfg, note = apply_recipe(TopKConfig(density=density), [opt])
-    assert cfg.momentum_correction and cfg.momentum_masking is False and cfg.momentum_lookahead == LOOKAHEAD > 0
-    assert f"without masking, momentum_lookahead {LOOKAHEAD:g}" in note
+    assert cfg.momentum_correction and cfg.momentum_masking is False and cfg.momentum_lookahead == 0.85
+    assert "without masking, momentum_lookahead 0.85 (Nesterov)" in note
     assert cfg.recipe_in_use == "momentum_lookahead"
     with pytest.raises(ValueError, match="momentum_masking must be true or false"):
         TopKConfig(momentum_masking="no")
@@ -189,7 +190,7 @@ def _run(rank, world, hook_momentum, lookahead=0.0):
 
 
 def _both(rank, world):
-    return _run(rank, world, False), _run(rank, world, True), _run(rank, world, True, LOOKAHEAD)
+    return _run(rank, world, False), _run(rank, world, True), _run(rank, world, True, 0.9)
 
 
 def test_momentum_in_the_hook_at_density_one_is_sgd_momentum_with_plain_ddp():
