@@ -22,6 +22,8 @@ Recipes (``RECIPES``), each on top of error feedback with the exact selector:
 * ``mc_warmup``: both;
 * ``mc_nomask``: momentum correction without the masking (``momentum_masking=False``): error feedback on
   the local momentum;
+* ``mc_look``: ``mc_nomask`` with the momentum lookahead (``momentum_lookahead=0.9``, the momentum, as
+  ``recipe="auto"`` sets it): a sparse step's residual accumulates ``v + c*(v - v_prev)`` = ``g + m*v``;
 * ``auto``: what ``recipe="auto"`` (:func:`~lightning_topk.comm.recipe.apply_recipe`) makes of the optimizer
   and density: the default a user runs.
 
@@ -48,7 +50,7 @@ from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, spar
 from lightning_topk.comm.recipe import apply_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 
-RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "auto")
+RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "mc_look", "auto")
 TASKS = ("digits", "digits_cnn", "mnist5k")
 OPTS = ("sgd", "adamw")
 
@@ -107,8 +109,10 @@ def config_for(recipe: str, density: float, warmup_steps: int = 40,
                               recipe="auto" if recipe == "auto" else "none")
     if recipe in ("warmup", "mc_warmup"):
         kw.update(warmup_steps=warmup_steps, warmup_start=0.25)
-    if recipe in ("mc", "mc_warmup", "mc_nomask"):
-        kw.update(momentum_correction=True, momentum=0.9, momentum_masking=recipe != "mc_nomask")
+    if recipe in ("mc", "mc_warmup", "mc_nomask", "mc_look"):
+        kw.update(momentum_correction=True, momentum=0.9, momentum_masking=recipe not in ("mc_nomask", "mc_look"))
+    if recipe == "mc_look":
+        kw.update(momentum_lookahead=0.9)  # the momentum: Nesterov's update, as recipe="auto" sets it
     kw.update(overrides or {})
     return TopKConfig(**kw)
 
@@ -133,7 +137,7 @@ class SimulatedAllgather:
         values, indices = [], []
         for st, g in zip(self.states, grads):
             k, ks, numels = sparse_k(st, self.params, n)
-            b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g)
+            b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
             if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
                 values.append(acc.clone())
                 indices.append(torch.arange(n))

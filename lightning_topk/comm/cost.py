@@ -154,15 +154,16 @@ class CostModel:
 
 # Steps to the target of a sparse run over a dense one's (the same seeds), per recipe and density:
 # benchmarks/convergence.py on MNIST-5k (MLP, 4 simulated ranks, steps to 90% test accuracy, mean of 3 seeds,
-# every run reached it within its 500 steps; docs/convergence.md, BENCHMARKS.md). "error_feedback": AdamW
-# (what recipe="auto" leaves on plain error feedback; SGD without the recipe measured 1.58 and 2.67);
-# "momentum_correction": SGD with its momentum moved into the hook, with momentum-factor masking
-# (recipe="auto" for SGD below density 0.005); "momentum_correction_unmasked": the same without the masking
-# (recipe="auto" for SGD from density 0.005 up).
+# 5 for the lookahead row; every run reached it within its 500 steps; docs/convergence.md, BENCHMARKS.md).
+# "error_feedback": AdamW (what recipe="auto" leaves on plain error feedback; SGD without the recipe measured
+# 1.58 and 2.67); "momentum_correction": SGD with its momentum moved into the hook, with momentum-factor
+# masking; "momentum_correction_unmasked": the same without the masking; "momentum_lookahead": unmasked, with
+# momentum_lookahead = momentum = 0.9 (what recipe="auto" runs for SGD with momentum).
 SPARSE_PENALTY: Dict[str, Dict[float, float]] = {
     "error_feedback": {1.0: 1.0, 0.01: 2.20, 0.001: 4.20},
     "momentum_correction": {1.0: 1.0, 0.01: 1.71, 0.001: 1.83},
     "momentum_correction_unmasked": {1.0: 1.0, 0.01: 1.30, 0.001: 2.09},
+    "momentum_lookahead": {1.0: 1.0, 0.01: 1.09, 0.001: 1.66},
 }
 
 

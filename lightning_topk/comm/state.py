@@ -62,14 +62,23 @@ class TopKConfig:
         momentum: momentum used by ``momentum_correction``, in [0, 1).
         momentum_masking: with ``momentum_correction``, DGC's momentum-factor masking: a sparse step zeroes
             the velocity where it sent (``True``), or keeps it (``False``: error feedback on the local
-            momentum, which at density 1 is SGD momentum). ``recipe="auto"`` sets it from the density
-            (masking only below ``recipe.MASKING_BELOW``; ``docs/convergence.md``).
+            momentum, which at density 1 is SGD momentum). ``recipe="auto"`` sets ``False``
+            (``docs/convergence.md``).
+        momentum_lookahead: with ``momentum_correction``, a sparse step's residual accumulates
+            ``u = v + c * (v - v_prev)`` instead of the velocity ``v`` (c = this option, a number in [0, 10]):
+            the entries it sends carry c steps of their momentum ahead of time, and the residual keeps the
+            debt, so what is sent still adds up to the velocities' sum. It offsets the delay of error feedback
+            (``docs/convergence.md``). With c = ``momentum`` and every entry sent each step it is exactly
+            PyTorch's Nesterov momentum; a larger c extrapolates further and lowers the largest stable
+            learning rate (about ``2(1+m)/(1+2c)`` times the inverse curvature against ``2(1+m)`` for heavy
+            ball). Dense steps accumulate ``v`` as before, so at density 1 nothing changes. 0 (default): off.
+            Needs ``momentum_correction``; ``recipe="auto"`` sets it to ``momentum``.
         recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
-            with the optimizer's momentum (``momentum_masking`` below density 0.005, not from there up), whose
-            momentum is then set to 0; for anything else (AdamW, Adam, LARS) plain error feedback.
-            ``"none"``: the options as given.
+            with the optimizer's momentum, without masking and with ``momentum_lookahead`` = that momentum
+            (Nesterov's update), whose momentum is then set to 0; for anything else (AdamW, Adam, LARS)
+            plain error feedback. ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
@@ -142,6 +151,7 @@ class TopKConfig:
     momentum_correction: bool = False
     momentum: float = 0.9
     momentum_masking: bool = True
+    momentum_lookahead: float = 0.0
     recipe: str = "auto"
     dense_steps: int = 0
     warmup_steps: int = 0
@@ -186,6 +196,9 @@ class TopKConfig:
                 raise bad(name, "true or false")
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
             raise bad("momentum", "a number in [0, 1)")
+        if not _is_number(self.momentum_lookahead) or not 0.0 <= self.momentum_lookahead <= 10.0:
+            raise bad("momentum_lookahead", "a number in [0, 10]")
+        self.momentum_lookahead = float(self.momentum_lookahead)
         for name in ("dense_steps", "warmup_steps", "min_sparse_numel", "local_steps", "outer_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "an int >= 0")
@@ -221,6 +234,10 @@ class TopKConfig:
         # Between options.
         if self.momentum_correction and not self.error_feedback:
             raise ValueError("topk_ddp: momentum_correction=True needs error_feedback=True (it accumulates velocity)")
+        if self.momentum_lookahead > 0 and not self.momentum_correction:
+            raise ValueError(f"topk_ddp: momentum_lookahead={self.momentum_lookahead:g} needs momentum_correction=True "
+                             "(it looks ahead along the hook's velocity); set momentum_correction=true or "
+                             "momentum_lookahead=0 (recipe='auto' sets both for SGD with momentum)")
         if self.hierarchical is True and self.momentum_correction:
             raise ValueError("topk_ddp: momentum_correction is not supported with the hierarchical exchange; "
                              "set hierarchical=false (or 'auto') or momentum_correction=false")
@@ -275,10 +292,14 @@ class TopKConfig:
     @property
     def recipe_in_use(self) -> str:
         """The convergence recipe these options run (a key of :data:`lightning_topk.comm.cost.SPARSE_PENALTY`):
-        ``"error_feedback"``, ``"momentum_correction"`` (with masking) or ``"momentum_correction_unmasked"``."""
+        ``"error_feedback"``, ``"momentum_correction"`` (with masking, with or without lookahead),
+        ``"momentum_correction_unmasked"`` or ``"momentum_lookahead"`` (unmasked, ``momentum_lookahead`` > 0;
+        measured with c = ``momentum`` = 0.9, as ``recipe="auto"`` sets it)."""
         if not self.momentum_correction:
             return "error_feedback"
-        return "momentum_correction" if self.momentum_masking else "momentum_correction_unmasked"
+        if self.momentum_masking:
+            return "momentum_correction"
+        return "momentum_lookahead" if self.momentum_lookahead > 0 else "momentum_correction_unmasked"
 
     @property
     def wire_dtype(self) -> torch.dtype:

@@ -20,6 +20,7 @@ CASES = {  # recipe -> (optimizer, density)
     "ef": ("adamw", 0.02),
     "mc_warmup": ("sgd", 0.01),
     "mc_nomask": ("sgd", 0.01),  # momentum_masking=False: the velocity is kept where sent
+    "mc_look": ("sgd", 0.01),  # and momentum_lookahead: the residual leads by c times the velocity
 }
 
 

@@ -135,9 +135,11 @@ def test_default_penalty_is_the_measured_table_interpolated_in_log_density():
     """auto_sparse_penalty=None: the steps-to-target ratio of SPARSE_PENALTY for the density and the recipe in
     use (momentum correction or plain error feedback); an explicit number overrides it."""
     for recipe, row in SPARSE_PENALTY.items():
-        mc = recipe.startswith("momentum_correction")
+        mc = recipe.startswith("momentum")
+        look = 3.0 if recipe == "momentum_lookahead" else 0.0
         for d, p in row.items():
-            cfg = TopKConfig(density=d, momentum_correction=mc, momentum_masking=recipe == "momentum_correction")
+            cfg = TopKConfig(density=d, momentum_correction=mc, momentum_masking=recipe == "momentum_correction",
+                             momentum_lookahead=look)
             assert cfg.recipe_in_use == recipe
             assert cfg.sparse_penalty == pytest.approx(max(1.0, p))
         lo, hi = min(row), 0.01
@@ -147,6 +149,8 @@ def test_default_penalty_is_the_measured_table_interpolated_in_log_density():
     assert TopKConfig(density=0.001).sparse_penalty != TopKConfig(density=0.001, momentum_correction=True).sparse_penalty
     unmasked = TopKConfig(density=0.01, momentum_correction=True, momentum_masking=False)
     assert unmasked.sparse_penalty != TopKConfig(density=0.01, momentum_correction=True).sparse_penalty
+    look = TopKConfig(density=0.01, momentum_correction=True, momentum_masking=False, momentum_lookahead=3.0)
+    assert look.recipe_in_use == "momentum_lookahead" and look.sparse_penalty < unmasked.sparse_penalty
     assert TopKConfig(density=1.0).sparse_penalty == 1.0
     assert TopKConfig(density=0.001, auto_sparse_penalty=1.5).sparse_penalty == 1.5
     assert TopKConfig().auto_sparse_penalty is None

@@ -1,4 +1,5 @@
-"""recipe="auto": which optimizers get DGC momentum correction, and what the hook's momentum does at density 1."""
+"""recipe="auto": which optimizers get DGC momentum correction (with the momentum lookahead), what a sparse
+step does with the velocity, and what the hook's momentum does at density 1."""
 import pytest
 import torch
 import torch.nn as nn
@@ -6,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState
 from lightning_topk.comm.exchanges import exchange_hook, kit
-from lightning_topk.comm.recipe import MASKING_BELOW, apply_recipe, masking_for, recipe_for
+from lightning_topk.comm.recipe import apply_recipe, recipe_for
 from lightning_topk.optim import LARS
 from tests.helpers.dist import run_distributed
 
@@ -23,18 +24,30 @@ def test_sgd_with_momentum_gets_momentum_correction_and_loses_its_own_momentum()
     assert cfg.density == 0.001 and cfg.recipe == "auto"  # the rest as given
 
 
-@pytest.mark.parametrize("density, masking", [(0.01, False), (0.005, False), (0.003, True), (0.002, True),
-                                              (0.001, True), (0.0001, True)])
-def test_auto_masks_the_velocity_only_at_low_density(density, masking):
-    """Momentum-factor masking measured better below MASKING_BELOW and worse above it (docs/convergence.md):
-    the choice follows the density alone, so every rank makes it alike."""
-    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.9)
+@pytest.mark.parametrize("density", [0.05, 0.01, 0.005, 0.003, 0.001, 0.0001])
+def test_auto_runs_the_nesterov_lookahead_without_masking_at_every_density(density):
+    """With the lookahead, masking measured worse at 0.01 and at 0.001 (docs/convergence.md): auto sets the same
+    pair at every density, the lookahead equal to the momentum (Nesterov's update), from the configuration and
+    the optimizer alone, so every rank makes it alike."""
+    opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.85)
     cfg, note = apply_recipe(TopKConfig(density=density), [opt])
-    assert cfg.momentum_correction and cfg.momentum_masking is masking and masking_for(density) is masking
-    assert ("with momentum-factor masking" if masking else "without masking") in note
-    assert (density < MASKING_BELOW) is masking
+    assert cfg.momentum_correction and cfg.momentum_masking is False and cfg.momentum_lookahead == 0.85
+    assert "without masking, momentum_lookahead 0.85 (Nesterov)" in note
+    assert cfg.recipe_in_use == "momentum_lookahead"
     with pytest.raises(ValueError, match="momentum_masking must be true or false"):
         TopKConfig(momentum_masking="no")
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(momentum_lookahead=-1.0, momentum_correction=True), "momentum_lookahead must be a number in \\[0, 10\\]"),
+    (dict(momentum_lookahead=11, momentum_correction=True), "momentum_lookahead must be a number in \\[0, 10\\]"),
+    (dict(momentum_lookahead="3", momentum_correction=True), "momentum_lookahead must be a number"),
+    (dict(momentum_lookahead=float("nan"), momentum_correction=True), "momentum_lookahead must be a number"),
+    (dict(momentum_lookahead=3.0), "momentum_lookahead=3 needs momentum_correction=True"),
+])
+def test_bad_lookahead_is_named(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        TopKConfig(**kw)
 
 
 @pytest.mark.parametrize("masking", [True, False])
@@ -65,6 +78,48 @@ def test_a_sparse_step_zeroes_the_velocity_where_it_sent_only_with_masking(maski
     v2[idx] = 0.0
     assert torch.allclose(st.velocities()["p"], u2) and torch.allclose(st.residuals()["p"], v2)
     assert masking or st.velocities()["p"][idx].abs().sum() > 0  # kept where sent
+
+
+@pytest.mark.parametrize("masking", [False, True])
+def test_a_sparse_step_with_lookahead_sends_c_steps_of_momentum_ahead_and_keeps_the_debt(masking):
+    """The residual accumulates u = v + c (v - v_prev) on sparse steps: what a sent entry carries includes c
+    times its velocity, and its residual then holds -c v (unmasked), which the next steps repay. Sent plus
+    residual stays the sum of the velocities plus the lead c v of the last step."""
+    c, m = 2.0, 0.5
+    cfg = TopKConfig(density=0.25, momentum_correction=True, momentum=m, momentum_masking=masking,
+                     momentum_lookahead=c, min_sparse_numel=0, exchange="allgather", recipe="none")
+    assert cfg.recipe_in_use == ("momentum_correction" if masking else "momentum_lookahead")
+    st = TopKState(cfg)
+    p = nn.Parameter(torch.zeros(8))
+    st.bind([("p", p)])
+    gs = [torch.tensor([1.0, -8.0, 2.0, 0.5, 7.0, -1.0, 0.0, 3.0]),
+          torch.tensor([-2.0, 1.0, 6.0, 0.5, -1.0, 4.0, 0.0, -3.0]),
+          torch.tensor([0.5, 0.5, -9.0, 1.0, 1.0, 2.0, 5.0, 0.0])]
+    v, r, v_prev = torch.zeros(8), torch.zeros(8), torch.zeros(8)  # the reference: velocity, residual u-sum
+    total_sent, total_v = torch.zeros(8), torch.zeros(8)
+    for g in gs:
+        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+        idx = kit.select(st, acc, kit.bucket_k(st, 8))
+        sent = kit.send_values(st, acc, idx, vel)
+        st.end_exchange()
+        v_prev = v.clone()
+        v = m * v + g
+        r += v + c * (v - v_prev)
+        assert set(idx.tolist()) == set(r.abs().topk(2).indices.tolist())
+        assert torch.allclose(sent, r[idx])
+        r[idx] = 0.0
+        if masking:
+            v[idx] = 0.0
+        total_sent[idx] += sent
+        total_v += v
+        assert torch.allclose(st.residuals()["p"], r) and torch.allclose(st.velocities()["p"], v)
+    if not masking:  # mass: what was sent and what waits add up to the velocities plus the last lead
+        assert torch.allclose(total_sent + r, total_v + c * v, atol=1e-5)
+    # a dense step (dense_hook's accumulate: no lookahead) adds the velocity alone
+    before = st.residuals()["p"].clone()
+    b = st.buffers([p], torch.device("cpu"))
+    kit.accumulate(st, b, gs[0].clone())
+    assert torch.allclose(st.residuals()["p"], before + (m * v + gs[0]))
 
 
 @pytest.mark.parametrize("make, why", [
@@ -112,14 +167,14 @@ def _model():
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
 
 
-def _run(rank, world, hook_momentum):
+def _run(rank, world, hook_momentum, lookahead=0.0):
     """Plain DDP with SGD(momentum=0.9), or the top-k hook at density 1 with the momentum in the hook
-    (momentum correction, dense steps) and SGD without momentum."""
+    (momentum correction, dense steps, with ``momentum_lookahead``) and SGD without momentum."""
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.01)  # several buckets
     if hook_momentum:
         st = TopKState(TopKConfig(density=1.0, momentum_correction=True, momentum=0.9, exchange="allgather",
-                                  recipe="none"))
+                                  recipe="none", momentum_lookahead=lookahead))
         st.bind(m.named_parameters())
         st.exchange = st.exchange_for("allgather")
         ddp.register_comm_hook(st, exchange_hook)
@@ -135,13 +190,15 @@ def _run(rank, world, hook_momentum):
 
 
 def _both(rank, world):
-    return _run(rank, world, False), _run(rank, world, True)
+    return _run(rank, world, False), _run(rank, world, True), _run(rank, world, True, 0.9)
 
 
 def test_momentum_in_the_hook_at_density_one_is_sgd_momentum_with_plain_ddp():
     """Dense steps keep the velocity and send it: the hook's momentum is heavy-ball SGD momentum, so
-    momentum correction at density 1 trains as plain DDP with SGD(momentum) (no weight decay)."""
-    for (ref, _), (got, vel) in run_distributed(_both, 2):
-        assert vel and all(v.abs().sum() > 0 for v in vel.values())  # the velocity lives in the hook
-        for k in ref:
-            assert torch.allclose(ref[k], got[k], atol=1e-6, rtol=1e-5), k
+    momentum correction at density 1 trains as plain DDP with SGD(momentum) (no weight decay); the lookahead
+    acts on sparse steps only, so it changes nothing there."""
+    for (ref, _), *hooked in run_distributed(_both, 2):
+        for got, vel in hooked:
+            assert vel and all(v.abs().sum() > 0 for v in vel.values())  # the velocity lives in the hook
+            for k in ref:
+                assert torch.allclose(ref[k], got[k], atol=1e-6, rtol=1e-5), k

@@ -75,9 +75,10 @@ def test_resume_with_defaults_under_deterministic_is_bit_exact(tmp_path):
         assert straight["residuals"].keys() == resumed["residuals"].keys()
         for k in straight["residuals"]:
             assert torch.equal(straight["residuals"][k], resumed["residuals"][k]), k
-        # SGD with momentum: recipe="auto" keeps the momentum in the hook (unmasked at density 0.01); its
-        # velocities resume bit-exactly
+        # SGD with momentum: recipe="auto" keeps the momentum in the hook (unmasked, with the Nesterov lookahead,
+        # whose lead lives in the residual); its velocities resume bit-exactly
         assert straight["masking"] is False and resumed["masking"] is False
+        assert straight["lookahead"] == resumed["lookahead"] == 0.9
         assert straight["velocities"] and straight["velocities"].keys() == resumed["velocities"].keys()
         assert resumed["restored"]["velocity"].keys() == straight["velocities"].keys()  # from the checkpoint
         for k in straight["velocities"]:

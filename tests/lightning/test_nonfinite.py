@@ -74,8 +74,9 @@ def test_skip_with_defaults_under_deterministic_equals_the_never_seen_run_exactl
         x = r["defaults:bf16-mixed"]
         assert x["plans"][0] and x["plans"][0] == x["plans"][1]
         assert x["residuals_finite"] and _max_diff(x["bad"], x["ref"]) == 0.0
-        # SGD with momentum at density 0.01: recipe="auto" resolved it to momentum correction without masking
-        assert "-> momentum_correction without masking" in x["recipe"]
+        # SGD with momentum at density 0.01: recipe="auto" resolved it to momentum correction without masking,
+        # with the Nesterov lookahead (the skip rolled back residuals that hold its lead, and the velocities)
+        assert "-> momentum_correction without masking, momentum_lookahead 0.9 (Nesterov)" in x["recipe"]
     _check_skip_equals_never_seen(flat, "defaults:bf16-mixed", tol=0.0)
     assert flat[0]["defaults:bf16-mixed"]["plans"] == flat[1]["defaults:bf16-mixed"]["plans"]
 

@@ -86,14 +86,15 @@ def sparse_k(state: TopKState, params: Sequence[Tensor], n: int) -> Tuple[int, O
 
 
 def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ...],
-                grad: Tensor) -> Tuple[Optional[_BucketBuffers], Tensor, Optional[Tensor]]:
+                grad: Tensor, lookahead: bool = True) -> Tuple[Optional[_BucketBuffers], Tensor, Optional[Tensor]]:
     """A sparse exchange's first steps on a bucket: the debug record of the local gradient, its residual
     buffers (with error feedback), ``acc = residual + grad/scale`` cut to the bucket, and the input check.
+    ``lookahead``: a sparse step, so ``momentum_lookahead`` applies (see :func:`accumulate`).
     Returns (buffers, acc, velocity)."""
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, grad.device) if state.config.error_feedback else None
-    acc, vel = accumulate(state, b, grad)
+    acc, vel = accumulate(state, b, grad, lookahead)
     acc = acc[:grad.numel()]
     state.flags.note_input(names, acc)
     return b, acc, vel
@@ -114,9 +115,16 @@ def _add_scaled_(dst: Tensor, grad: Tensor, scale: Scale) -> None:
         dst.add_(grad, alpha=1.0 / scale)
 
 
-def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor,
+               lookahead: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """``residual += grad/scale`` in place (momentum correction: ``velocity = m*velocity + grad/scale``,
     ``residual += velocity``); returns (the residual buffer, whole with any padding; the velocity).
+
+    With ``lookahead`` (a sparse step) and ``momentum_lookahead`` c > 0 the residual gets
+    ``u = velocity + c*(velocity - old velocity)`` instead: it holds the entries' unsent momentum plus a lead of
+    c times their velocity, so that a sent entry carries its next c steps of momentum now, and zeroing the
+    residual where it sent leaves the debt (``-c*velocity``) that the next steps repay. One more pass over
+    the bucket. Dense steps (``dense_hook``) call this without ``lookahead``: heavy-ball momentum.
 
     Without error feedback there is no residual: the bucket buffer itself is unscaled in place (it is
     overwritten by the result anyway). The undo log copies the buffers first when the step may be skipped.
@@ -133,9 +141,12 @@ def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor) -> T
     n = grad.numel()
     if b.velocity is not None:
         vel = b.velocity[:n]
+        c = state.config.momentum_lookahead if lookahead else 0.0
+        if c:
+            b.residual[:n].add_(vel, alpha=-c)  # the lead of the last sparse step, c * old velocity
         vel.mul_(state.config.momentum)
         _add_scaled_(vel, grad, scale)
-        b.residual[:n].add_(vel)
+        b.residual[:n].add_(vel, alpha=1.0 + c)
         return b.residual, vel
     _add_scaled_(b.residual[:n], grad, scale)
     return b.residual, None
@@ -162,7 +173,8 @@ def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor
     """Wire values of the selected entries; with error feedback ``acc`` (the residual) keeps what was not
     sent: 0 at the sent entries for fp32 wire, else the rounding error and any clipped part, so that
     ``sent + new residual = old residual + grad/scale`` up to fp32 rounding. With momentum correction the
-    velocity is zeroed at the sent entries (``momentum_masking``) or kept."""
+    velocity is zeroed at the sent entries (``momentum_masking``) or kept (with ``momentum_lookahead``, the
+    residual's lead on a sent entry is then repaid by the next steps: see :func:`accumulate`)."""
     values = acc.index_select(0, idx)
     wire = to_wire(values, state.config.wire_dtype)
     if state.config.error_feedback:

@@ -1,0 +1,147 @@
+"""Prototypes of issue 22's third pass, patched into ``benchmarks/convergence.py``'s simulator (not shipped).
+
+One line of JSON per density: steps to each target per seed, their means, the final accuracy. The variants
+(``KEY=VALUE`` arguments; ``set.OPTION=VALUE`` sets a TopKConfig option, ``recipe=``/``opt=``/``dens=``/
+``steps=``/``seeds=``/``task=`` pick the run):
+
+* ``clip=X``: DGC local gradient clipping: each rank's gradient is clipped to X times a running mean (0.9
+  EMA) of the ranks' local gradient norms before it enters the residual (a per-rank norm already carries
+  DGC's N^-1/2 scaling of a global threshold);
+* ``decay=X``: the residual is multiplied by X before each step's gradient is added;
+* ``look=C``: the momentum lookahead as a separate score ``r + C*v`` (what ``momentum_lookahead`` now does
+  in the residual itself); with ``tail=1`` the residual is zeroed where sent instead of keeping ``-C*v``
+  (with masking and C = m/(1-m) this is plain error feedback on ``g/(1-m)`` with a momentum-free optimizer);
+* ``fullk=1``: every entry is "selected" each step (the recipe's dense equivalent);
+* ``lr=X`` / ``mom=X`` / ``nesterov=1``: the SGD learning rate, momentum, Nesterov.
+
+Usage::
+
+    python benchmarks/convergence_prototypes.py NAME look=3 recipe=ef set.momentum_correction=true \\
+        set.momentum_masking=false seeds=0,1,2,3,4 [--out results.jsonl]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import convergence as C
+
+from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, sparse_k, take_bucket
+
+P: Dict[str, float] = {}  # the prototype knobs
+
+
+class Sim(C.SimulatedAllgather):
+    def __init__(self, *a: Any, **k: Any) -> None:
+        super().__init__(*a, **k)
+        self.gnorm: Optional[torch.Tensor] = None
+
+    def reduce(self, grads):  # type: ignore[override]
+        out = torch.zeros_like(grads[0])
+        n = out.numel()
+        clip = P.get("clip")
+        if clip:
+            norms = torch.stack([g.norm() for g in grads])
+            ref = norms.mean() if self.gnorm is None else self.gnorm
+            grads = [g * min(1.0, float(clip * ref / (g.norm() + 1e-12))) for g in grads]
+            self.gnorm = norms.mean() if self.gnorm is None else 0.9 * self.gnorm + 0.1 * norms.mean()
+        values: List[torch.Tensor] = []
+        indices: List[torch.Tensor] = []
+        c, decay = P.get("look", 0.0), P.get("decay", 1.0)
+        for st, g in zip(self.states, grads):
+            k, ks, numels = sparse_k(st, self.params, n)
+            if P.get("fullk"):
+                k = n
+            if decay != 1.0:
+                st.buffers(self.params, g.device).residual.mul_(decay)
+            b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
+            if k == 0:
+                values.append(acc.clone())
+                indices.append(torch.arange(n))
+                if b is not None:
+                    acc.zero_()
+            elif c and vel is not None:
+                score = acc + c * vel
+                idx = select(st, score, k, ks, numels)
+                values.append(score.index_select(0, idx))
+                indices.append(idx)
+                if P.get("tail"):
+                    acc.index_fill_(0, idx, 0.0)
+                else:
+                    acc.index_copy_(0, idx, -c * vel.index_select(0, idx))
+                if st.config.momentum_masking:
+                    vel.index_fill_(0, idx, 0.0)
+            else:
+                idx = select(st, acc, k, ks, numels)
+                values.append(send_values(st, acc, idx, vel).float())
+                indices.append(idx)
+            st.end_exchange()
+        rebuild(out, torch.cat(values), torch.cat(indices))
+        return out.div_(self.world)
+
+
+_optimizer_for = C.optimizer_for
+
+
+def optimizer_for(name, params, momentum_in_hook):
+    if name == "sgd" and ("lr" in P or "mom" in P or "nesterov" in P):
+        mom = 0.0 if momentum_in_hook else P.get("mom", 0.9)
+        return torch.optim.SGD(params, lr=P.get("lr", 0.05), momentum=mom, weight_decay=5e-4,
+                               nesterov=bool(P.get("nesterov")) and mom > 0)
+    return _optimizer_for(name, params, momentum_in_hook)
+
+
+def main(argv: List[str]) -> None:
+    import yaml
+
+    C.SimulatedAllgather = Sim  # type: ignore[misc]
+    C.optimizer_for = optimizer_for
+    name, out_path = argv[0], None
+    task, opt, recipe, dens, steps, seeds = "mnist5k", "sgd", "auto", [0.01, 0.001], 300, [0, 1, 2]
+    over: Dict[str, Any] = {}
+    rest = argv[1:]
+    if "--out" in rest:
+        i = rest.index("--out")
+        out_path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
+    for a in rest:
+        k, v = a.split("=", 1)
+        if k == "task":
+            task = v
+        elif k == "opt":
+            opt = v
+        elif k == "recipe":
+            recipe = v
+        elif k == "dens":
+            dens = [float(x) for x in v.split(",")]
+        elif k == "steps":
+            steps = int(v)
+        elif k == "seeds":
+            seeds = [int(x) for x in v.split(",")]
+        elif k.startswith("set."):
+            over[k[4:]] = yaml.safe_load(v)
+        else:
+            P[k] = float(v)
+    torch.set_num_threads(1)
+    data = C.load(task)
+    t1, t2 = C.TARGETS[task]
+    for d in dens:
+        rs = [C.train(task, opt, recipe, d if recipe != "dense" else 1.0, steps, seed=s, data=data,
+                      overrides=None if recipe == "dense" else over) for s in seeds]
+        s1, s2 = [r.steps_to(t1) for r in rs], [r.steps_to(t2) for r in rs]
+        line = dict(name=name, task=task, opt=opt, recipe=recipe, d=d, P=dict(P), over=over, s1=s1, s2=s2,
+                    m1=C._mean(s1), m2=C._mean(s2), final=round(sum(r.final for r in rs) / len(rs), 4), steps=steps)
+        print(json.dumps(line), flush=True)
+        if out_path:
+            with open(out_path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        if recipe == "dense":
+            break
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
