@@ -311,6 +311,29 @@ class TopKStrategyMixin:
         remove_rank_state(self, filepath)
 
     @override
+    def on_train_start(self) -> None:
+        # local SGD with streaming: a second fit in this process goes on from the state before on_train_end
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        start = getattr(ex, "start_training", None)
+        if start is not None:
+            start()
+        parent = getattr(super(), "on_train_start", None)
+        if parent is not None:
+            parent()
+
+    @override
+    def on_train_end(self) -> None:
+        # local SGD with streaming: the last round's exchange is applied, on every rank, before fit returns
+        # (Fabric has no such hook: call fabric.strategy.on_train_end() after the loop)
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        end = getattr(ex, "end_training", None)
+        if end is not None:
+            end()
+        parent = getattr(super(), "on_train_end", None)
+        if parent is not None:
+            parent()
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         from lightning_topk.lightning import faults
 

@@ -7,6 +7,7 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --save PATH                 trainer.save_checkpoint(PATH) at the end (a resume point)
   --resume PATH               ckpt_path=PATH
   --inject-step S             rank 0's loss is inf at global step S (with --nonfinite skip: skipped on every rank)
+  --dense-steps N             the first N steps synchronous (post-local SGD)
   --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
 
 Each rank also records the collectives it issued inside training batches whose group spans more than one
@@ -127,6 +128,7 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--ef-decay", type=float, default=1.0)
     ap.add_argument("--streaming", action="store_true")
+    ap.add_argument("--dense-steps", type=int, default=0, help="synchronous first steps (post-local SGD)")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--devices", type=int, default=1, help="processes per node")
     ap.add_argument("--nodes", type=int, default=2, help="simulated nodes (run_nodes' num_nodes)")
@@ -145,7 +147,7 @@ def main() -> None:
         strategy = TopKDDPStrategy(local_steps=a.H, outer_density=a.density, outer_value_bits=a.bits,
                                    outer_chunk=a.chunk, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                                    outer_ef_decay=a.ef_decay, outer_streaming=a.streaming, nonfinite=a.nonfinite,
-                                   process_group_backend="gloo")
+                                   dense_steps=a.dense_steps, process_group_backend="gloo")
     if a.fabric:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
@@ -172,6 +174,7 @@ def main() -> None:
                 "theta_outer": outer.theta.clone() if outer is not None else None,
                 "momentum": outer.mom.clone() if outer is not None else None,
                 "ef": outer.ef.clone() if outer is not None else None,
+                "section": outer.state_dict() if outer is not None else None,  # after a streamed fit: before its end
                 "inner_collectives": list(WATCH["inner"]), "outer_collectives": WATCH["outer"],
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
