@@ -137,7 +137,7 @@ def main() -> None:
         metric, per_sample, batch = "val/loss", int(cfg.data.seq_len) - 1, int(cfg.data.batch_size)
         clip = cfg.trainer.gradient_clip_val
     else:
-        cfg = compose("~experiment", *base)  # not the default quick preset (its exchange=allgather)
+        cfg = compose(*base)  # only its strategy is used (quick sets no strategy.* key: experiment_strategy/)
         from hydra.utils import instantiate
 
         dm = None

@@ -234,7 +234,7 @@ def test_streamed_last_round_is_applied_at_the_end_of_training(tmp_path):
     assert torch.equal(out[0]["flat"], out[1]["flat"])
     sec = out[0]["section"]
     assert "pending" in sec and float(torch.cat([t.reshape(-1) for t in sec["pending"].values()]).abs().sum()) > 0
-    flat = lambda d: torch.cat([d[k].reshape(-1) for k in d])  # noqa: E731 (per-name dicts in parameter order)
+    flat = lambda d: torch.cat([d[k].reshape(-1) for k in d])  # per-name dicts, in parameter order
     theta, mom, g = flat(sec["theta_outer"]), flat(sec["momentum"]), flat(sec["pending"])
     assert torch.equal(flat(sec["theta_local"]), theta)  # at a round end the replicas sit at θ_outer
     assert not torch.equal(out[0]["flat"], theta)  # the last round moved the final weights
