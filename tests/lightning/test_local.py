@@ -266,3 +266,22 @@ def test_dense_steps_are_synchronous_then_local_and_resume_bit_exact(tmp_path):
         assert (straight[r]["steps"], straight[r]["rounds"], straight[r]["position"]) == (18, 2, 3), r
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
     assert not torch.equal(straight[0]["flat"], straight[1]["flat"])
+
+
+def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path):
+    # 2 nodes x 2 processes, 3 steps per epoch, dense_steps=3, H=3: the checkpoint after epoch 1 is exactly at the
+    # end of the synchronous steps (θ_outer just re-anchored); rounds at steps 6 and 9 (sharded over each node's
+    # two processes). Resumed = straight, bit for bit, on all four ranks.
+    common = ["--devices", "2", "--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9", "--dense-steps", "3"]
+    straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
+    stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
+    resumed = _run(tmp_path, "r", "--epochs", "3", "--resume", str(tmp_path / "e1.ckpt"), *common, world=4)
+    for r in range(4):
+        assert (stop[r]["section"]["steps"], stop[r]["rounds"], stop[r]["position"]) == (3, 0, 0), r
+        assert torch.equal(stop[r]["flat"], stop[0]["flat"]), r  # synchronous: one replica over both nodes
+        assert torch.equal(stop[r]["theta_outer"], stop[0]["theta_outer"]), r
+        assert (straight[r]["steps"], straight[r]["rounds"], straight[r]["position"]) == (9, 2, 0), r
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+    n = stop[0]["flat"].numel()
+    assert torch.equal(stop[0]["theta_outer"][:n], stop[0]["flat"])  # re-anchored at the weights
