@@ -285,3 +285,11 @@ def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path)
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
     n = stop[0]["flat"].numel()
     assert torch.equal(stop[0]["theta_outer"][:n], stop[0]["flat"])  # re-anchored at the weights
+
+
+def test_run_summary_mode_names_the_synchronous_steps():
+    from lightning_topk.app.summary import exchange_mode
+
+    base = {"local_steps": 4.0, "outer_density": 1.0, "outer_value_bits": 4.0, "outer_streaming": 0.0}
+    assert exchange_mode(base) == "sparse local SGD: 4 local steps per outer round, outer density 1, 4-bit values"
+    assert exchange_mode({**base, "dense_steps": 160.0}).endswith(", first 160 steps synchronous")
