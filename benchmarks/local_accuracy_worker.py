@@ -33,12 +33,13 @@ warnings.filterwarnings("ignore")
 
 def compose(*overrides: str):
     from hydra import compose as hcompose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir
 
     from lightning_topk.app.resolvers import register_resolvers
 
     register_resolvers()
-    with initialize_config_module("lightning_topk.conf", version_base="1.3"):
+    # this checkout's conf/ (an editable install elsewhere maps lightning_topk.conf to its own checkout)
+    with initialize_config_dir(os.path.join(ROOT, "conf"), version_base="1.3"):
         return hcompose("config", overrides=list(overrides), return_hydra_config=False)
 
 
