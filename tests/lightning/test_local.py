@@ -108,6 +108,22 @@ def test_fabric_equals_the_trainer(tmp_path):
     assert fabric[0]["metrics"]["topk/outer_bytes"] == trainer[0]["metrics"]["topk/outer_bytes"] > 0
 
 
+def test_fabric_applies_the_streamed_last_round_as_the_trainer(tmp_path):
+    # streaming, 12 steps, H=4: the Trainer applies the last round at on_train_end, the Fabric loop by calling
+    # fabric.strategy.on_train_end() after it: the same final weights
+    common = ["--epochs", "2", "--H", "4", "--streaming"]
+    trainer = _run(tmp_path, "trainer", *common)
+    fabric = _run(tmp_path, "fabric", "--fabric", *common)
+    for r in range(2):
+        assert fabric[r]["rounds"] == trainer[r]["rounds"] == 3 and fabric[r]["position"] == 0
+        assert torch.equal(fabric[r]["flat"], trainer[r]["flat"]), r
+    assert torch.equal(trainer[0]["flat"], trainer[1]["flat"])
+    n = trainer[0]["flat"].numel()
+    assert torch.equal(trainer[0]["theta_outer"][:n], trainer[0]["flat"])  # the last round is in θ_outer ...
+    before = torch.cat([t.reshape(-1) for t in trainer[0]["section"]["theta_outer"].values()])
+    assert "pending" in trainer[0]["section"] and not torch.equal(before, trainer[0]["flat"])  # ... and moved it
+
+
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     # 6 batches per epoch, 2 per optimizer step: 6 optimizer steps in 2 epochs, H=4: 1 round and 2 steps
     out = _run(tmp_path, "acc", "--epochs", "2", "--H", "4", "--accumulate", "2")
