@@ -204,7 +204,7 @@ def test_world_size_change_reshards_the_outer_state(tmp_path):
     four = _run(tmp_path, "four", "--epochs", "3", "--resume", ckpt, *common, world=4, nodes=4)
     for r in range(4):
         st = four[r]["start"]
-        assert st["position"] == 2 and st["rounds"] == 1, r
+        assert st["position"] == 2 and st["rounds"] == 1 and st["steps"] == 6, r
         assert torch.equal(st["theta_outer"], stop[0]["theta_outer"]), r
         assert torch.equal(st["momentum"], stop[0]["momentum"]), r
         assert torch.allclose(st["ef"], ef_avg, rtol=0, atol=1e-7), r

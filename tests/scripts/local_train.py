@@ -89,7 +89,8 @@ class Net(pl.LightningModule):
         o = getattr(ex, "outer", None)
         if o is not None:
             self.start = {"theta_outer": o.theta.clone(), "momentum": o.mom.clone(), "ef": o.ef.clone(),
-                          "position": o.position, "rounds": o.stats.rounds, "lo": o.lo, "shard": o.shard,
+                          "position": o.position, "steps": o.steps, "rounds": o.stats.rounds, "lo": o.lo,
+                          "shard": o.shard,
                           "flat": torch.cat([p.detach().reshape(-1) for p in self.parameters()])}
 
     def on_train_batch_start(self, batch, batch_idx):
