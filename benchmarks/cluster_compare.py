@@ -43,7 +43,15 @@ ENTRIES: Dict[str, List[str]] = {
     "topk_local_stream_mu0": ["--strategy", "topk_ddp", "--local-steps", "16", "--outer-streaming",
                               "--outer-momentum", "0"],
     # for slow links: longer rounds, 2% of each chunk at 2 bits, blocking (no streaming)
-    "topk_local_wan": ["--strategy", "topk_ddp", "--local-steps", "32", "--outer-density", "0.02", "--outer-bits", "2"],
+    "topk_local_wan32": ["--strategy", "topk_ddp", "--local-steps", "32", "--outer-density", "0.02", "--outer-bits", "2"],
+    # the registered topk_local_wan preset
+    "topk_local_wan": ["--strategy", "topk_ddp", "--local-steps", "64", "--outer-density", "0.02", "--outer-bits", "2"],
+    # H=32 with DDP copying gradients into its buckets and back every step (the strategy before 2026-11-25)
+    "topk_local_wan_copy": ["--strategy", "topk_ddp", "--local-steps", "32", "--outer-density", "0.02",
+                            "--outer-bits", "2", "--grad-copies"],
+    # H=32, streamed (applied one round late; SparseLoCo-style outer step, momentum 0)
+    "topk_local_wan_stream": ["--strategy", "topk_ddp", "--local-steps", "32", "--outer-density", "0.02",
+                              "--outer-bits", "2", "--outer-streaming", "--outer-momentum", "0"],
     "local": ["--strategy", "local"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
@@ -241,7 +249,7 @@ def targets(rows: Dict[str, dict], rate_bits: Optional[float]) -> List[str]:
 
 
 LOCAL_SGD = ("topk_local", "topk_local_stream", "topk_local_h64", "topk_local_nosync", "topk_local_stream_mu0",
-             "topk_local_wan")
+             "topk_local_wan", "topk_local_wan32", "topk_local_wan_copy", "topk_local_wan_stream")
 PER_STEP = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
             "topk_hier_0.01", "topk_0.001")
 

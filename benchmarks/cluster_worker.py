@@ -43,6 +43,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outer-density", type=float, default=0.1, help="topk_ddp --local-steps: outer top-k density")
     p.add_argument("--outer-bits", type=int, default=4, help="topk_ddp --local-steps: bits per outer value")
     p.add_argument("--outer-streaming", action="store_true", help="topk_ddp --local-steps: apply one round late")
+    p.add_argument("--grad-copies", action="store_true",
+                   help="topk_ddp: gradient_as_bucket_view=False (DDP copies gradients into its buckets and back "
+                        "every step; the strategy's behaviour before 2026-11-25)")
     p.add_argument("--outer-lr", type=float, default=None, help="topk_ddp --local-steps: outer lr (default: TopKConfig's)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="topk_ddp --local-steps: outer momentum (default: TopKConfig's)")
@@ -172,6 +175,8 @@ def make_strategy(args: argparse.Namespace):
             extra["bucket_cap_mb_list"] = [1, 25]
         if args.auto_link_gbps is not None:
             extra["auto_link_gbps"] = args.auto_link_gbps
+        if args.grad_copies:
+            extra["gradient_as_bucket_view"] = False
         if args.local_steps > 0:
             for opt in ("outer_lr", "outer_momentum"):
                 if getattr(args, opt) is not None:

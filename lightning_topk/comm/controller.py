@@ -101,6 +101,7 @@ class StepController:
         ex = st.exchange
         if ex is not None:
             ex.controlled = True  # the exchange's telemetry refresh rides on this step's all-reduce
+            ex.before_decision(st)
         refresh = ex is not None and ex.refresh_due(st)
         if st.config.nonfinite == "propagate" and not self._scaler and not found_inf and not refresh:
             return self._end(commit=True)  # nothing could change the outcome: no collective, no sync

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.state import TopKConfig
+from lightning_topk.comm.state import TopKConfig, nonfinite
 
 log = logging.getLogger(__name__)
 VALUE_BITS = (32, 16, 8, 4, 2)
@@ -159,16 +159,19 @@ def select_chunks(e: Tensor, lay: PacketLayout) -> Tensor:
     return torch.topk(x.abs(), lay.k, dim=1, sorted=False).indices
 
 
-def compress(e: Tensor, lay: PacketLayout) -> Tuple[Tensor, Tensor]:
+def compress(e: Tensor, lay: PacketLayout, want_sent: bool = True) -> Tuple[Tensor, Optional[Tensor]]:
     """Select and quantize from the error buffer ``e`` (changed in place: it keeps what was not sent).
-    Returns (packet bytes, the dense fp32 vector that was sent: what the receivers decode)."""
+    Returns (packet bytes, the dense fp32 vector that was sent: what the receivers decode; None unless
+    ``want_sent``)."""
     idx = select_chunks(e, lay)
     x = e.view(lay.C, lay.c)
     values = torch.gather(x, 1, idx)
     codes, scale = quantize(values, lay.bits)
     deq = dequantize(codes, scale, lay.bits)
-    sent = torch.zeros_like(x)
-    sent.scatter_(1, idx, deq)
+    sent = None
+    if want_sent:
+        sent = torch.zeros_like(x)
+        sent.scatter_(1, idx, deq)
     x.scatter_(1, idx, values - deq)  # EF keeps the rounding error (0 for fp32)
     vb = pack_codes(codes, lay.bits) if lay.bits <= 8 else codes.contiguous().reshape(-1).view(torch.uint8)
     parts = [vb, vb.new_zeros(lay.value_bytes - vb.numel())]
@@ -177,7 +180,7 @@ def compress(e: Tensor, lay: PacketLayout) -> Tuple[Tensor, Tensor]:
     if not lay.dense:
         ib = idx.to(lay.index_dtype).contiguous().reshape(-1).view(torch.uint8)
         parts += [ib, ib.new_zeros(lay.index_bytes - ib.numel())]
-    return torch.cat(parts), sent.view(-1)
+    return torch.cat(parts), None if sent is None else sent.view(-1)
 
 
 def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
@@ -284,12 +287,13 @@ class OuterState:
     def flat_params(self) -> Tensor:
         """θ_local as one fp32 vector, zero-padded to ``local * shard``."""
         dev = self.params[0].device if self.params else torch.device("cpu")
-        out = torch.zeros(self.local * self.shard, dtype=torch.float32, device=dev)
+        out = torch.empty(self.local * self.shard, dtype=torch.float32, device=dev)
         off = 0
         with torch.no_grad():
             for p, k in zip(self.params, self.numels):
                 out[off:off + k].copy_(p.detach().reshape(-1))
                 off += k
+            out[off:].zero_()
         return out
 
     def write_params(self, flat: Tensor) -> None:
@@ -358,7 +362,7 @@ class OuterState:
             self.stats.time_s = time.perf_counter() - t0
             return
         self.ef.mul_(o.outer_ef_decay).add_(delta)
-        packet, _ = compress(self.ef, self.layout)
+        packet, _ = compress(self.ef, self.layout, want_sent=False)
         gathered, work = self._launch(packet)
         if o.outer_streaming:
             self._flight = (work, gathered, time.perf_counter())
@@ -381,7 +385,7 @@ class OuterState:
 
     def _fault(self, delta: Tensor) -> bool:
         """Non-finite Δ on any rank, decided once on every rank (one all-reduce of a flag)."""
-        flag = (~torch.isfinite(delta)).any().float().reshape(1)
+        flag = nonfinite(delta).float().reshape(1)
         if self.config.nonfinite != "propagate" and dist.is_available() and dist.is_initialized():
             dist.all_reduce(flag, group=self.flag_group)
             return bool(flag.item() > 0)

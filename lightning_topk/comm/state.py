@@ -456,14 +456,18 @@ class FaultFlags:
         self.inputs: Dict[Tuple[str, ...], Tensor] = {}
         self.result: Optional[Tensor] = None
 
-    def note_input(self, names: Tuple[str, ...], x: Tensor) -> None:
-        bad = nonfinite(x)
+    def note_input(self, names: Tuple[str, ...], x: Optional[Tensor], bad: Optional[Tensor] = None) -> Tensor:
+        """Flag non-finite values in ``x`` (``bad``: its flag, when already known); returns the flag (a result
+        that *is* ``x``, unchanged, can reuse it)."""
+        bad = nonfinite(x) if bad is None else bad
         with self._lock:
             cur = self.inputs.get(names)
             self.inputs[names] = bad if cur is None else cur | bad
+        return bad
 
-    def note_result(self, x: Tensor) -> None:
-        bad = nonfinite(x)
+    def note_result(self, x: Tensor, bad: Optional[Tensor] = None) -> None:
+        """Flag non-finite values in a rebuilt bucket ``x`` (``bad``: its flag, when already known)."""
+        bad = nonfinite(x) if bad is None else bad
         with self._lock:
             self.result = bad if self.result is None else self.result | bad
 

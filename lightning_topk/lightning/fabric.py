@@ -58,7 +58,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
         return getattr(self, "_topk_fabric_optimizers", None)
 
     def setup_module(self, module):
-        self._choose_bucket_cap(module)
+        self._configure_buckets(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
         self._register_ddp_hooks()
@@ -84,6 +84,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
         out = fabric_step(optimizer, **kwargs)
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
+            self._sync_reducer()
         return out
 
     def topk_metrics(self) -> Dict[str, float]:

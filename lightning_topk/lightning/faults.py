@@ -248,7 +248,7 @@ class RequeueSync(pl.Callback):
         log.info("lightning_topk: requeue signal %s received; checkpointing after the current step", signum)
 
     def on_train_batch_end(self, trainer: "pl.Trainer", *args: Any) -> None:
-        if self._handler is None or _mid_accumulation(trainer):
+        if self._handler is None or _mid_accumulation(trainer) or _inside_outer_round(trainer):
             return
         if trainer.strategy.reduce_boolean_decision(self._requested, all=False):
             self._requested = False
@@ -266,6 +266,17 @@ class RequeueSync(pl.Callback):
         if self._handler is not None and signal.getsignal(self._signum) == self._on_signal:
             signal.signal(self._signum, self._handler)
         self._handler = None
+
+
+def _inside_outer_round(trainer: "pl.Trainer") -> bool:
+    """Sparse local SGD between outer rounds: the requeue decision (a collective across all nodes) waits for
+    the next round end, so inner steps stay free of inter-node collectives. Every rank counts the same
+    step attempts, so all of them decide at the same step; the requeue checkpoint then holds agreeing
+    replicas. The cost is a delay of up to ``local_steps`` steps after the signal (keep SLURM's
+    ``--signal=...@SECONDS`` above that)."""
+    ex = getattr(getattr(trainer.strategy, "topk_state", None), "exchange", None)
+    outer = getattr(ex, "outer", None) if getattr(ex, "local_sgd", False) else None
+    return outer is not None and outer.position != 0
 
 
 def _slurm_requeue_env(strategy):

@@ -1,4 +1,5 @@
-"""Registers ``topk_ddp`` / ``topk_ddp_spawn`` / ``topk_local`` (sparse local SGD) in Lightning's strategy registries, idempotently.
+"""Registers ``topk_ddp`` / ``topk_ddp_spawn`` / ``topk_local`` and ``topk_local_wan`` (sparse local SGD presets) in
+Lightning's strategy registries, idempotently.
 
 ``pytorch_lightning`` and ``lightning.pytorch`` keep separate registries with separate DDPStrategy base
 classes, so each gets its own subclass; so do Fabric's (``lightning.fabric`` and ``lightning_fabric``). Spawned children re-import this module: registering twice is
@@ -8,19 +9,24 @@ from __future__ import annotations
 
 import importlib.util
 
-NAMES = {"topk_ddp": "popen", "topk_ddp_spawn": "spawn", "topk_local": "popen"}
-# Sparse local SGD's registered defaults (docs/local_sgd.md says why; conf/strategy/topk_local.yaml mirrors them).
+NAMES = {"topk_ddp": "popen", "topk_ddp_spawn": "spawn", "topk_local": "popen", "topk_local_wan": "popen"}
+# Sparse local SGD's registered presets (docs/local_sgd.md says why; conf/strategy/<name>.yaml mirror them).
 LOCAL_DEFAULTS = dict(local_steps=16, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True, outer_density=0.1,
                       outer_chunk=4096, outer_value_bits=4, outer_ef_decay=1.0, outer_streaming=False)
-DESCRIPTIONS = {"topk_local": "Sparse local SGD (lightning_topk): {H} local steps, then a top-k outer step".format(
-    H=LOCAL_DEFAULTS["local_steps"])}
+# For links of ~10 Mbit/s and below: 4x longer rounds, 2% of each chunk at 2 bits (0.005 bytes per parameter
+# per inner step, against 0.1 for topk_local).
+WAN_DEFAULTS = dict(LOCAL_DEFAULTS, local_steps=64, outer_density=0.02, outer_value_bits=2)
+PRESETS = {"topk_local": LOCAL_DEFAULTS, "topk_local_wan": WAN_DEFAULTS}
+DESCRIPTIONS = {
+    name: "Sparse local SGD (lightning_topk): {H} local steps, then a top-k outer step of {d:g} at {b} bits".format(
+        H=p["local_steps"], d=p["outer_density"], b=p["outer_value_bits"]) for name, p in PRESETS.items()}
 
 
 def _register(registry, cls) -> None:
     for name, start_method in NAMES.items():
         if name in registry:
             continue
-        extra = LOCAL_DEFAULTS if name == "topk_local" else {}
+        extra = PRESETS.get(name, {})
         registry.register(
             name, cls, description=DESCRIPTIONS.get(name, "Top-k sparse DDP (lightning_topk)")
             + f", start_method '{start_method}'", start_method=start_method, **extra,

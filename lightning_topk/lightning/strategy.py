@@ -46,6 +46,8 @@ class TopKStrategyMixin:
         self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
         self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
         self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
+        if "bucket_cap_mb" in kwargs and kwargs["bucket_cap_mb"] is None:
+            del kwargs["bucket_cap_mb"]  # null in a config: the bucket rule's choice
         super().__init__(**kwargs)
 
     @property
@@ -59,19 +61,38 @@ class TopKStrategyMixin:
         env = self.cluster_environment
         if env is not None and hasattr(env, "validate_settings"):
             env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if getattr(self, "_start_method", None) == "forkserver" and not self.cluster_environment.creates_processes_externally:
+            # Lightning hands the parent's seeds and deterministic flags to its children for "spawn" only; a
+            # forkserver child also keeps the environment of the fork server, which may predate this run
+            # (e.g. one a DataLoader started). Seen here: ranks that disagreed after a skipped step.
+            log.warning("topk_ddp: start_method='forkserver' starts the ranks from Python's fork server, so they do "
+                        "not get this process's seeds, deterministic flags or environment changes made after the "
+                        "server started (Lightning restores those for 'spawn' only); use start_method='spawn' or "
+                        "'popen' (the default) for reproducible runs")
         super()._configure_launcher()
 
     # ---- DDP's buckets --------------------------------------------------------------------------
     @override
     def _setup_model(self, model: Any) -> Any:
-        self._choose_bucket_cap(model)
+        self._configure_buckets(model)
         return super()._setup_model(model)
 
-    def _choose_bucket_cap(self, model: Any) -> None:
-        """Unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
+    def _configure_buckets(self, model: Any) -> None:
+        """DDP's buckets for the exchange: the gradients are views of the buckets (no copy per step), and unless the user set ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) or there is one process, let the
         bucket rule (:func:`lightning_topk.comm.cost.choose_bucket_cap`) pick DDP's bucket cap so the exchange
         overlaps the backward pass; the choice is kept in ``topk_bucket_plan`` and logged on rank 0."""
         kw = getattr(self, "_ddp_kwargs", None)
+        if kw is not None and self._exchange() == "local" and kw.get("broadcast_buffers") is None:
+            # DDP would broadcast buffers (BatchNorm statistics) from rank 0 at every forward: a collective
+            # across all nodes every inner step. Under local SGD each process keeps its own.
+            kw["broadcast_buffers"] = False
+        if kw is not None:
+            # The gradients are views of DDP's buckets: DDP copies no gradient into its buckets and back every
+            # step (local SGD's inner steps on the 11.3M-parameter cluster model cost ~35% more than without
+            # DDP with the copies; BENCHMARKS.md). The hooks see the same bucket either way. The user's
+            # setting wins.
+            if kw.get("gradient_as_bucket_view") is None:
+                kw["gradient_as_bucket_view"] = True
         if self._topk_user_cap or kw is None or self.world_size < 2:  # one process: nothing to overlap
             return
         from lightning_topk.comm.cost import choose_bucket_cap, constant_model
@@ -153,6 +174,13 @@ class TopKStrategyMixin:
         from lightning_topk.comm.exchanges import exchange_hook
 
         self.model.register_comm_hook(state, exchange_hook)
+        if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
+            # Local SGD, one process per node: an inner step has nothing to reduce, so DDP's reducer stays
+            # off (Lightning's and Fabric's no_sync contexts restore this value); the exchange flags the
+            # gradients before the step's decision instead of in the hook.
+            # During the synchronous first dense_steps (post-local SGD) the reducer is on: _sync_reducer.
+            state.exchange.bypass = True
+            self.model.require_backward_grad_sync = not state.exchange.reducer_off
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
 
@@ -257,8 +285,16 @@ class TopKStrategyMixin:
         ctl, state = self.topk_controller, self.topk_state
         if ctl is not None and state is not None and state.exchange is not None:
             state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
+            self._sync_reducer()
         if ctl is not None:
             ctl.last_decision = None
+
+    def _sync_reducer(self) -> None:
+        """Local SGD with DDP's reducer bypassed: turn it back on for the next step if that step is synchronous
+        (``dense_steps``), off once they are over."""
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        if getattr(ex, "bypass", False) and self.model is not None:
+            self.model.require_backward_grad_sync = not ex.reducer_off
 
     def _log_topk(self) -> None:
         """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through

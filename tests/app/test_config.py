@@ -115,6 +115,12 @@ def test_every_experiment_composes_with_every_strategy(cfg_env):
                 assert not topk_keys & set(node), (exp, name, sorted(topk_keys & set(node)))
             elif name == "topk_ddp" and exp == "quick":
                 assert s.topk_config.exchange == "allgather" and s.topk_config.min_sparse_numel == 4096
+            if isinstance(s, lightning_topk.TopKDDPStrategy):
+                # null in the config: the bucket rule picks the cap (no cap counts as the user's), and
+                # gradients become views of DDP's buckets
+                assert not s._topk_user_cap and "bucket_cap_mb" not in s._ddp_kwargs, (exp, name)
+                s._configure_buckets(torch.nn.Linear(2, 2))
+                assert s._ddp_kwargs["gradient_as_bucket_view"] is True, (exp, name)
 
 
 def test_default_config_builds_and_overrides_reach_objects(cfg_env, tmp_path):

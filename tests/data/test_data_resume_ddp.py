@@ -1,7 +1,6 @@
 """Mid-epoch resume of WebDataModule with real processes: 2 gloo ranks under Lightning, checkpointed in the
 middle of an epoch (ModelCheckpoint, and a real SIGUSR1 SLURM requeue), resumed in fresh processes, and
 compared bit for bit with an uninterrupted run (tests/scripts/data_resume_train.py)."""
-import signal
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from lightning_topk.data import array_samples, load_arrays, write_shards
 from tests.helpers.procs import SCRIPTS, fake_scontrol, run_script
 
 sys.path.insert(0, str(SCRIPTS))
-from fault_launch import Ranks, progress, wait_for
+from fault_launch import Ranks, requeue_after, run_to_end
 
 SCRIPT = "tests/scripts/data_resume_train.py"
 N = 480  # 240 samples per rank, 15 batches of 16 per epoch
@@ -86,25 +85,14 @@ def test_slurm_requeue_mid_epoch_resumes_exactly(shards, config_a, tmp_path):
     out.mkdir()
     args = ["--out", out, "--shards", *shards, *CONFIG_A, "--phases", "slurm", "--slow", "0.15"]
 
-    job = Ranks(SCRIPT, args, 2, tmp_path / "logs1", slurm_job=777, extra_env=env)
-    try:
-        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 4, 120, "4 training steps", job)
-        for r in range(2):
-            job.signal(r, signal.SIGUSR1)
-        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
-    finally:
-        job.kill_all()  # what SLURM does to the old allocation
+    requeue_after(Ranks(SCRIPT, args, 2, tmp_path / "logs1", slurm_job=777, extra_env=env), out, 4, scontrol_log)
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
     ckpt = torch.load(hpc, weights_only=False)
     assert 4 <= ckpt["global_step"] < STEPS_PER_EPOCH - 1  # mid-epoch 0
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == ckpt["global_step"]
 
     args[-1] = 0  # no need to go slowly after the resume
-    job2 = Ranks(SCRIPT, args, 2, tmp_path / "logs2", slurm_job=777, extra_env=env)
-    try:
-        assert job2.wait_all(240) == [0, 0], job2.log(0)[-3000:]
-    finally:
-        job2.kill_all()
+    run_to_end(Ranks(SCRIPT, args, 2, tmp_path / "logs2", slurm_job=777, extra_env=env))
     for r in range(2):
         resumed = load(out, "slurm", r)
         assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt") and resumed["warnings"] == []

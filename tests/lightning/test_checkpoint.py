@@ -1,7 +1,6 @@
 """Checkpoint/resume of the top-k compression state: 2-process Trainer runs (real gloo processes, real
 SIGUSR1 for SLURM requeue) and the shard format/redistribution rules on their own."""
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -12,7 +11,7 @@ from lightning_topk.lightning.checkpoint import shard_dir, shard_path
 from tests.helpers.procs import SCRIPTS, fake_scontrol, run_script
 
 sys.path.insert(0, str(SCRIPTS))
-from fault_launch import Ranks, progress, wait_for
+from fault_launch import Ranks, progress, requeue_after, run_to_end
 
 SCRIPT = "tests/scripts/ckpt_train.py"
 
@@ -192,14 +191,7 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
     args = [SCRIPT, "--out", out, "--phases", "slurm", "--slow", "0.1"]
 
     job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4242, extra_env=env)
-    try:
-        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 5, 120, "5 training steps", job)
-        assert progress(out, 0) < 15  # mid-epoch (22 steps per epoch)
-        for r in range(2):
-            job.signal(r, signal.SIGUSR1)
-        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
-    finally:
-        job.kill_all()  # what SLURM does to the old allocation
+    requeue_after(job, out, 5, scontrol_log, check=lambda: progress(out, 0) < 15)  # mid-epoch (22 steps per epoch)
     assert scontrol_log.read_text().split() == ["requeue", "4242"]
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
     assert hpc.exists() and sorted(os.listdir(shard_dir(hpc))) == ["rank0.pt", "rank1.pt"]
@@ -207,17 +199,33 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
     assert 5 <= saved_at < 22
 
     args[-1] = 0  # no need to go slowly after the resume
-    job2 = Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4242, extra_env=env)
-    try:
-        assert job2.wait_all(240) == [0, 0], job2.log(0)[-3000:]
-    finally:
-        job2.kill_all()
+    run_to_end(Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4242, extra_env=env))
     for r in range(2):
         resumed = load(out, "slurm", r)
         assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt")
         assert resumed["restored"]["step"] == saved_at
         assert resumed["warnings"] == []
         assert_same_state(load(runs, "straight", r), resumed)
+
+
+def test_slurm_requeue_under_local_sgd_waits_for_the_outer_round_end(tmp_path):
+    """Sparse local SGD (H=8): the requeue decision is a collective across all nodes, so it is taken at outer
+    round ends only (none between rounds). The signal at step >= 5 is acted on at step 8 (the old code: at the
+    next step, 5-7), and the requeued job resumes from there."""
+    env, scontrol_log = fake_scontrol(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    args = [SCRIPT, "--out", out, "--phases", "slurm", "--defaults", "--local-steps", "8", "--slow", "0.1"]
+    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4545, extra_env=env)
+    requeue_after(job, out, 5, scontrol_log, check=lambda: progress(out, 0) < 8)
+    hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
+    saved_at = torch.load(hpc, weights_only=True)["global_step"]
+    assert saved_at % 8 == 0 and saved_at >= 8, saved_at
+    args[args.index("--slow") + 1] = "0"
+    run_to_end(Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4545, extra_env=env))
+    for r in range(2):
+        resumed = load(out, "slurm", r)
+        assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt") and resumed["global_step"] == 2 * 22
 
 
 def test_slurm_requeue_every_rank_saves_under_rank_zeros_name(tmp_path):
@@ -234,12 +242,7 @@ def test_slurm_requeue_every_rank_saves_under_rank_zeros_name(tmp_path):
     os.makedirs(shard_dir(out / "slurm" / "hpc_ckpt_5.ckpt"))
     job = Ranks(SCRIPT, ["--out", out, "--phases", "slurm", "--slow", "0.1", "--slow-finalize-rank", "1"], 2,
                 tmp_path / "logs", slurm_job=4343, extra_env=env)
-    try:
-        wait_for(lambda: min(progress(out, 0), progress(out, 1)) >= 3, 120, "3 training steps", job)
-        job.signal(0, signal.SIGUSR1)  # RequeueSync runs the handler on both ranks after the next step
-        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
-    finally:
-        job.kill_all()
+    requeue_after(job, out, 3, scontrol_log, ranks=(0,))  # RequeueSync runs the handler on both ranks after the next step
     names = sorted(f for f in os.listdir(out / "slurm") if "hpc_ckpt" in f)
     assert names == ["hpc_ckpt_1.ckpt"], names
     assert sorted(os.listdir(out / "slurm" / ".topk-shards")) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_5.ckpt"]

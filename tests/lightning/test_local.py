@@ -38,6 +38,8 @@ def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
     local = _run(tmp_path, "local", "--epochs", "10", "--H", "8", "--density", "0.1", "--bits", "4",
                  "--outer-lr", "0.7", "--outer-momentum", "0.9")
     assert local[0]["steps"] == ddp[0]["steps"] == 60
+    # DDP's buckets hold the gradients (no copy per step); plain DDP keeps its default
+    assert local[0]["grad_views"] is True and ddp[0]["grad_views"] is False
     assert torch.equal(local[0]["flat"], local[1]["flat"]) or local[0]["position"] != 0
     assert local[0]["acc"] >= ddp[0]["acc"] - 0.02, (local[0]["acc"], ddp[0]["acc"])
     m = local[0]["metrics"]
@@ -76,6 +78,7 @@ def test_skipped_inner_step_is_the_nodes_own_and_the_rounds_stay_aligned(tmp_pat
     out = _run(tmp_path, "skip", "--epochs", "2", "--H", "4", "--inject-step", "5", "--nonfinite", "skip")
     assert [out[r]["skips"] for r in range(2)] == [1, 0]
     for r in range(2):
+        assert out[r]["bypass"] is True  # one process per node: DDP's reducer is off, the flags come from the grads
         assert out[r]["steps"] == 12
         assert (out[r]["rounds"], out[r]["position"]) == (3, 0), r
         assert bool(torch.isfinite(out[r]["flat"]).all())
@@ -92,6 +95,7 @@ def test_no_inter_node_collective_between_outer_rounds_two_by_two(tmp_path):
                "--nonfinite", "skip", world=4)
     assert [out[r]["skips"] for r in range(4)] == [1, 1, 0, 0]
     for r in range(4):
+        assert out[r]["bypass"] is False  # the node's processes reduce through DDP's buckets
         assert out[r]["steps"] == 9
         assert (out[r]["rounds"], out[r]["position"]) == (3, 0), r
         assert out[r]["inner_collectives"] == [], (r, out[r]["inner_collectives"])
@@ -133,28 +137,32 @@ def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     assert not torch.equal(out[0]["flat"], out[1]["flat"])  # inside the second round the replicas differ
 
 
-def test_topk_local_registered_everywhere_with_its_defaults():
+@pytest.mark.parametrize("name", ["topk_local", "topk_local_wan"])
+def test_topk_local_registered_everywhere_with_its_defaults(name):
     import pytorch_lightning as pl
     from lightning.fabric import Fabric
     from lightning.pytorch import Trainer as LTrainer
 
     import lightning_topk
-    from lightning_topk.lightning.registry import LOCAL_DEFAULTS
+    from lightning_topk.lightning.registry import PRESETS
 
+    preset = PRESETS[name]
     lightning_topk.register_strategies()
-    for make in (lambda: pl.Trainer(strategy="topk_local", accelerator="cpu", devices=2, logger=False).strategy,
-                 lambda: LTrainer(strategy="topk_local", accelerator="cpu", devices=2, logger=False).strategy,
-                 lambda: Fabric(strategy="topk_local", accelerator="cpu", devices=2).strategy):
+    for make in (lambda: pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy,
+                 lambda: LTrainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy,
+                 lambda: Fabric(strategy=name, accelerator="cpu", devices=2).strategy):
         cfg = make().topk_config
-        assert {k: getattr(cfg, k) for k in LOCAL_DEFAULTS} == LOCAL_DEFAULTS
-    assert LOCAL_DEFAULTS["local_steps"] > 0
+        assert {k: getattr(cfg, k) for k in preset} == preset
+    assert preset["local_steps"] > 0
     # the Hydra group mirrors them
-    import yaml
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
 
     from tests.helpers.procs import ROOT
 
-    conf = yaml.safe_load((ROOT / "conf" / "strategy" / "topk_local.yaml").read_text())
-    assert {k: conf[k] for k in LOCAL_DEFAULTS} == LOCAL_DEFAULTS
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        conf = OmegaConf.to_container(compose(config_name="config", overrides=[f"strategy={name}"]).strategy)
+    assert {k: conf[k] for k in preset} == preset
 
 
 def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_path):

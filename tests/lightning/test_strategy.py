@@ -46,6 +46,18 @@ def test_registered_in_fabric_registries_idempotently():
         fabric_strategy_class("lightning.pytorch")
 
 
+def test_forkserver_start_method_warns_that_ranks_miss_the_parents_state(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="lightning_topk"):
+        pl.Trainer(strategy=TopKDDPStrategy(start_method="forkserver"), accelerator="cpu", devices=2, logger=False)
+    assert "start_method='forkserver'" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lightning_topk"):
+        pl.Trainer(strategy=TopKDDPStrategy(start_method="spawn"), accelerator="cpu", devices=2, logger=False)
+    assert "forkserver" not in caplog.text
+
+
 def test_ddp_kwargs_pass_through():
     s = TopKDDPStrategy(density=0.001, selector="mstopk", bucket_cap_mb=5, static_graph=True,
                         gradient_as_bucket_view=True, find_unused_parameters=True)

@@ -18,7 +18,8 @@ later Trainers reuse the process group):
   lost_shard     every rank deletes rank 1's residual shard of OUT/ckpt/last.ckpt, then topk_ddp resumes
                  it to one more epoch
 
---defaults: topk_ddp with only density set (exchange="auto"); --auto-model: its auto_model option.
+--defaults: topk_ddp with only density set (exchange="auto"); --auto-model: its auto_model option;
+--local-steps H (with --defaults): sparse local SGD.
 
 The training DataLoader is resumable (Lightning's state_dict/load_state_dict interface for loaders):
 it records how many batches of the epoch it handed out and skips them after a mid-epoch restore.
@@ -172,11 +173,14 @@ def main():
     ap.add_argument("--scope", default=None)
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--auto-model", default=None)
+    ap.add_argument("--local-steps", type=int, default=None, help="with --defaults: sparse local SGD, H steps per round")
     a = ap.parse_args()
     if a.defaults:
         DEFAULTS.append(True)
     if a.auto_model is not None:
         EXTRA["auto_model"] = a.auto_model
+    if a.local_steps is not None:
+        EXTRA["local_steps"] = a.local_steps
     if a.bucket_cap_mb is not None:
         EXTRA["bucket_cap_mb"] = a.bucket_cap_mb
     if a.scope is not None:

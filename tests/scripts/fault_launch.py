@@ -95,3 +95,28 @@ def progress(out, rank) -> int:
         return int(Path(out, f"progress_rank{rank}.txt").read_text() or -1)
     except (FileNotFoundError, ValueError):
         return -1
+
+
+def requeue_after(job, out, steps, scontrol_log, ranks=(0, 1), check=None) -> None:
+    """SLURM's requeue of a running job: once every rank made ``steps`` steps (``check()`` then runs), SIGUSR1 to
+    ``ranks``; wait for the handler's ``scontrol requeue``; then kill every rank, as SLURM ends the old
+    allocation."""
+    try:
+        wait_for(lambda: min(progress(out, r) for r in range(len(job.procs))) >= steps, 120,
+                 f"{steps} training steps", job)
+        if check is not None:
+            check()
+        for r in ranks:
+            job.signal(r, signal.SIGUSR1)
+        wait_for(lambda: scontrol_log.exists(), 60, "scontrol requeue", job)
+    finally:
+        job.kill_all()
+
+
+def run_to_end(job, timeout=240) -> None:
+    """Every rank of ``job`` exits 0 within ``timeout`` seconds (rank 0's log tail otherwise); none is left."""
+    try:
+        codes = job.wait_all(timeout)
+        assert codes == [0] * len(job.procs), job.log(0)[-3000:]
+    finally:
+        job.kill_all()

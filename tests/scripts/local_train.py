@@ -84,6 +84,7 @@ class Net(pl.LightningModule):
         torch.set_num_threads(1)
 
     def on_train_start(self):
+        self.grad_views = getattr(self.trainer.strategy.model, "gradient_as_bucket_view", None)
         # the outer state as the first step finds it (a resumed run: as loaded)
         ex = getattr(getattr(self.trainer.strategy, "topk_state", None), "exchange", None)
         o = getattr(ex, "outer", None)
@@ -172,6 +173,7 @@ def main() -> None:
                 "rounds": outer.stats.rounds if outer is not None else 0,
                 "position": outer.position if outer is not None else -1,
                 "skips": ctl.skipped_steps if ctl is not None else -1, "start": getattr(model, "start", None),
+                "grad_views": getattr(model, "grad_views", None), "bypass": getattr(ex, "bypass", None),
                 "theta_outer": outer.theta.clone() if outer is not None else None,
                 "momentum": outer.mom.clone() if outer is not None else None,
                 "ef": outer.ef.clone() if outer is not None else None,

@@ -94,6 +94,10 @@ class Exchange:
         skipped is reported too (local SGD counts attempts, so that every node reaches its outer round at
         the same step)."""
 
+    def before_decision(self, state: Any) -> None:
+        """Called by the step controller before it gathers the step's fault flags (an exchange whose hook
+        did not see the step's gradients flags them here)."""
+
     def decision_group(self, state: Any) -> Any:
         """The process group of the :class:`~lightning_topk.comm.controller.StepController`'s per-step
         fault decision (its one all-reduce): all the ranks of the flat group here, since every rank

@@ -31,7 +31,7 @@ from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import _link, flat_group, future_on, open_bucket
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.outer import OuterState
-from lightning_topk.comm.state import TopKState, clock
+from lightning_topk.comm.state import TopKState, clock, nonfinite
 from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,10 @@ class LocalExchange(Exchange):
         super().__init__(state, layout)
         self.state = state
         self.groups = groups
+        # One process per node: the strategy turns DDP's reducer off for the inner steps (nothing to reduce;
+        # DDP's per-parameter bookkeeping cost ~30% of an inner step on the cluster model, BENCHMARKS.md);
+        # the gradients are then flagged and counted in before_decision, not in the hook.
+        self.bypass = False
         self.outer: Optional[OuterState] = None
         self._section: Optional[Dict[str, Any]] = None
         self.inner_optimizer_states: Optional[List[Any]] = None  # per-rank inner optimizer state (checkpoint)
@@ -84,13 +88,10 @@ class LocalExchange(Exchange):
     # ---- the step ---------------------------------------------------------------------------------------
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
         grad, n, _params, names, _device, stats = open_bucket(state, bucket)
-        state.flags.note_input(names, grad)
+        bad = state.flags.note_input(names, grad)
         L = self.groups.local_world if self.groups is not None else 1
-        self._outer_stats(stats)
+        self._account(state, stats, n, grad.element_size())
         group, world = flat_group(state)
-        # what it replaces: a dense fp32 ring all-reduce among all ranks every step
-        state.add_stats(stats, "local", buckets=1, numel=n, numel_sent=0, bytes_dense=n * grad.element_size(),
-                        bytes_dense_wire=ring_allreduce_wire(4 * n, world))
         eb = grad.element_size()
         if self.outer is not None and self.outer.synchronous and world > 1:
             # post-local SGD (``dense_steps``): the first steps all-reduce densely over every rank, as DDP
@@ -114,12 +115,39 @@ class LocalExchange(Exchange):
 
             out = fut.then(finish)
         else:
-            state.flags.note_result(grad)
+            state.flags.note_result(grad, bad)  # the input itself: one read pass, not two
             out = future_on(grad.device)
             out.set_result(grad)
         if bucket.is_last():
             state.end_exchange()
         return out
+
+    def _account(self, state: Any, stats: Any, n: int, element_size: int) -> None:
+        """One inner step's telemetry for ``n`` entries: the last outer round's figures, and what the step
+        replaces (a dense fp32 ring all-reduce among all ranks)."""
+        self._outer_stats(stats)
+        _group, world = flat_group(state)
+        state.add_stats(stats, "local", buckets=1, numel=n, numel_sent=0, bytes_dense=n * element_size,
+                        bytes_dense_wire=ring_allreduce_wire(4 * n, world))
+
+    @property
+    def reducer_off(self) -> bool:
+        """Whether DDP's reducer is off for the next step: ``bypass`` (one process per node), except during the
+        synchronous first ``dense_steps``, whose gradients the hook all-reduces over every rank."""
+        return self.bypass and not (self.outer is not None and self.outer.synchronous)
+
+    def before_decision(self, state: Any) -> None:
+        """With DDP's reducer off (``bypass``), the hook saw nothing: flag the gradients and count the step."""
+        if not self.reducer_off or self.outer is None:
+            return
+        grads = [(name, p.grad) for name, p in zip(self.outer.names, self.outer.params) if p.grad is not None]
+        if grads:
+            bad = torch.stack([nonfinite(g) for _, g in grads]).any()
+            state.flags.note_input(tuple(name for name, _ in grads), None, bad=bad)
+            state.flags.note_result(grads[0][1], bad)
+            g0 = grads[0][1]
+            self._account(state, state.current, sum(g.numel() for _, g in grads), g0.element_size())
+        state.end_exchange()
 
     def _outer_stats(self, stats: Any) -> None:
         """The last outer round's figures on every step's stats (telemetry logs the last step)."""
