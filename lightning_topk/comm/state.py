@@ -459,7 +459,9 @@ class FaultFlags:
     def note_input(self, names: Tuple[str, ...], x: Optional[Tensor], bad: Optional[Tensor] = None) -> Tensor:
         """Flag non-finite values in ``x`` (``bad``: its flag, when already known); returns the flag (a result
         that *is* ``x``, unchanged, can reuse it)."""
-        bad = nonfinite(x) if bad is None else bad
+        if bad is None:
+            assert x is not None, "note_input needs the values or their flag"
+            bad = nonfinite(x)
         with self._lock:
             cur = self.inputs.get(names)
             self.inputs[names] = bad if cur is None else cur | bad
