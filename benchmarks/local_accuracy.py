@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "local_accuracy"))
     ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "local_sgd_lm.png"))
     a = ap.parse_args()
-    tasks, strategies = a.tasks.split(","), a.strategies.split(",")
+    tasks, strategies = a.tasks.split(","), [s for s in a.strategies.split(",") if s]
     variants = {}
     for v in a.variant:
         label, strategy, ov = v.split("|")

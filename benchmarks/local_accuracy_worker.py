@@ -33,12 +33,13 @@ warnings.filterwarnings("ignore")
 
 def compose(*overrides: str):
     from hydra import compose as hcompose
-    from hydra import initialize_config_module
+    from hydra import initialize_config_dir
 
     from lightning_topk.app.resolvers import register_resolvers
 
     register_resolvers()
-    with initialize_config_module("lightning_topk.conf", version_base="1.3"):
+    # this checkout's conf/ (an editable install elsewhere maps lightning_topk.conf to its own checkout)
+    with initialize_config_dir(os.path.join(ROOT, "conf"), version_base="1.3"):
         return hcompose("config", overrides=list(overrides), return_hydra_config=False)
 
 
@@ -137,7 +138,7 @@ def main() -> None:
         metric, per_sample, batch = "val/loss", int(cfg.data.seq_len) - 1, int(cfg.data.batch_size)
         clip = cfg.trainer.gradient_clip_val
     else:
-        cfg = compose("~experiment", *base)  # not the default quick preset (its exchange=allgather)
+        cfg = compose(*base)  # only its strategy is used (quick sets no strategy.* key: experiment_strategy/)
         from hydra.utils import instantiate
 
         dm = None

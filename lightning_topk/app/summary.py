@@ -59,7 +59,8 @@ class ThroughputMonitor(pl.Callback):
         cfg = getattr(trainer.strategy, "topk_config", None)
         if cfg is not None:
             vals.update(local_steps=cfg.local_steps, outer_density=cfg.outer_density,
-                        outer_value_bits=cfg.outer_value_bits, outer_streaming=float(cfg.outer_streaming))
+                        outer_value_bits=cfg.outer_value_bits, outer_streaming=float(cfg.outer_streaming),
+                        dense_steps=cfg.dense_steps)
         for k, v in vals.items():
             trainer.callback_metrics[f"{PREFIX}{k}"] = torch.tensor(float(v), dtype=torch.float64)
 
@@ -172,7 +173,8 @@ def exchange_mode(stats: Mapping[str, float]) -> Optional[str]:
     if h <= 0:
         return "per-step exchange"
     return (f"sparse local SGD: {h} local steps per outer round, outer density {stats['outer_density']:g}, "
-            f"{int(stats['outer_value_bits'])}-bit values" + (", streaming" if stats.get("outer_streaming") else ""))
+            f"{int(stats['outer_value_bits'])}-bit values" + (", streaming" if stats.get("outer_streaming") else "")
+            + (f", first {int(stats['dense_steps'])} steps synchronous" if stats.get("dense_steps") else ""))
 
 
 def save(summary: Mapping[str, Any], path: str) -> None:

@@ -27,7 +27,12 @@ link carries each node's packet once, split over its processes.
 ``outer_streaming``: the all-gather of step 6 is launched asynchronously and its result applied one round
 late (at the end of the next round, before that round's exchange is launched): compute goes on while it
 travels. The next round then starts from the ``θ_outer`` that does not yet include it, and its Δ is taken
-from that start (``θ_anchor``).
+from that start (``θ_anchor``). At the end of training the last one is applied
+(:meth:`OuterState.apply_in_flight`).
+
+``dense_steps`` = N > 0 (post-local SGD, Lin et al. 2020): the first N inner steps are synchronous (the
+exchange all-reduces the gradients over every rank); after the N-th, ``θ_outer`` is re-anchored at the
+(identical) weights and the rounds start.
 """
 from __future__ import annotations
 
@@ -264,9 +269,11 @@ class OuterState:
         self.mom = torch.zeros(self.shard, device=dev)
         self.ef = torch.zeros(self.shard, device=dev)
         self.position = 0  # inner optimizer steps since the last outer round
+        self.steps = 0  # inner optimizer-step attempts since the start (the first ``dense_steps`` are synchronous)
         self.pending: Optional[Tensor] = None  # streaming: an averaged pseudo-gradient not applied yet
         self._flight: Optional[Tuple[Any, Tensor, float]] = None  # (work, gathered bytes, launch time)
         self._done_at: Optional[float] = None
+        self._unapplied: Optional[Dict[str, Any]] = None  # the state before apply_in_flight (what a checkpoint keeps)
         self.stats = OuterStats()
         if config.outer_streaming and config.outer_momentum > 0 and local_rank == 0 and self._first_replica():
             log.warning("topk_local: outer_streaming with outer_momentum=%g: outer momentum applied one round late "
@@ -300,10 +307,31 @@ class OuterState:
         return flat[self.lo:self.lo + self.shard]
 
     # ---- rounds -----------------------------------------------------------------------------------
+    @property
+    def synchronous(self) -> bool:
+        """Whether the next inner step is one of the first ``dense_steps`` (post-local SGD): its gradient is
+        all-reduced densely over every rank, and no outer round runs."""
+        return self.steps < self.config.dense_steps
+
+    def restart(self) -> None:
+        """θ_outer := θ_local (the replicas are identical after the synchronous steps): local SGD starts here."""
+        self.theta = self.flat_params()
+        self.anchor = None
+        self.position = 0
+
     def step(self) -> bool:
         """After an inner optimizer-step attempt (one this replica skipped too: the rounds stay aligned across
         replicas, and a replica that skipped contributes a Δ of fewer steps): counts it; at the H-th runs the
-        outer round. Returns whether an outer round ran."""
+        outer round. During the first ``dense_steps`` attempts (synchronous: the gradients were all-reduced over
+        every rank) it only counts them, and after the last of them re-anchors θ_outer at the weights, from
+        which local SGD starts. Returns whether an outer round ran."""
+        self._unapplied = None  # training went on after apply_in_flight without resume_in_flight: this is the state
+        if self.synchronous:
+            self.steps += 1
+            if not self.synchronous:
+                self.restart()
+            return False
+        self.steps += 1
         self.position += 1
         if self._flight is not None and self._done_at is None and self._flight[0].is_completed():
             self._done_at = time.perf_counter()
@@ -410,6 +438,38 @@ class OuterState:
             self._flight = None
             self._done_at = None
 
+    def apply_in_flight(self) -> bool:
+        """At the end of training (on every rank): apply a streamed exchange that would otherwise only be applied
+        at the next round end, so that the final weights include every round. θ_outer takes its outer step
+        now; at a round end θ_local becomes the new θ_outer (the same on every replica), inside a round θ_local
+        and the streaming start point move by the same change. The state as it was is kept
+        (:meth:`state_dict` saves it, :meth:`resume_in_flight` restores it), so a checkpoint saved after the end
+        of training, or training on, goes on exactly as a run that never stopped. Returns whether there was one."""
+        if self._flight is None and self.pending is None:
+            return False
+        self.finish_flight()
+        unapplied = self.state_dict()
+        before = self.theta.clone()
+        g = self.pending
+        assert g is not None
+        self.pending = None
+        self._update(g)
+        change = self.theta - before
+        if self.position == 0:
+            self.write_params(self.theta)
+        else:
+            self.write_params(self.flat_params().add_(change))
+        if self.anchor is not None:
+            self.anchor.add_(change)
+        self._unapplied = unapplied
+        return True
+
+    def resume_in_flight(self) -> None:
+        """Before training goes on after :meth:`apply_in_flight`: back to the state it kept (θ_local included)."""
+        if self._unapplied is not None:
+            sd, self._unapplied = self._unapplied, None
+            self.load_state_dict(sd)
+
     def _update(self, g: Tensor) -> None:
         """Outer SGD on this rank's shard, then (several processes per node) the intra-node all-gather."""
         o = self.config
@@ -445,10 +505,13 @@ class OuterState:
         return whole if full else whole[self.lo:self.lo + self.shard].clone()
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's outer state (a streamed exchange in flight is finished first and kept as pending)."""
+        """This rank's outer state (a streamed exchange in flight is finished first and kept as pending; after
+        :meth:`apply_in_flight`, the state before it)."""
+        if self._unapplied is not None:
+            return dict(self._unapplied)
         self.finish_flight()
         sd: Dict[str, Any] = {
-            "position": self.position, "shard": [self.local, self.local_rank, self.shard],
+            "position": self.position, "steps": self.steps, "shard": [self.local, self.local_rank, self.shard],
             "theta_outer": self._per_name(self.theta), "theta_local": self._per_name(self.flat_params()),
             "momentum": self._per_name(self.mom, full=False), "ef": self._per_name(self.ef, full=False),
             "rounds": self.stats.rounds,
@@ -473,6 +536,8 @@ class OuterState:
         self.anchor = self._from_names(sd["anchor"], True, like) if "anchor" in sd else None
         self.pending = self._from_names(sd["pending"], False, like) if "pending" in sd else None
         self.position = int(sd["position"])
+        # a section saved before `steps` existed had no synchronous steps: local SGD had started
+        self.steps = int(sd.get("steps", max(self.config.dense_steps, self.position)))
         self.stats.rounds = int(sd.get("rounds", 0))
         self._flight = None
         self.write_params(self._from_names(sd["theta_local"], True, like))
@@ -493,8 +558,8 @@ def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) ->
     saved rank (global rank order, ``old_local`` processes per saved node; per-name tensors, so the new
     layout may have other nodes, processes per node or ``outer_chunk``):
 
-    * θ_outer, the streaming start point, the position and the round count are the same on every saved
-      rank: rank 0's;
+    * θ_outer, the streaming start point, the position, the step count and the round count are the same on
+      every saved rank: rank 0's;
     * outer momentum and a streamed update not yet applied are the same on every saved replica, sharded
       over its processes: the sum of replica 0's shards (each holds zeros outside its shard);
     * the error-feedback buffers are per replica: each new replica gets their average ``(1/R) Σ_r e_r``. The
@@ -520,6 +585,7 @@ def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) ->
     ef = {n: (t / R).to(torch.float32) for n, t in _sum_names(sections, "ef").items()}
     out: Dict[str, Any] = {
         "resharded": True, "position": positions[0], "rounds": int(sections[0].get("rounds", 0)),
+        **({"steps": int(sections[0]["steps"])} if "steps" in sections[0] else {}),
         "theta_outer": dict(sections[0]["theta_outer"]), "theta_local": dict(src["theta_local"]),
         "momentum": f32(_sum_names(node0, "momentum")), "ef": ef,
     }

@@ -80,7 +80,10 @@ class TopKConfig:
             (Nesterov's update), whose momentum is then set to 0; for anything else (AdamW, Adam, LARS)
             plain error feedback. ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
-            first iteration; residuals are keyed by parameter name and survive the rebuild either way.
+            first iteration; residuals are keyed by parameter name and survive the rebuild either way. With
+            ``local_steps`` > 0 (post-local SGD): the first ``dense_steps`` optimizer-step attempts are
+            synchronous, their gradients all-reduced densely in fp32 over every rank as DDP does, and after
+            them θ_outer is re-anchored at the (identical) weights and the local rounds start.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
             ``density`` over this many steps (int >= 0; DGC's 25% -> 6.25% -> ... warm-up).
         warmup_start: density at the start of the warm-up, in (0, 1].
@@ -477,7 +480,9 @@ class FaultFlags:
     def note_input(self, names: Tuple[str, ...], x: Optional[Tensor], bad: Optional[Tensor] = None) -> Tensor:
         """Flag non-finite values in ``x`` (``bad``: its flag, when already known); returns the flag (a result
         that *is* ``x``, unchanged, can reuse it)."""
-        bad = nonfinite(x) if bad is None else bad
+        if bad is None:
+            assert x is not None, "note_input needs the values or their flag"
+            bad = nonfinite(x)
         with self._lock:
             cur = self.inputs.get(names)
             self.inputs[names] = bad if cur is None else cur | bad

@@ -84,6 +84,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
         out = fabric_step(optimizer, **kwargs)
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
+            self._sync_reducer()
         return out
 
     def topk_metrics(self) -> Dict[str, float]:

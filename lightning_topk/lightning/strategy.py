@@ -178,8 +178,9 @@ class TopKStrategyMixin:
             # Local SGD, one process per node: an inner step has nothing to reduce, so DDP's reducer stays
             # off (Lightning's and Fabric's no_sync contexts restore this value); the exchange flags the
             # gradients before the step's decision instead of in the hook.
+            # During the synchronous first dense_steps (post-local SGD) the reducer is on: _sync_reducer.
             state.exchange.bypass = True
-            self.model.require_backward_grad_sync = False
+            self.model.require_backward_grad_sync = not state.exchange.reducer_off
         self.topk_state = state
         self.topk_controller = StepController(state, device=self.root_device)
 
@@ -284,8 +285,16 @@ class TopKStrategyMixin:
         ctl, state = self.topk_controller, self.topk_state
         if ctl is not None and state is not None and state.exchange is not None:
             state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
+            self._sync_reducer()
         if ctl is not None:
             ctl.last_decision = None
+
+    def _sync_reducer(self) -> None:
+        """Local SGD with DDP's reducer bypassed: turn it back on for the next step if that step is synchronous
+        (``dense_steps``), off once they are over."""
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        if getattr(ex, "bypass", False) and self.model is not None:
+            self.model.require_backward_grad_sync = not ex.reducer_off
 
     def _log_topk(self) -> None:
         """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
@@ -336,6 +345,29 @@ class TopKStrategyMixin:
 
         super().remove_checkpoint(filepath)
         remove_rank_state(self, filepath)
+
+    @override
+    def on_train_start(self) -> None:
+        # local SGD with streaming: a second fit in this process goes on from the state before on_train_end
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        start = getattr(ex, "start_training", None)
+        if start is not None:
+            start()
+        parent = getattr(super(), "on_train_start", None)
+        if parent is not None:
+            parent()
+
+    @override
+    def on_train_end(self) -> None:
+        # local SGD with streaming: the last round's exchange is applied, on every rank, before fit returns
+        # (Fabric has no such hook: call fabric.strategy.on_train_end() after the loop)
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        end = getattr(ex, "end_training", None)
+        if end is not None:
+            end()
+        parent = getattr(super(), "on_train_end", None)
+        if parent is not None:
+            parent()
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -59,6 +59,8 @@ def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
     ({"local_steps": 4, "outer_streaming": "yes"}, "outer_streaming"),
     ({"local_steps": 4, "exchange": "allgather"}, "exchange='allgather'"),
     ({"local_steps": 4, "momentum_correction": True}, "momentum_correction"),
+    ({"local_steps": 4, "dense_steps": -1}, "dense_steps"),
+    ({"local_steps": 4, "dense_steps": 2.5}, "dense_steps"),
     ({"exchange": "local"}, "local_steps > 0"),
 ])
 def test_bad_local_options_are_named(kw, name):
@@ -108,6 +110,22 @@ def test_fabric_equals_the_trainer(tmp_path):
         assert fabric[r]["rounds"] == trainer[r]["rounds"] == 3
         assert torch.equal(fabric[r]["flat"], trainer[r]["flat"]), r
     assert fabric[0]["metrics"]["topk/outer_bytes"] == trainer[0]["metrics"]["topk/outer_bytes"] > 0
+
+
+def test_fabric_applies_the_streamed_last_round_as_the_trainer(tmp_path):
+    # streaming, 12 steps, H=4: the Trainer applies the last round at on_train_end, the Fabric loop by calling
+    # fabric.strategy.on_train_end() after it: the same final weights
+    common = ["--epochs", "2", "--H", "4", "--streaming"]
+    trainer = _run(tmp_path, "trainer", *common)
+    fabric = _run(tmp_path, "fabric", "--fabric", *common)
+    for r in range(2):
+        assert fabric[r]["rounds"] == trainer[r]["rounds"] == 3 and fabric[r]["position"] == 0
+        assert torch.equal(fabric[r]["flat"], trainer[r]["flat"]), r
+    assert torch.equal(trainer[0]["flat"], trainer[1]["flat"])
+    n = trainer[0]["flat"].numel()
+    assert torch.equal(trainer[0]["theta_outer"][:n], trainer[0]["flat"])  # the last round is in θ_outer ...
+    before = torch.cat([t.reshape(-1) for t in trainer[0]["section"]["theta_outer"].values()])
+    assert "pending" in trainer[0]["section"] and not torch.equal(before, trainer[0]["flat"])  # ... and moved it
 
 
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
@@ -194,7 +212,7 @@ def test_world_size_change_reshards_the_outer_state(tmp_path):
     four = _run(tmp_path, "four", "--epochs", "3", "--resume", ckpt, *common, world=4, nodes=4)
     for r in range(4):
         st = four[r]["start"]
-        assert st["position"] == 2 and st["rounds"] == 1, r
+        assert st["position"] == 2 and st["rounds"] == 1 and st["steps"] == 6, r
         assert torch.equal(st["theta_outer"], stop[0]["theta_outer"]), r
         assert torch.equal(st["momentum"], stop[0]["momentum"]), r
         assert torch.allclose(st["ef"], ef_avg, rtol=0, atol=1e-7), r
@@ -224,3 +242,78 @@ def test_world_size_change_reshards_the_outer_state(tmp_path):
     os.remove(shard_path(ckpt, 1))
     with pytest.raises(AssertionError, match=r"cannot reshard the outer state.*rank 1: missing"):
         _run(tmp_path, "bad", "--epochs", "3", "--resume", ckpt, *common, world=4, nodes=4)
+
+
+def test_streamed_last_round_is_applied_at_the_end_of_training(tmp_path):
+    # 12 steps, H=3, streaming: the round of step 12 is still in flight when fit ends. The strategy applies it
+    # at on_train_end on every rank: the final weights are θ_outer after that round's outer step, identical on
+    # both replicas; the state saved after fit is the one before it (a resume goes on as a run never stopped).
+    from lightning_topk.comm.outer import outer_sgd_
+
+    common = ["--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.5", "--streaming"]
+    out = _run(tmp_path, "end", "--epochs", "2", *common)
+    for r in range(2):
+        assert (out[r]["steps"], out[r]["rounds"], out[r]["position"]) == (12, 4, 0), r
+    assert torch.equal(out[0]["flat"], out[1]["flat"])
+    sec = out[0]["section"]
+    assert "pending" in sec and float(torch.cat([t.reshape(-1) for t in sec["pending"].values()]).abs().sum()) > 0
+    flat = lambda d: torch.cat([d[k].reshape(-1) for k in d])  # per-name dicts, in parameter order
+    theta, mom, g = flat(sec["theta_outer"]), flat(sec["momentum"]), flat(sec["pending"])
+    assert torch.equal(flat(sec["theta_local"]), theta)  # at a round end the replicas sit at θ_outer
+    assert not torch.equal(out[0]["flat"], theta)  # the last round moved the final weights
+    outer_sgd_(theta, mom, g, 0.7, 0.5, True)
+    assert torch.equal(out[0]["flat"], theta)
+    n = theta.numel()
+    assert torch.equal(out[0]["theta_outer"][:n], theta)
+
+
+def test_dense_steps_are_synchronous_then_local_and_resume_bit_exact(tmp_path):
+    # Post-local SGD: the first 7 of 18 steps all-reduce the gradients over both nodes (as DDP), then local
+    # SGD starts from the identical replicas (θ_outer re-anchored at step 7), H=4: rounds at steps 11 and 15.
+    # Checkpoints at step 6 (inside the synchronous steps) and step 12 (one step into the second round).
+    common = ["--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9", "--dense-steps", "7"]
+    ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--epochs", "1")
+    straight = _run(tmp_path, "straight", "--epochs", "3", *common)
+    e1 = _run(tmp_path, "e1", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common)
+    assert e1[0]["inner_collectives"], "the synchronous steps all-reduce over both nodes"
+    assert torch.equal(e1[0]["flat"], e1[1]["flat"])  # the replicas are one
+    assert torch.allclose(e1[0]["flat"], ddp[0]["flat"], rtol=0, atol=1e-5)  # ... and train as DDP
+    assert (e1[0]["rounds"], e1[0]["section"]["steps"], e1[0]["position"]) == (0, 6, 0)
+    e2 = _run(tmp_path, "e2", "--epochs", "2", "--resume", str(tmp_path / "e1.ckpt"),
+              "--save", str(tmp_path / "e2.ckpt"), *common)
+    assert (e2[0]["rounds"], e2[0]["section"]["steps"], e2[0]["position"]) == (1, 12, 1)
+    assert not torch.equal(e2[0]["flat"], e2[1]["flat"])  # local steps: the replicas differ inside a round
+    resumed = _run(tmp_path, "resumed", "--epochs", "3", "--resume", str(tmp_path / "e2.ckpt"), *common)
+    for r in range(2):
+        assert (straight[r]["steps"], straight[r]["rounds"], straight[r]["position"]) == (18, 2, 3), r
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+    assert not torch.equal(straight[0]["flat"], straight[1]["flat"])
+
+
+def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path):
+    # 2 nodes x 2 processes, 3 steps per epoch, dense_steps=3, H=3: the checkpoint after epoch 1 is exactly at the
+    # end of the synchronous steps (θ_outer just re-anchored); rounds at steps 6 and 9 (sharded over each node's
+    # two processes). Resumed = straight, bit for bit, on all four ranks.
+    common = ["--devices", "2", "--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9", "--dense-steps", "3"]
+    straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
+    stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
+    resumed = _run(tmp_path, "r", "--epochs", "3", "--resume", str(tmp_path / "e1.ckpt"), *common, world=4)
+    for r in range(4):
+        assert (stop[r]["section"]["steps"], stop[r]["rounds"], stop[r]["position"]) == (3, 0, 0), r
+        assert torch.equal(stop[r]["flat"], stop[0]["flat"]), r  # synchronous: one replica over both nodes
+        assert torch.equal(stop[r]["theta_outer"], stop[0]["theta_outer"]), r
+        assert (straight[r]["steps"], straight[r]["rounds"], straight[r]["position"]) == (9, 2, 0), r
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+    n = stop[0]["flat"].numel()
+    assert torch.equal(stop[0]["theta_outer"][:n], stop[0]["flat"])  # re-anchored at the weights
+
+
+def test_run_summary_mode_names_the_synchronous_steps():
+    from lightning_topk.app.summary import exchange_mode
+
+    base = {"local_steps": 4.0, "outer_density": 1.0, "outer_value_bits": 4.0, "outer_streaming": 0.0}
+    assert exchange_mode(base) == "sparse local SGD: 4 local steps per outer round, outer density 1, 4-bit values"
+    assert exchange_mode({**base, "dense_steps": 160.0}).endswith(", first 160 steps synchronous")

@@ -7,6 +7,7 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --save PATH                 trainer.save_checkpoint(PATH) at the end (a resume point)
   --resume PATH               ckpt_path=PATH
   --inject-step S             rank 0's loss is inf at global step S (with --nonfinite skip: skipped on every rank)
+  --dense-steps N             the first N steps synchronous (post-local SGD)
   --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
 
 Each rank also records the collectives it issued inside training batches whose group spans more than one
@@ -89,7 +90,8 @@ class Net(pl.LightningModule):
         o = getattr(ex, "outer", None)
         if o is not None:
             self.start = {"theta_outer": o.theta.clone(), "momentum": o.mom.clone(), "ef": o.ef.clone(),
-                          "position": o.position, "rounds": o.stats.rounds, "lo": o.lo, "shard": o.shard,
+                          "position": o.position, "steps": o.steps, "rounds": o.stats.rounds, "lo": o.lo,
+                          "shard": o.shard,
                           "flat": torch.cat([p.detach().reshape(-1) for p in self.parameters()])}
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -128,6 +130,7 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--ef-decay", type=float, default=1.0)
     ap.add_argument("--streaming", action="store_true")
+    ap.add_argument("--dense-steps", type=int, default=0, help="synchronous first steps (post-local SGD)")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--devices", type=int, default=1, help="processes per node")
     ap.add_argument("--nodes", type=int, default=2, help="simulated nodes (run_nodes' num_nodes)")
@@ -146,7 +149,7 @@ def main() -> None:
         strategy = TopKDDPStrategy(local_steps=a.H, outer_density=a.density, outer_value_bits=a.bits,
                                    outer_chunk=a.chunk, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                                    outer_ef_decay=a.ef_decay, outer_streaming=a.streaming, nonfinite=a.nonfinite,
-                                   process_group_backend="gloo")
+                                   dense_steps=a.dense_steps, process_group_backend="gloo")
     if a.fabric:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
@@ -174,6 +177,7 @@ def main() -> None:
                 "theta_outer": outer.theta.clone() if outer is not None else None,
                 "momentum": outer.mom.clone() if outer is not None else None,
                 "ef": outer.ef.clone() if outer is not None else None,
+                "section": outer.state_dict() if outer is not None else None,  # after a streamed fit: before its end
                 "inner_collectives": list(WATCH["inner"]), "outer_collectives": WATCH["outer"],
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
@@ -206,6 +210,7 @@ def fabric_main(a, train, test) -> None:
             fabric.backward(nn.functional.cross_entropy(net(x), y))
             opt.step()
             steps += 1
+    fabric.strategy.on_train_end()  # Fabric has no end-of-training hook: a streamed last round is applied here
     x, y = test.tensors
     with torch.no_grad():
         acc = (net(x).argmax(1) == y).float().mean().item()

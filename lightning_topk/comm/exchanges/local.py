@@ -8,6 +8,10 @@ between outer rounds nothing crosses the node boundary. Every ``local_steps`` op
 runs the outer round of :class:`~lightning_topk.comm.outer.OuterState` (pseudo-gradient, error feedback,
 per-chunk top-k, quantized values, all-gather among the nodes, outer SGD, ``θ_local := θ_outer``).
 
+Post-local SGD (``dense_steps`` = N > 0): the first N optimizer-step attempts are synchronous, as DDP: the hook
+all-reduces every bucket densely over every rank and the step controller decides over every rank. After the
+N-th, θ_outer is re-anchored at the (identical) weights and local SGD starts.
+
 Usage without Lightning::
 
     state = TopKState(TopKConfig(local_steps=50, outer_density=0.02, outer_value_bits=4))
@@ -24,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.exchanges.base import Exchange, Layout
-from lightning_topk.comm.exchanges.kit import flat_group, future_on, open_bucket
+from lightning_topk.comm.exchanges.kit import _link, flat_group, future_on, open_bucket
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.outer import OuterState
 from lightning_topk.comm.state import TopKState, clock, nonfinite
@@ -87,11 +91,20 @@ class LocalExchange(Exchange):
         bad = state.flags.note_input(names, grad)
         L = self.groups.local_world if self.groups is not None else 1
         self._account(state, stats, n, grad.element_size())
+        group, world = flat_group(state)
+        eb = grad.element_size()
+        if self.outer is not None and self.outer.synchronous and world > 1:
+            # post-local SGD (``dense_steps``): the first steps all-reduce densely over every rank, as DDP
+            state.add_stats(stats, numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
+                            bytes_wire=ring_allreduce_wire(n * eb, world))
+            L, reduce_group = world, group
+        else:
+            reduce_group = self.groups.intra if self.groups is not None else None
+            if L > 1:
+                state.add_stats(stats, bytes_sent=n * eb, bytes_intra=n * eb, bytes_wire=ring_allreduce_wire(n * eb, L))
         if L > 1:
-            eb = grad.element_size()
-            state.add_stats(stats, bytes_sent=n * eb, bytes_intra=n * eb, bytes_wire=ring_allreduce_wire(n * eb, L))
             t = clock(grad.device)
-            fut = dist.all_reduce(grad, group=self.groups.intra, async_op=True).get_future()
+            fut = dist.all_reduce(grad, group=reduce_group, async_op=True).get_future()
 
             def finish(done: torch.futures.Future) -> Tensor:
                 done.wait()  # a failed all-reduce raises its own error, before `grad` is read
@@ -117,9 +130,15 @@ class LocalExchange(Exchange):
         state.add_stats(stats, "local", buckets=1, numel=n, numel_sent=0, bytes_dense=n * element_size,
                         bytes_dense_wire=ring_allreduce_wire(4 * n, world))
 
+    @property
+    def reducer_off(self) -> bool:
+        """Whether DDP's reducer is off for the next step: ``bypass`` (one process per node), except during the
+        synchronous first ``dense_steps``, whose gradients the hook all-reduces over every rank."""
+        return self.bypass and not (self.outer is not None and self.outer.synchronous)
+
     def before_decision(self, state: Any) -> None:
         """With DDP's reducer off (``bypass``), the hook saw nothing: flag the gradients and count the step."""
-        if not self.bypass or self.outer is None:
+        if not self.reducer_off or self.outer is None:
             return
         grads = [(name, p.grad) for name, p in zip(self.outer.names, self.outer.params) if p.grad is not None]
         if grads:
@@ -143,7 +162,10 @@ class LocalExchange(Exchange):
 
     def decision_group(self, state: Any) -> Any:
         """Inner steps are decided by the node alone (it is one replica): its ranks, or no collective at all
-        (``None``) with one process per node. No inner step waits for another node."""
+        (``None``) with one process per node. No inner step waits for another node. During the synchronous
+        first ``dense_steps`` the replicas must stay identical: every rank decides together."""
+        if self.outer is not None and self.outer.synchronous:
+            return state.flat_group
         g = self.groups
         return g.intra if g is not None and g.local_world > 1 else None
 
@@ -163,6 +185,18 @@ class LocalExchange(Exchange):
                 setattr(s, link, getattr(s, link) + nbytes)
             st.totals.comm_time_s += self.outer.stats.time_s
             self._outer_stats(st.last)
+
+    def end_training(self) -> None:
+        """At the end of training, on every rank: apply a streamed outer exchange still in flight
+        (:meth:`~lightning_topk.comm.outer.OuterState.apply_in_flight`)."""
+        if self.outer is not None:
+            self.outer.apply_in_flight()
+
+    def start_training(self) -> None:
+        """When training (re)starts in this process: undo :meth:`end_training`'s early application, so training
+        goes on as if it had not stopped."""
+        if self.outer is not None:
+            self.outer.resume_in_flight()
 
     def flush(self, state: Any) -> None:
         if self.outer is not None:
