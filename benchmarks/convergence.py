@@ -133,23 +133,26 @@ class SimulatedAllgather:
     def reduce(self, grads: Sequence[Tensor]) -> Tensor:
         """The averaged gradient every rank gets from the ranks' flat local gradients."""
         out = torch.zeros_like(grads[0])
-        n = out.numel()
         values, indices = [], []
         for st, g in zip(self.states, grads):
-            k, ks, numels = sparse_k(st, self.params, n)
-            b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
-            if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
-                values.append(acc.clone())
-                indices.append(torch.arange(n))
-                if b is not None:
-                    acc.zero_()
-            else:
-                idx = select(st, acc, k, ks, numels)
-                values.append(send_values(st, acc, idx, vel).float())
-                indices.append(idx)
+            v, i = self.rank_send(st, g, out.numel())
+            values.append(v)
+            indices.append(i)
             st.end_exchange()
         rebuild(out, torch.cat(values), torch.cat(indices))
         return out.div_(self.world)
+
+    def rank_send(self, st: TopKState, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
+        """One rank's (values, indices) of a step, as the all-gather hook puts them on the wire."""
+        k, ks, numels = sparse_k(st, self.params, n)
+        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
+        if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
+            values = acc.clone()
+            if b is not None:
+                acc.zero_()
+            return values, torch.arange(n)
+        idx = select(st, acc, k, ks, numels)
+        return send_values(st, acc, idx, vel).float(), idx
 
 
 def flat_grad(params: Sequence[Tensor]) -> Tensor:

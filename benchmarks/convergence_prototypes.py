@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import convergence as C
 
-from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, sparse_k, take_bucket
+from lightning_topk.comm.exchanges.kit import select, send_values, sparse_k, take_bucket
 
 P: Dict[str, float] = {}  # the prototype knobs
 
@@ -42,47 +42,39 @@ class Sim(C.SimulatedAllgather):
         self.gnorm: Optional[torch.Tensor] = None
 
     def reduce(self, grads):  # type: ignore[override]
-        out = torch.zeros_like(grads[0])
-        n = out.numel()
         clip = P.get("clip")
         if clip:
             norms = torch.stack([g.norm() for g in grads])
             ref = norms.mean() if self.gnorm is None else self.gnorm
             grads = [g * min(1.0, float(clip * ref / (g.norm() + 1e-12))) for g in grads]
             self.gnorm = norms.mean() if self.gnorm is None else 0.9 * self.gnorm + 0.1 * norms.mean()
-        values: List[torch.Tensor] = []
-        indices: List[torch.Tensor] = []
+        return super().reduce(grads)
+
+    def rank_send(self, st, g, n):  # type: ignore[override]
         c, decay = P.get("look", 0.0), P.get("decay", 1.0)
-        for st, g in zip(self.states, grads):
-            k, ks, numels = sparse_k(st, self.params, n)
-            if P.get("fullk"):
-                k = n
-            if decay != 1.0:
-                st.buffers(self.params, g.device).residual.mul_(decay)
-            b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
-            if k == 0:
-                values.append(acc.clone())
-                indices.append(torch.arange(n))
-                if b is not None:
-                    acc.zero_()
-            elif c and vel is not None:
-                score = acc + c * vel
-                idx = select(st, score, k, ks, numels)
-                values.append(score.index_select(0, idx))
-                indices.append(idx)
-                if P.get("tail"):
-                    acc.index_fill_(0, idx, 0.0)
-                else:
-                    acc.index_copy_(0, idx, -c * vel.index_select(0, idx))
-                if st.config.momentum_masking:
-                    vel.index_fill_(0, idx, 0.0)
-            else:
-                idx = select(st, acc, k, ks, numels)
-                values.append(send_values(st, acc, idx, vel).float())
-                indices.append(idx)
-            st.end_exchange()
-        rebuild(out, torch.cat(values), torch.cat(indices))
-        return out.div_(self.world)
+        k, ks, numels = sparse_k(st, self.params, n)
+        if P.get("fullk"):
+            k = n
+        if decay != 1.0:
+            st.buffers(self.params, g.device).residual.mul_(decay)
+        if k == 0 or not (c and st.config.momentum_correction):
+            return super().rank_send(st, g, n) if not P.get("fullk") else self._send_all(st, g, n, k, ks, numels)
+        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+        score = acc + c * vel
+        idx = select(st, score, k, ks, numels)
+        values = score.index_select(0, idx)
+        if P.get("tail"):
+            acc.index_fill_(0, idx, 0.0)
+        else:
+            acc.index_copy_(0, idx, -c * vel.index_select(0, idx))
+        if st.config.momentum_masking:
+            vel.index_fill_(0, idx, 0.0)
+        return values, idx
+
+    def _send_all(self, st, g, n, k, ks, numels):
+        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+        idx = select(st, acc, k, ks, numels)
+        return send_values(st, acc, idx, vel).float(), idx
 
 
 _optimizer_for = C.optimizer_for

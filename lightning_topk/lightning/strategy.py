@@ -346,13 +346,18 @@ class TopKStrategyMixin:
         super().remove_checkpoint(filepath)
         remove_rank_state(self, filepath)
 
+    def _exchange_event(self, name: str) -> None:
+        """Call the exchange's ``name`` hook, if it has one (local SGD's streaming: ``start_training``,
+        ``end_training``)."""
+        ex = self.topk_state.exchange if self.topk_state is not None else None
+        hook = getattr(ex, name, None)
+        if hook is not None:
+            hook()
+
     @override
     def on_train_start(self) -> None:
         # local SGD with streaming: a second fit in this process goes on from the state before on_train_end
-        ex = self.topk_state.exchange if self.topk_state is not None else None
-        start = getattr(ex, "start_training", None)
-        if start is not None:
-            start()
+        self._exchange_event("start_training")
         parent = getattr(super(), "on_train_start", None)
         if parent is not None:
             parent()
@@ -361,10 +366,7 @@ class TopKStrategyMixin:
     def on_train_end(self) -> None:
         # local SGD with streaming: the last round's exchange is applied, on every rank, before fit returns
         # (Fabric has no such hook: call fabric.strategy.on_train_end() after the loop)
-        ex = self.topk_state.exchange if self.topk_state is not None else None
-        end = getattr(ex, "end_training", None)
-        if end is not None:
-            end()
+        self._exchange_event("end_training")
         parent = getattr(super(), "on_train_end", None)
         if parent is not None:
             parent()
