@@ -64,7 +64,7 @@ class TopKStrategyMixin:
         if getattr(self, "_start_method", None) == "forkserver" and not self.cluster_environment.creates_processes_externally:
             # Lightning hands the parent's seeds and deterministic flags to its children for "spawn" only; a
             # forkserver child also keeps the environment of the fork server, which may predate this run
-            # (e.g. one a DataLoader started). Seen here: ranks that disagreed after a skipped step.
+            # (e.g. one a DataLoader started): the likely cause of ranks seen to disagree after a skipped step.
             log.warning("topk_ddp: start_method='forkserver' starts the ranks from Python's fork server, so they do "
                         "not get this process's seeds, deterministic flags or environment changes made after the "
                         "server started (Lightning restores those for 'spawn' only); use start_method='spawn' or "
