@@ -40,6 +40,8 @@ def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
     assert local[0]["steps"] == ddp[0]["steps"] == 60
     # DDP's buckets hold the gradients (no copy per step); plain DDP keeps its default
     assert local[0]["grad_views"] is True and ddp[0]["grad_views"] is False
+    # no buffer broadcast at every forward under local SGD (a collective across the nodes every inner step)
+    assert local[0]["buffer_sync"] is False and ddp[0]["buffer_sync"] is True
     assert torch.equal(local[0]["flat"], local[1]["flat"]) or local[0]["position"] != 0
     assert local[0]["acc"] >= ddp[0]["acc"] - 0.02, (local[0]["acc"], ddp[0]["acc"])
     m = local[0]["metrics"]

@@ -85,6 +85,7 @@ class Net(pl.LightningModule):
 
     def on_train_start(self):
         self.grad_views = getattr(self.trainer.strategy.model, "gradient_as_bucket_view", None)
+        self.buffer_sync = getattr(self.trainer.strategy.model, "broadcast_buffers", None)  # per-forward buffer sync
         # the outer state as the first step finds it (a resumed run: as loaded)
         ex = getattr(getattr(self.trainer.strategy, "topk_state", None), "exchange", None)
         o = getattr(ex, "outer", None)
@@ -174,6 +175,7 @@ def main() -> None:
                 "position": outer.position if outer is not None else -1,
                 "skips": ctl.skipped_steps if ctl is not None else -1, "start": getattr(model, "start", None),
                 "grad_views": getattr(model, "grad_views", None), "bypass": getattr(ex, "bypass", None),
+                "buffer_sync": getattr(model, "buffer_sync", None),
                 "theta_outer": outer.theta.clone() if outer is not None else None,
                 "momentum": outer.mom.clone() if outer is not None else None,
                 "ef": outer.ef.clone() if outer is not None else None,
