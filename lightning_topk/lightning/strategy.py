@@ -182,8 +182,8 @@ class TopKStrategyMixin:
             # gradients before the step's decision instead of in the hook.
             # During the synchronous first dense_steps (post-local SGD) the reducer is on: _sync_reducer.
             state.exchange.bypass = True
-            self.model.require_backward_grad_sync = not state.exchange.reducer_off
         self.topk_state = state
+        self._sync_reducer()
         self.topk_controller = StepController(state, device=self.root_device)
 
     def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
@@ -291,10 +291,15 @@ class TopKStrategyMixin:
         if ctl is not None:
             ctl.last_decision = None
 
+    @property
+    def _topk_exchange(self) -> Any:
+        """The exchange of the hooks' state (None before the hooks exist)."""
+        return self.topk_state.exchange if self.topk_state is not None else None
+
     def _sync_reducer(self) -> None:
         """Local SGD with DDP's reducer bypassed: turn it back on for the next step if that step is synchronous
         (``dense_steps``), off once they are over."""
-        ex = self.topk_state.exchange if self.topk_state is not None else None
+        ex = self._topk_exchange
         if getattr(ex, "bypass", False) and self.model is not None:
             self.model.require_backward_grad_sync = not ex.reducer_off
 
@@ -322,7 +327,7 @@ class TopKStrategyMixin:
         # Called on every rank: each writes its own shard, then rank 0 writes the main file.
         from lightning_topk.lightning.checkpoint import save_rank_state
 
-        ex = self.topk_state.exchange if self.topk_state is not None else None
+        ex = self._topk_exchange
         if ex is not None and hasattr(ex, "inner_optimizer_states"):
             # local SGD: each replica's inner optimizer state is its own (Lightning's file holds rank 0's)
             ex.inner_optimizer_states = checkpoint.get("optimizer_states")
@@ -351,8 +356,7 @@ class TopKStrategyMixin:
     def _exchange_event(self, name: str) -> None:
         """Call the exchange's ``name`` hook, if it has one (local SGD's streaming: ``start_training``,
         ``end_training``)."""
-        ex = self.topk_state.exchange if self.topk_state is not None else None
-        hook = getattr(ex, name, None)
+        hook = getattr(self._topk_exchange, name, None)
         if hook is not None:
             hook()
 

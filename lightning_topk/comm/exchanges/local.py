@@ -144,8 +144,8 @@ class LocalExchange(Exchange):
         if grads:
             bad = torch.stack([nonfinite(g) for _, g in grads]).any()
             state.flags.note_input(tuple(name for name, _ in grads), None, bad=bad)
-            state.flags.note_result(grads[0][1], bad)
             g0 = grads[0][1]
+            state.flags.note_result(g0, bad)
             self._account(state, state.current, sum(g.numel() for _, g in grads), g0.element_size())
         state.end_exchange()
 
