@@ -22,6 +22,20 @@ STRATEGIES = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_ddp", "local")
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
+def _int32_indices() -> None:
+    """The packet format before 2026-11-25 (int32 indices), for a side-by-side before/after."""
+    import torch
+
+    from lightning_topk.comm import wire
+    from lightning_topk.comm.exchanges import allgather, hierarchical, kit
+
+    def int32_code(n: int, k: int) -> wire.IndexCode:
+        return wire.IndexCode("int32") if n <= 2**31 else wire.IndexCode("int64", out=torch.int64)
+
+    for module in (allgather, hierarchical, kit):
+        module.index_code = int32_code  # type: ignore[attr-defined]
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
@@ -46,6 +60,11 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--grad-copies", action="store_true",
                    help="topk_ddp: gradient_as_bucket_view=False (DDP copies gradients into its buckets and back "
                         "every step; the strategy's behaviour before 2026-11-25)")
+    p.add_argument("--int32-indices", action="store_true",
+                   help="topk_ddp: int32 indices on the wire (the packet format before 2026-11-25) instead of the "
+                        "16-bit block code")
+    p.add_argument("--value-dtype", default=None, choices=("fp32", "fp16", "bf16"),
+                   help="topk_ddp: dtype of the sparse values on the wire (default: the strategy's)")
     p.add_argument("--outer-lr", type=float, default=None, help="topk_ddp --local-steps: outer lr (default: TopKConfig's)")
     p.add_argument("--outer-momentum", type=float, default=None,
                    help="topk_ddp --local-steps: outer momentum (default: TopKConfig's)")
@@ -177,6 +196,10 @@ def make_strategy(args: argparse.Namespace):
             extra["auto_link_gbps"] = args.auto_link_gbps
         if args.grad_copies:
             extra["gradient_as_bucket_view"] = False
+        if args.value_dtype is not None:
+            extra["value_dtype"] = args.value_dtype
+        if args.int32_indices:
+            _int32_indices()
         if args.local_steps > 0:
             for opt in ("outer_lr", "outer_momentum"):
                 if getattr(args, opt) is not None:

@@ -1,6 +1,5 @@
-"""Per-step time budget of topk_ddp on the namespace cluster: gradients as views of DDP's buckets (the default)
-against DDP copying them into its buckets and back (``gradient_as_bucket_view=False``, the default before
-2026-11-25).
+"""Per-step time budget of topk_ddp on the namespace cluster: the packet format with 16-bit block indices (the
+default) against int32 indices (the format before 2026-11-25), and bf16 values on the wire.
 
     python benchmarks/overlap_budget.py --rounds 3 --dir /tmp/overlap      # runs, then prints the tables
     python benchmarks/overlap_budget.py --dir /tmp/overlap --summarize      # tables from an earlier run
@@ -9,9 +8,9 @@ against DDP copying them into its buckets and back (``gradient_as_bucket_view=Fa
 ``--hidden 2048``), 30 steps (3 warm-up steps excluded), no evaluation. Each round runs every entry once, in
 the same order, so slow spells of a shared machine hit all entries; the tables give the median over rounds.
 Entries: ``local`` (no communication: the bound), ``ag``/``auto`` = ``topk_ddp`` density 0.01 with
-``exchange="allgather"`` / its default ``"auto"``, ``_copies`` with ``--grad-copies``; ``ddp`` once (10 steps,
-slow). (The bucket rule's before/after of 2026-11-24 is in BENCHMARKS.md; for this model the rule keeps DDP's
-default buckets.)
+``exchange="allgather"`` / its default ``"auto"``, ``_i32`` with ``--int32-indices``, ``ag_bf16`` with bf16
+values; ``ddp`` once (10 steps, slow). (The bucket rule's before/after of 2026-11-24 and the gradient copies'
+of 2026-11-25 are in BENCHMARKS.md; for this model the rule keeps DDP's default buckets.)
 
 Budget columns (ms per step, mean over steps and ranks): forward; backward = from ``backward()`` to its end,
 which includes the hooks' selection and the wait for every bucket's collective; after = from the end of
@@ -36,9 +35,10 @@ WORKER = ["--hidden", "2048", "--eval-every", "0"]
 TOPK = ["--strategy", "topk_ddp", "--density", "0.01"]
 ENTRIES: Dict[str, List[str]] = {
     "local": ["--strategy", "local"],
-    "ag_copies": [*TOPK, "--exchange", "allgather", "--grad-copies"],
+    "ag_i32": [*TOPK, "--exchange", "allgather", "--int32-indices"],
     "ag": [*TOPK, "--exchange", "allgather"],
-    "auto_copies": [*TOPK, "--grad-copies"],
+    "ag_bf16": [*TOPK, "--exchange", "allgather", "--value-dtype", "bf16"],
+    "auto_i32": [*TOPK, "--int32-indices"],
     "auto": TOPK,
 }
 

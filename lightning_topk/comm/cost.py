@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.wire import sparse_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +371,7 @@ def choose_bucket_cap(numels: List[int], density: float, model: CostModel, excha
 
     def exchange_times(n: int) -> Tuple[float, float]:
         k = max(1, math.ceil(density * n))
-        if density >= 1.0 or n < min_sparse_numel or k * (value_bytes + 4) >= elem_bytes * n:
+        if density >= 1.0 or n < min_sparse_numel or sparse_nbytes(n, k, value_bytes) >= elem_bytes * n:
             return model.predict("dense", n, 0)
         return model.predict(exchange, n, k, value_bytes)
 

@@ -2,17 +2,30 @@
 
 Every rank sends exactly k entries per bucket, so a single ``all_gather_into_tensor`` moves values and
 indices together with no size exchange and no uneven shapes (gloo's all_gather needs equal sizes).
-Layout: ``[k values as value_dtype][k indices as index_dtype]``, viewed as uint8. Indices are int32,
-or int64 for buckets of more than 2**31 entries (:func:`index_dtype_for`; every rank knows n).
+Layout: ``[k values as value_dtype][indices as the bucket's IndexCode]``, viewed as uint8.
+
+Indices (:func:`index_code`, a function of n and k that every rank knows):
+
+* ``"blocks"`` (whenever it is smaller): the bucket is cut into blocks of 2**16 entries; the packet holds
+  each block's entry count (int32) and, per entry, its position inside the block (16 bits). The entries
+  go sorted by index, so 2 bytes per entry instead of 4, plus ``4 * ceil(n / 2**16)`` bytes of counts;
+* ``"int32"``, or ``"int64"`` for buckets of more than 2**31 entries (never wrap silently).
+
+The receiver gets the same (value, index) pairs; only their order within a rank's packet changes, and
+``index_add_`` sums each index over the ranks in rank order either way.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Tuple
 
 import torch
 from torch import Tensor
 
 VALUE_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+BLOCK_BITS = 16
+BLOCK = 1 << BLOCK_BITS
+_LOW_OFFSET = 1 << (BLOCK_BITS - 1)  # positions 0..65535 are stored as int16 -32768..32767
 
 
 def value_dtype_of(name: str) -> torch.dtype:
@@ -26,9 +39,41 @@ def index_dtype_for(n: int) -> torch.dtype:
     return torch.int32 if n <= 2**31 else torch.int64
 
 
-def packed_nbytes(k: int, value_dtype: torch.dtype, index_dtype: torch.dtype = torch.int32) -> int:
+@dataclass(frozen=True)
+class IndexCode:
+    """How one rank's indices into a bucket go on the wire (see the module docstring)."""
+
+    kind: str            # "blocks", "int32" or "int64"
+    blocks: int = 0      # "blocks": ceil(n / 2**16)
+    out: torch.dtype = torch.int32  # the dtype :func:`unpack` returns the indices in
+
+    def nbytes(self, k: int) -> int:
+        """Index bytes for k entries."""
+        if self.kind == "blocks":
+            return 2 * k + 4 * self.blocks
+        return k * (8 if self.kind == "int64" else 4)
+
+
+INT32 = IndexCode("int32")
+
+
+def index_code(n: int, k: int) -> IndexCode:
+    """The smallest index encoding for k entries of a bucket of n (every rank computes the same)."""
+    out = index_dtype_for(n)
+    blocks = -(-n // BLOCK)
+    if 4 * blocks < 2 * k:  # the block counts cost less than the two bytes saved per entry
+        return IndexCode("blocks", blocks, out)
+    return IndexCode("int32" if out == torch.int32 else "int64", 0, out)
+
+
+def sparse_nbytes(n: int, k: int, value_bytes: int) -> int:
+    """Bytes of one rank's packet: k entries of a bucket of n, values of ``value_bytes`` each."""
+    return k * value_bytes + index_code(n, k).nbytes(k)
+
+
+def packed_nbytes(k: int, value_dtype: torch.dtype, code: IndexCode = INT32) -> int:
     """Bytes one rank sends for k entries."""
-    return k * (value_dtype.itemsize + index_dtype.itemsize)
+    return k * value_dtype.itemsize + code.nbytes(k)
 
 
 def to_wire(values: Tensor, value_dtype: torch.dtype) -> Tensor:
@@ -42,24 +87,44 @@ def to_wire(values: Tensor, value_dtype: torch.dtype) -> Tensor:
     return torch.where(torch.isfinite(values), values.clamp(-big, big), values).to(value_dtype)
 
 
-def pack(values: Tensor, indices: Tensor, index_dtype: torch.dtype = torch.int32) -> Tensor:
+def pack(values: Tensor, indices: Tensor, code: IndexCode = INT32) -> Tensor:
     """values (already in the wire dtype) and indices -> one contiguous uint8 buffer.
 
     2-D ``[rows, k]`` inputs give one ``[k values][k indices]`` row per destination (what :func:`unpack`
-    reads back with ``world=rows``)."""
+    reads back with ``world=rows``; int32/int64 codes only)."""
+    if code.kind == "blocks":
+        if values.dim() != 1:
+            raise ValueError("pack: the 'blocks' index code packs one row")
+        indices, order = indices.sort()  # no host sync: the counts come from searchsorted
+        values = values.index_select(0, order)
+        edges = torch.arange(code.blocks + 1, device=indices.device, dtype=indices.dtype) * BLOCK
+        bounds = torch.searchsorted(indices, edges)
+        counts = (bounds[1:] - bounds[:-1]).to(torch.int32)
+        low = ((indices & (BLOCK - 1)) - _LOW_OFFSET).to(torch.int16)
+        parts = [values.contiguous().view(torch.uint8), counts.view(torch.uint8), low.view(torch.uint8)]
+        return torch.cat(parts)
     v = values.contiguous().view(torch.uint8)
-    i = indices.to(index_dtype).contiguous().view(torch.uint8)
+    i = indices.to(code.out).contiguous().view(torch.uint8)
     return torch.cat([v, i], dim=-1).reshape(-1)
 
 
 def unpack(buf: Tensor, k: int, value_dtype: torch.dtype, world: int,
-           index_dtype: torch.dtype = torch.int32) -> Tuple[Tensor, Tensor]:
+           code: IndexCode = INT32) -> Tuple[Tensor, Tensor]:
     """Gathered ``[world * packed_nbytes]`` uint8 -> (values fp32 [world*k], indices [world*k] in
-    ``index_dtype``, which ``index_add_`` takes as it is)."""
+    ``code.out``, which ``index_add_`` takes as it is)."""
     vbytes = value_dtype.itemsize
-    per = k * (vbytes + index_dtype.itemsize)
-    rows = buf.view(world, per)
-    return _view_as(rows[:, : k * vbytes], value_dtype).float(), _view_as(rows[:, k * vbytes:], index_dtype)
+    vb = k * vbytes
+    rows = buf.view(world, vb + code.nbytes(k))
+    values = _view_as(rows[:, :vb], value_dtype).float()
+    if code.kind != "blocks":
+        return values, _view_as(rows[:, vb:], code.out)
+    cb = 4 * code.blocks
+    counts = _view_as(rows[:, vb:vb + cb], torch.int32)
+    low = _view_as(rows[:, vb + cb:], torch.int16).to(code.out) + _LOW_OFFSET
+    block = torch.arange(code.blocks, device=buf.device, dtype=code.out).repeat(world)
+    # output_size: no host sync to size the result (the counts of each row add up to k)
+    high = torch.repeat_interleave(block, counts, output_size=world * k)
+    return values, high.mul_(BLOCK).add_(low)
 
 
 def _view_as(part: Tensor, dtype: torch.dtype) -> Tensor:

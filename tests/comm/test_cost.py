@@ -23,6 +23,7 @@ from lightning_topk.comm.exchanges.auto import (
 )
 from lightning_topk.comm.exchanges.dense import dense_topk_hook
 from lightning_topk.comm.exchanges.scatter import slot_plan
+from lightning_topk.comm.wire import sparse_nbytes
 from tests.helpers.dist import run_distributed
 from tests.helpers.exchanges import make_auto, plan
 
@@ -97,7 +98,9 @@ def test_hierarchical_scatter_prediction_and_wire():
                                      + m.add_per_entry * (ks + N * plan.slot + N * plan.out))
         # the intra-node tier is the same as the hierarchical exchange's
         h_comm = m.predict("hierarchical", n, k)[1]
-        assert h_comm - (N - 1) * (inter.alpha + L * ks * eb / inter.beta) == pytest.approx(
+        packet = sparse_nbytes(math.ceil(n / L), ks, 4)  # its all-gather packs indices in 16-bit blocks
+        assert packet == ks * 4 + 2 * ks + 4 * math.ceil(n / L / 2**16)
+        assert h_comm - (N - 1) * (inter.alpha + L * packet / inter.beta) == pytest.approx(
             intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L))
     assert hier_wires[-1] > 60 * hier_wires[0]
     m = _model(128, L, beta_inter=1.25e9)

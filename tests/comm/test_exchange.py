@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.exchanges.kit import rebuild
-from lightning_topk.comm.wire import index_dtype_for, pack, packed_nbytes, unpack
+from lightning_topk.comm.wire import IndexCode, index_code, index_dtype_for, pack, packed_nbytes, unpack
 from tests.helpers.dist import run_distributed
 
 
@@ -179,9 +179,45 @@ def test_wire_indices_widen_for_huge_buckets():
     assert index_dtype_for(2**31) == torch.int32 and index_dtype_for(2**31 + 1) == torch.int64
     i = torch.tensor([0, 2**31 + 5, 2**33], dtype=torch.int64)
     v = torch.ones(3, dtype=torch.float16)
-    v2, i2 = unpack(pack(v, i, torch.int64), 3, torch.float16, 1, torch.int64)
+    wide = IndexCode("int64", out=torch.int64)
+    v2, i2 = unpack(pack(v, i, wide), 3, torch.float16, 1, wide)
     assert torch.equal(i2, i) and torch.equal(v2, v.float())
-    assert packed_nbytes(3, torch.float16, torch.int64) == 3 * (2 + 8)
+    assert packed_nbytes(3, torch.float16, wide) == 3 * (2 + 8)
+    assert index_code(2**33, 3) == IndexCode("int64", out=torch.int64)  # 3 entries: block counts cost more
+    assert index_code(2**33, 10**6).out == torch.int64  # blocks, returned as int64
+
+
+@pytest.mark.parametrize("n,k", [(6_400_000, 64_000), (6_400_000, 6_400), (70_000, 3_000), (2**16, 5_000),
+                                 (3 * 2**16 + 7, 40_000)])
+def test_block_index_code_roundtrips_every_rank_and_halves_index_bytes(n, k):
+    code = index_code(n, k)
+    assert code.kind == "blocks" and code.blocks == -(-n // 2**16)
+    assert code.nbytes(k) == 2 * k + 4 * code.blocks < 4 * k
+    g = torch.Generator().manual_seed(n + k)
+    ranks = []
+    for r in range(3):
+        idx = torch.randperm(n, generator=g)[:k]
+        if r == 1:  # block edges and the last entry
+            edges = torch.tensor(sorted({0, 2**16 - 1, min(2**16, n - 1), n - 1}))
+            rest = idx[~torch.isin(idx, edges)][:k - edges.numel()]
+            idx = torch.cat([rest, edges])[torch.randperm(k, generator=g)]
+        ranks.append((torch.randn(k, generator=g).to(torch.bfloat16), idx))
+    buf = torch.cat([pack(v, i, code) for v, i in ranks])
+    assert buf.numel() == 3 * packed_nbytes(k, torch.bfloat16, code)
+    vals, idx = unpack(buf, k, torch.bfloat16, 3, code)
+    assert idx.dtype == torch.int32
+    for r, (v, i) in enumerate(ranks):  # the same pairs; sorted by index inside a rank's packet
+        got_i, got_v = idx[r * k:(r + 1) * k], vals[r * k:(r + 1) * k]
+        order = i.argsort()
+        assert torch.equal(got_i.long(), i[order]) and torch.equal(got_v, v[order].float())
+    # the rebuilt dense sum is what int32 indices give, bit for bit (index_add_ sums each index in rank order)
+    ref = torch.cat([pack(v, i) for v, i in ranks])
+    rv, ri = unpack(ref, k, torch.bfloat16, 3)
+    assert torch.equal(rebuild(torch.zeros(n), vals, idx), rebuild(torch.zeros(n), rv, ri))
+
+
+def test_small_k_keeps_int32_indices():
+    assert index_code(6_400_000, 100) == IndexCode("int32")  # 98 block counts would cost more than they save
 
 
 def test_parameter_scope_sends_k_per_parameter_and_conserves(runs):

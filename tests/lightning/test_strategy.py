@@ -301,4 +301,5 @@ def test_bucket_rule_sets_ddp_buckets_unless_the_user_did(tmp_path, user_cap):
     # exchange="auto" planned for DDP's rebuilt sparse buckets (the 40-entry one goes dense, unplanned)
     assert all(set(plan["buckets"][:-1]) <= set(r["planned_sizes"]) for r in ranks)
     assert plan["buckets"][-1] == 40  # the conv (36 + 4 entries) alone in the last bucket
-    assert all(r["buckets_exchanged_last_step"] == len(plan["buckets"]) == 4 for r in ranks)
+    assert len(plan["buckets"]) >= 3  # DDP's default cap would give 2 (the 8.4M entries and the conv)
+    assert all(r["buckets_exchanged_last_step"] == len(plan["buckets"]) for r in ranks)

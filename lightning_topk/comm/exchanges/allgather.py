@@ -9,7 +9,7 @@ Usage without Lightning (the controller applies the ``nonfinite`` policy once pe
 
 Per bucket: ``residual += grad / scale`` in place; pick k = ceil(density * n) entries of it; zero what was
 sent in the residual (for fp16/bf16 wire values it keeps their rounding error and any clipped part); pack
-values and int32 indices into one fixed-size buffer and all-gather it; every rank rebuilds the average
+values and indices (16-bit block code, :mod:`..wire`) into one fixed-size buffer and all-gather it; every rank rebuilds the average
 straight into the bucket's buffer with ``index_add_`` (entries picked by several ranks add up), in the
 scaled units the optimizer/GradScaler expect.
 
@@ -31,7 +31,7 @@ from lightning_topk.comm.exchanges.base import Exchange
 from lightning_topk.comm.exchanges.dense import dense_hook
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import TopKState, clock
-from lightning_topk.comm.wire import index_dtype_for, pack, ring_allgather_wire, ring_allreduce_wire, unpack
+from lightning_topk.comm.wire import index_code, pack, ring_allgather_wire, ring_allreduce_wire, sparse_nbytes, unpack
 
 
 def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -54,8 +54,8 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         sent = torch.zeros(n, dtype=torch.float32, device=device)
         sent.index_copy_(0, idx, wire.float())
         kit.record_sent(state, names, [p.numel() for p in params], sent)
-    idt = index_dtype_for(n)
-    packed = pack(wire, idx, idt)
+    code = index_code(n, k)
+    packed = pack(wire, idx, code)
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
     state.add_stats(stats, "allgather", numel_sent=k, bytes_sent=packed.numel(), **kit._link(state, packed.numel()),
                     bytes_wire=ring_allgather_wire(packed.numel(), world))
@@ -68,7 +68,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         done.wait()  # a failed or timed-out all-gather raises its own error here, before `out` is read
         # On gloo the future's value is not the gathered tensor: read `out`.
         state.add_time(stats, "comm_time_s", t_launch)
-        values, indices = unpack(out, k, wire_dtype, world, idt)
+        values, indices = unpack(out, k, wire_dtype, world, code)
         return kit.deliver(state, grad, kit.rebuild(kit.fp32_view(grad), values.mul_(f), indices))
 
     if bucket.is_last():
@@ -87,8 +87,8 @@ class AllgatherExchange(Exchange):
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
         P = model.world
         comp = model.select(n) + BOOKKEEPING_PASSES * model.pass_per_elem * n + model.add_per_entry * P * k
-        return comp, model.flat().allgather(k * (value_bytes + 4), P)
+        return comp, model.flat().allgather(sparse_nbytes(n, k, value_bytes), P)
 
     @classmethod
     def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
-        return (model.world - 1) * k * (value_bytes + 4)
+        return (model.world - 1) * sparse_nbytes(n, k, value_bytes)

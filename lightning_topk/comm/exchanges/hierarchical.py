@@ -63,12 +63,13 @@ from lightning_topk.comm.exchanges.scatter import (
 )
 from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
 from lightning_topk.comm.wire import (
-    index_dtype_for,
+    index_code,
     pack,
     packed_nbytes,
     ring_allgather_wire,
     ring_allreduce_wire,
     ring_reduce_scatter_wire,
+    sparse_nbytes,
 )
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -182,7 +183,7 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
         eb = packed_nbytes(1, cfg.wire_dtype)
         inter_payload, inter_wire = packed.numel() + plan.out * eb, scatter_wire(plan, eb)
     else:
-        packed, fits = pack(wire, idx, index_dtype_for(s)), None
+        packed, fits = pack(wire, idx, index_code(s, k)), None
         inter_payload, inter_wire = packed.numel(), ring_allgather_wire(packed.numel(), N)
     lo = h.local_rank * s
     if b is not None:
@@ -212,7 +213,7 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
         job = scatter_launch(packed, plan, h.inter, h.node_rank, key, cfg.wire_dtype, hx.owners)
         hx.scatter_pending = _Pending(result, job, s, grad, f, stats, t_launch)
     else:
-        g = gather_entries(packed, k, N, h.inter, cfg.wire_dtype, index_dtype_for(s))
+        g = gather_entries(packed, k, N, h.inter, cfg.wire_dtype, index_code(s, k))
         hx.pending = _Pending(result, g, s, grad, f, stats, t_launch)
     if bucket.is_last():
         hx.flush(state)
@@ -321,19 +322,21 @@ class HierarchicalExchange(Exchange):
         intra = model.tier(model.intra)
         comp = model.select(n / L) + BOOKKEEPING_PASSES * model.pass_per_elem * n
         comm = intra.reduce_scatter(4 * n, L) + intra.allgather(4 * n / L, L)
-        comp_inter, comm_inter = cls._inter(model, n, math.ceil(k / L), value_bytes + 4)
+        comp_inter, comm_inter = cls._inter(model, n, math.ceil(k / L), value_bytes)
         return comp + comp_inter, comm + comm_inter
 
     @classmethod
-    def _inter(cls, model: Any, n: int, ks: int, eb: int) -> Tuple[float, float]:
+    def _inter(cls, model: Any, n: int, ks: int, value_bytes: int) -> Tuple[float, float]:
         """(compute, link) seconds of the inter-node tier: an all-gather of ``ks`` entries per rank, all L
         ranks of a node at once."""
         N, L, inter = model.nodes, model.local, model.tier(model.inter)
-        return model.add_per_entry * N * ks, (N - 1) * (inter.alpha + L * ks * eb / inter.beta)
+        packet = sparse_nbytes(math.ceil(n / L), ks, value_bytes)
+        return model.add_per_entry * N * ks, (N - 1) * (inter.alpha + L * packet / inter.beta)
 
     @classmethod
     def wire(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> float:
-        return (model.nodes - 1) * math.ceil(k / model.local) * (value_bytes + 4)
+        L = model.local
+        return (model.nodes - 1) * sparse_nbytes(math.ceil(n / L), math.ceil(k / L), value_bytes)
 
 
 @register("hierarchical_scatter")
@@ -352,9 +355,11 @@ class HierarchicalScatterExchange(OwnerResidualsMixin, HierarchicalExchange):
         return _hook(state, bucket, scatter=True)
 
     @classmethod
-    def _inter(cls, model: Any, n: int, ks: int, eb: int) -> Tuple[float, float]:
-        """The scale-free exchange among the N ranks with this local rank, on the shard (all L at once)."""
+    def _inter(cls, model: Any, n: int, ks: int, value_bytes: int) -> Tuple[float, float]:
+        """The scale-free exchange among the N ranks with this local rank, on the shard (all L at once);
+        its slots carry int32 positions."""
         N, L, inter = model.nodes, model.local, model.tier(model.inter)
+        eb = value_bytes + 4
         plan = slot_plan(math.ceil(n / L), ks, N)
         comp = model.select(plan.region) + model.add_per_entry * (ks + N * plan.slot + N * plan.out)
         return comp, (N - 1) * (2 * inter.alpha + L * (plan.slot + plan.out) * eb / inter.beta)

@@ -17,7 +17,9 @@ from torch import Tensor
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
 from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers
 from lightning_topk.comm.wire import (
-    index_dtype_for,
+    INT32,
+    IndexCode,
+    index_code,
     packed_nbytes,
     to_wire,
     unpack,
@@ -39,7 +41,7 @@ def bucket_k(state: TopKState, n: int) -> int:
         return 0
     k = max(1, math.ceil(density * n))
     # Sparse only pays when the packed buffer is smaller than the dense one.
-    if packed_nbytes(k, state.config.wire_dtype, index_dtype_for(n)) >= 4 * n:
+    if packed_nbytes(k, state.config.wire_dtype, index_code(n, k)) >= 4 * n:
         return 0
     return k
 
@@ -230,18 +232,18 @@ class Gather:
     count: int
     world: int
     wire_dtype: torch.dtype
-    index_dtype: torch.dtype = torch.int32
+    code: IndexCode = INT32
 
     def entries(self) -> Tuple[Tensor, Tensor]:
         """(fp32 values, indices) of every rank, once the all-gather has arrived."""
-        return unpack(self.buf, self.count, self.wire_dtype, self.world, self.index_dtype)
+        return unpack(self.buf, self.count, self.wire_dtype, self.world, self.code)
 
 
 def gather_entries(packed: Tensor, count: int, world: int, group: Any, wire_dtype: torch.dtype,
-                   index_dtype: torch.dtype = torch.int32) -> Gather:
+                   code: IndexCode = INT32) -> Gather:
     """Launch the all-gather of ``packed`` (``count`` entries) over ``group``."""
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=packed.device)
-    return Gather(_all_gather(out, packed, group=group, async_op=True), out, count, world, wire_dtype, index_dtype)
+    return Gather(_all_gather(out, packed, group=group, async_op=True), out, count, world, wire_dtype, code)
 
 
 def record_grads(state: TopKState, names: Sequence[str], numels: Sequence[int], grad: Tensor) -> None:
