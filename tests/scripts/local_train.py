@@ -106,7 +106,7 @@ class Net(pl.LightningModule):
             self.start = {"theta_outer": o.theta.clone(), "momentum": o.mom.clone(), "ef": o.ef.clone(),
                           "position": o.position, "steps": o.steps, "rounds": o.stats.rounds, "lo": o.lo,
                           "shard": o.shard, "buffers": {k: b.clone() for k, b in self.named_buffers()},
-                          "buffer_anchor": o.buffer_anchor.clone(),
+                          "buffer_anchor": getattr(o, "buffer_anchor", None),
                           "flat": torch.cat([p.detach().reshape(-1) for p in self.parameters()])}
 
     def on_train_batch_start(self, batch, batch_idx):
