@@ -4,8 +4,9 @@ Every replica (a node: its processes all-reduce gradients densely every inner st
 weights) runs H inner optimizer steps alone. Then, on every rank:
 
 1. the pseudo-gradient ``Δ = θ_anchor − θ_local`` (``θ_anchor`` = where this round started: ``θ_outer``);
-2. a non-finite Δ on any rank is decided once on every rank (one all-reduce of a flag, before anything
-   changes): the round is skipped (``θ_local := θ_outer``, buffers untouched) or raises;
+2. a non-finite Δ (or float module buffer) on any rank is decided once on every rank (one all-reduce of a
+   flag, before anything changes): the round is skipped (``θ_local := θ_outer``, error feedback and momentum
+   untouched, module buffers back to the round's start) or raises;
 3. error feedback: ``e = outer_ef_decay · e + Δ`` (SparseLoCo);
 4. top-k of ``|e|`` in each chunk of ``outer_chunk`` entries at ``outer_density`` (``outer_chunk=0``: one
    top-k over the rank's whole shard);
@@ -397,8 +398,9 @@ class OuterState:
         fault, buffers = self._decide(delta)
         hidden = 0.0
         if fault and o.nonfinite == "raise":
-            raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) on some rank "
-                                     "at the end of an outer round; set nonfinite='skip' to skip such rounds")
+            raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) or module "
+                                     "buffer (e.g. BatchNorm statistics) on some rank at the end of an outer round; "
+                                     "set nonfinite='skip' to skip such rounds")
         if self._flight is not None or self.pending is not None:  # streaming: apply the previous round now
             hidden = self._apply_pending()
         if fault and o.nonfinite == "skip":
