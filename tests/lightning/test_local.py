@@ -170,7 +170,9 @@ def test_topk_local_registered_everywhere_with_its_defaults(name):
 def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_path):
     # 4 ranks, 3 steps per epoch, H=4: the node's two processes all-reduce every step and hold one replica
     # (the outer round is sharded over them); the checkpoint after epoch 1 is 3 steps into the first round.
-    common = ["--devices", "2", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512",
+    # With a BatchNorm1d: each process keeps its own running statistics between rounds (the node's processes
+    # too: DDP's reducer does not touch buffers), averaged over all four at the round end.
+    common = ["--bn", "--devices", "2", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512",
               "--outer-lr", "0.7", "--outer-momentum", "0.9", "--streaming"]
     straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
     stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
@@ -178,9 +180,19 @@ def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_pa
     assert stop[0]["position"] == 3
     assert torch.equal(stop[0]["flat"], stop[1]["flat"]) and torch.equal(stop[2]["flat"], stop[3]["flat"])
     assert not torch.equal(stop[0]["flat"], stop[2]["flat"])
+    mean = "net.1.running_mean"
+    assert not torch.equal(stop[0]["buffers"][mean], stop[1]["buffers"][mean])  # per process, inside a node too
+    rounds = [straight[r]["round_buffers"] for r in range(4)]
+    for i in range(2):  # at each round end: the average over the four ranks, identical on every rank
+        avg = sum(rounds[r][i][0] for r in range(4)) / 4
+        for r in range(4):
+            assert torch.equal(rounds[r][i][1], rounds[0][i][1]), (i, r)
+            assert torch.allclose(rounds[r][i][1], avg, rtol=0, atol=1e-6), (i, r)
     for r in range(4):
         assert straight[r]["steps"] == 9 and straight[r]["rounds"] == 2
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+        for name, b in straight[r]["buffers"].items():
+            assert torch.equal(resumed[r]["buffers"][name], b), (r, name)
 
 
 def test_cli_run_summary_names_the_mode(tmp_path):
@@ -296,9 +308,10 @@ def test_dense_steps_are_synchronous_then_local_and_resume_bit_exact(tmp_path):
 
 def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path):
     # 2 nodes x 2 processes, 3 steps per epoch, dense_steps=3, H=3: the checkpoint after epoch 1 is exactly at the
-    # end of the synchronous steps (θ_outer just re-anchored); rounds at steps 6 and 9 (sharded over each node's
-    # two processes). Resumed = straight, bit for bit, on all four ranks.
-    common = ["--devices", "2", "--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+    # end of the synchronous steps (θ_outer just re-anchored, the BatchNorm statistics averaged over the four
+    # ranks); rounds at steps 6 and 9 (sharded over each node's two processes). Resumed = straight, bit for bit,
+    # parameters and buffers, on all four ranks.
+    common = ["--bn", "--devices", "2", "--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
               "--outer-momentum", "0.9", "--dense-steps", "3"]
     straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
     stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
@@ -307,8 +320,12 @@ def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path)
         assert (stop[r]["section"]["steps"], stop[r]["rounds"], stop[r]["position"]) == (3, 0, 0), r
         assert torch.equal(stop[r]["flat"], stop[0]["flat"]), r  # synchronous: one replica over both nodes
         assert torch.equal(stop[r]["theta_outer"], stop[0]["theta_outer"]), r
+        for name, b in stop[0]["buffers"].items():  # averaged when local SGD started
+            assert torch.equal(stop[r]["buffers"][name], b), (r, name)
         assert (straight[r]["steps"], straight[r]["rounds"], straight[r]["position"]) == (9, 2, 0), r
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+        for name, b in straight[r]["buffers"].items():
+            assert torch.equal(resumed[r]["buffers"][name], b), (r, name)
     n = stop[0]["flat"].numel()
     assert torch.equal(stop[0]["theta_outer"][:n], stop[0]["flat"])  # re-anchored at the weights
 
