@@ -4,8 +4,9 @@ Every replica (a node: its processes all-reduce gradients densely every inner st
 weights) runs H inner optimizer steps alone. Then, on every rank:
 
 1. the pseudo-gradient ``Δ = θ_anchor − θ_local`` (``θ_anchor`` = where this round started: ``θ_outer``);
-2. a non-finite Δ on any rank is decided once on every rank (one all-reduce of a flag, before anything
-   changes): the round is skipped (``θ_local := θ_outer``, buffers untouched) or raises;
+2. a non-finite Δ (or float module buffer) on any rank is decided once on every rank (one all-reduce of a
+   flag, before anything changes): the round is skipped (``θ_local := θ_outer``, error feedback and momentum
+   untouched, module buffers back to the round's start) or raises;
 3. error feedback: ``e = outer_ef_decay · e + Δ`` (SparseLoCo);
 4. top-k of ``|e|`` in each chunk of ``outer_chunk`` entries at ``outer_density`` (``outer_chunk=0``: one
    top-k over the rank's whole shard);
@@ -17,7 +18,8 @@ weights) runs H inner optimizer steps alone. Then, on every rank:
    32768) among the replicas; every rank decodes the same sum and averages it over the replicas;
 7. the outer optimizer: SGD on the averaged pseudo-gradient ``g``: ``m = μ m + g``; step ``g + μ m``
    (Nesterov, DiLoCo) or ``m``; ``θ_outer −= outer_lr · step``. ``μ = 0`` with error feedback is SparseLoCo;
-8. ``θ_local := θ_outer`` on every replica.
+8. ``θ_local := θ_outer`` on every replica, and the module's floating-point buffers (BatchNorm's running
+   statistics) are averaged over every rank (below).
 
 With several processes per node the flat parameter vector's chunks are split among the node's local ranks
 (shard l to local rank l): each rank runs 3-7 on its shard over the group of the ranks with its local rank
@@ -30,9 +32,20 @@ travels. The next round then starts from the ``θ_outer`` that does not yet incl
 from that start (``θ_anchor``). At the end of training the last one is applied
 (:meth:`OuterState.apply_in_flight`).
 
+Buffers (``buffers``: the module's ``named_buffers``): DDP does not sync them under local SGD (no per-forward
+broadcast), so each process keeps its own between rounds. At every round end the floating-point ones are
+averaged over *every* rank (all processes of all nodes: each process saw its own batches), carried in the same
+fp32 all-reduce as step 2's flag: ``b := b_anchor + (1/W) Σ_r (b_r − b_anchor)``, where ``b_anchor`` is their
+value at the start of the round (the same on every rank). Averaging the change keeps buffers that no rank
+changed (constant tables) bit for bit. A non-finite buffer on any rank counts as a non-finite pseudo-gradient,
+and a skipped round puts the buffers back to ``b_anchor``, as it puts θ_local back to θ_outer. With
+``outer_streaming`` they are averaged at the round end, when the round's exchange is launched (the all-reduce is
+blocking: it carries the flag, which is). Integer buffers (``num_batches_tracked``) are left alone: every rank
+runs the same number of forward passes. Between rounds nothing is synchronized, not even inside a node.
+
 ``dense_steps`` = N > 0 (post-local SGD, Lin et al. 2020): the first N inner steps are synchronous (the
 exchange all-reduces the gradients over every rank); after the N-th, ``θ_outer`` is re-anchored at the
-(identical) weights and the rounds start.
+(identical) weights, the buffers are averaged over every rank, and the rounds start.
 """
 from __future__ import annotations
 
@@ -47,6 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.state import TopKConfig, nonfinite
+from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)
 VALUE_BITS = (32, 16, 8, 4, 2)
@@ -229,7 +243,9 @@ class OuterStats:
     """Telemetry of the last outer round on this rank."""
 
     rounds: int = 0
-    bytes: int = 0           # this rank's packet times (replicas - 1): what leaves it in a ring all-gather
+    bytes: int = 0           # this rank's packet times (replicas - 1): what leaves it in a ring all-gather,
+    #                          plus ``buffer_bytes``
+    buffer_bytes: int = 0    # the fp32 buffer average's ring all-reduce over every rank: 2 (W-1)/W * 4 bytes each
     density: float = 0.0
     time_s: float = 0.0      # host time blocked on the outer exchange (launch, wait, decode, update)
     hidden_frac: float = 0.0  # streaming: share of the exchange's flight time spent behind compute
@@ -245,11 +261,16 @@ class OuterState:
         named: the model's parameters by name (their order defines the flat vector).
         inter: group of the replicas this rank exchanges with (default: the world); ``local``/``local_rank``
             and ``intra``: the node's processes and the group that shares a replica (shards of the vector).
-        flag_group: group over which a non-finite pseudo-gradient is decided (default: the world).
+        flag_group: group over which a non-finite pseudo-gradient is decided and the buffers are averaged
+            (default: the world; it must hold every rank that trains the model).
+        buffers: the module's buffers by name (``named_buffers``): the floating-point ones are averaged over
+            ``flag_group`` at every round end; all are kept per rank in :meth:`state_dict`. The tensors are
+            held by reference (updated in place, as BatchNorm does).
     """
 
     def __init__(self, config: TopKConfig, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
-                 intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None) -> None:
+                 intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None,
+                 buffers: Sequence[Tuple[str, Tensor]] = ()) -> None:
         self.config = config
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -257,6 +278,10 @@ class OuterState:
         self.n = sum(self.numels)
         self.inter, self.intra, self.local, self.local_rank = inter, intra, local, local_rank
         self.flag_group = flag_group
+        self.buffer_names = [n for n, _ in buffers]
+        self.buffers = [b for _, b in buffers]
+        self.float_buffers = [i for i, b in enumerate(self.buffers) if b.is_floating_point()]
+        self.nbuf = sum(self.buffers[i].numel() for i in self.float_buffers)
         dev = self.params[0].device if self.params else torch.device("cpu")
         c = chunk_size(-(-self.n // local), config.outer_chunk)
         C_all = -(-self.n // c)
@@ -265,6 +290,7 @@ class OuterState:
         self.lo = local_rank * self.shard
         self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
         self.theta = self.flat_params()  # θ_outer
+        self.buffer_anchor = self.flat_buffers()  # the float buffers at the start of the round (same on every rank)
         self.anchor: Optional[Tensor] = None  # streaming: where this round started (θ_outer when sent)
         self.mom = torch.zeros(self.shard, device=dev)
         self.ef = torch.zeros(self.shard, device=dev)
@@ -303,6 +329,22 @@ class OuterState:
                 p.copy_(flat[off:off + k].view_as(p))
                 off += k
 
+    def flat_buffers(self) -> Tensor:
+        """The floating-point buffers as one fp32 vector (empty without any)."""
+        dev = self.buffers[0].device if self.buffers else torch.device("cpu")
+        if not self.nbuf:
+            return torch.zeros(0, dtype=torch.float32, device=dev)
+        return torch.cat([self.buffers[i].detach().reshape(-1).float() for i in self.float_buffers])
+
+    def write_buffers(self, flat: Tensor) -> None:
+        off = 0
+        with torch.no_grad():
+            for i in self.float_buffers:
+                b = self.buffers[i]
+                k = b.numel()
+                b.copy_(flat[off:off + k].view_as(b))
+                off += k
+
     def _mine(self, flat: Tensor) -> Tensor:
         return flat[self.lo:self.lo + self.shard]
 
@@ -314,10 +356,16 @@ class OuterState:
         return self.steps < self.config.dense_steps
 
     def restart(self) -> None:
-        """θ_outer := θ_local (the replicas are identical after the synchronous steps): local SGD starts here."""
+        """θ_outer := θ_local (the replicas are identical after the synchronous steps), the buffers averaged over
+        every rank (DDP did not sync them during the synchronous steps): local SGD starts here."""
         self.theta = self.flat_params()
         self.anchor = None
         self.position = 0
+        if self.nbuf:
+            _, avg = self._decide(None)
+            if avg is not None:
+                self.write_buffers(avg)
+            self.buffer_anchor = self.flat_buffers()
 
     def step(self) -> bool:
         """After an inner optimizer-step attempt (one this replica skipped too: the rounds stay aligned across
@@ -347,16 +395,18 @@ class OuterState:
         local = self.flat_params()
         anchor = self.anchor if self.anchor is not None else self.theta
         delta = self._mine(anchor) - self._mine(local)
-        fault = self._fault(delta)
+        fault, buffers = self._decide(delta)
         hidden = 0.0
         if fault and o.nonfinite == "raise":
-            raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) on some rank "
-                                     "at the end of an outer round; set nonfinite='skip' to skip such rounds")
+            raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) or module "
+                                     "buffer (e.g. BatchNorm statistics) on some rank at the end of an outer round; "
+                                     "set nonfinite='skip' to skip such rounds")
         if self._flight is not None or self.pending is not None:  # streaming: apply the previous round now
             hidden = self._apply_pending()
         if fault and o.nonfinite == "skip":
             self.stats.skipped += 1
-            self.write_params(self.theta)  # θ_local := θ_outer; buffers untouched
+            self.write_params(self.theta)  # θ_local := θ_outer; EF, momentum untouched
+            self.write_buffers(self.buffer_anchor)  # the module's buffers as at the start of the round
             if o.outer_streaming:
                 self.anchor = self.theta.clone()
             self.stats.time_s = time.perf_counter() - t0
@@ -373,9 +423,13 @@ class OuterState:
                 work.wait()
             self._update(self._decode(gathered))
         self.write_params(self.theta)
+        if buffers is not None:
+            self.write_buffers(buffers)
+            self.buffer_anchor = self.flat_buffers()
         R = self._replicas()
         self.stats.rounds += 1
-        self.stats.bytes = (R - 1) * self.layout.nbytes
+        self.stats.buffer_bytes = self._buffer_wire_bytes()
+        self.stats.bytes = (R - 1) * self.layout.nbytes + self.stats.buffer_bytes
         self.stats.density = self.layout.k / self.layout.c
         self.stats.time_s = time.perf_counter() - t0
         self.stats.hidden_frac = hidden
@@ -383,13 +437,39 @@ class OuterState:
     def _replicas(self) -> int:
         return dist.get_world_size(self.inter) if dist.is_available() and dist.is_initialized() else 1
 
-    def _fault(self, delta: Tensor) -> bool:
-        """Non-finite Δ on any rank, decided once on every rank (one all-reduce of a flag)."""
-        flag = nonfinite(delta).float().reshape(1)
-        if self.config.nonfinite != "propagate" and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, group=self.flag_group)
-            return bool(flag.item() > 0)
-        return False
+    def _world(self) -> int:
+        return dist.get_world_size(self.flag_group) if dist.is_available() and dist.is_initialized() else 1
+
+    def _buffer_wire_bytes(self) -> int:
+        return ring_allreduce_wire(4 * self.nbuf, self._world()) if self.nbuf else 0
+
+    def _decide(self, delta: Optional[Tensor]) -> Tuple[bool, Optional[Tensor]]:
+        """One all-reduce over ``flag_group`` of the fault flag (a non-finite Δ or buffer on this rank; none with
+        ``nonfinite="propagate"`` or ``delta`` None) and of the float buffers' change since ``buffer_anchor``.
+        Returns (whether any rank flagged, the averaged buffers or None without float buffers)."""
+        check = delta is not None and self.config.nonfinite != "propagate"
+        bufs = self.flat_buffers() if self.nbuf else None
+        if not (dist.is_available() and dist.is_initialized()):
+            return False, bufs  # one process: its own buffers are the average (and nothing to decide)
+        parts = []
+        if check:
+            assert delta is not None
+            bad = nonfinite(delta)
+            if bufs is not None:
+                bad = bad | nonfinite(bufs)
+            parts.append(bad.float().reshape(1).to(delta.device))
+        if bufs is not None:
+            dev = parts[0].device if parts else bufs.device
+            parts.append((bufs - self.buffer_anchor).to(dev))
+        if not parts:
+            return False, None
+        vec = torch.cat(parts) if len(parts) > 1 else parts[0]
+        dist.all_reduce(vec, group=self.flag_group)
+        fault = bool(vec[0].item() > 0) if check else False
+        if bufs is None:
+            return fault, None
+        change = vec[1:] if check else vec
+        return fault, self.buffer_anchor + change.to(bufs.device).div_(self._world())
 
     def _launch(self, packet: Tensor) -> Tuple[Tensor, Any]:
         R = self._replicas()
@@ -520,7 +600,42 @@ class OuterState:
             sd["anchor"] = self._per_name(self.anchor)
         if self.pending is not None:
             sd["pending"] = self._per_name(self.pending, full=False)
+        if self.buffers:  # this rank's own (inside a round, and during dense_steps, they differ per rank)
+            sd["buffers"] = {n: b.detach().cpu().clone() for n, b in zip(self.buffer_names, self.buffers)}
+            sd["buffer_anchor"] = self._buffers_by_name(self.buffer_anchor)
         return sd
+
+    def _buffers_by_name(self, flat: Tensor) -> Dict[str, Tensor]:
+        out, off = {}, 0
+        for i in self.float_buffers:
+            k = self.buffers[i].numel()
+            out[self.buffer_names[i]] = flat[off:off + k].detach().cpu().clone()
+            off += k
+        return out
+
+    def _load_buffers(self, sd: Dict[str, Any]) -> None:
+        """This rank's saved buffers into the module, and the round's buffer anchor; a section saved before
+        buffers were kept (or by a model without them) leaves the module's as loaded (rank 0's)."""
+        if not self.buffers:
+            return
+        if "buffers" not in sd:
+            if self._first_replica():
+                log.warning("topk_local: the saved outer state has no module buffers (saved before they were "
+                            "kept per rank): every rank resumes with rank 0's, and the round's buffer average "
+                            "starts from them")
+            self.buffer_anchor = self.flat_buffers()
+            return
+        saved, anchor = sd["buffers"], sd.get("buffer_anchor", {})
+        for i, (name, b) in enumerate(zip(self.buffer_names, self.buffers)):
+            t = saved.get(name)
+            if t is None or t.numel() != b.numel() or (i in self.float_buffers and
+                                                       (anchor.get(name) is None or anchor[name].numel() != b.numel())):
+                raise ValueError(f"topk_local: saved outer state has no entry of size {b.numel()} for buffer {name!r}")
+        with torch.no_grad():
+            for name, b in zip(self.buffer_names, self.buffers):
+                b.copy_(saved[name].reshape(b.shape))
+        self.buffer_anchor = torch.cat([anchor[self.buffer_names[i]].reshape(-1).float() for i in self.float_buffers]
+                                       ).to(self.buffer_anchor.device) if self.nbuf else self.flat_buffers()
 
     def load_state_dict(self, sd: Dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (same layout of local ranks), or a section :func:`reshard` made for this
@@ -541,13 +656,16 @@ class OuterState:
         self.stats.rounds = int(sd.get("rounds", 0))
         self._flight = None
         self.write_params(self._from_names(sd["theta_local"], True, like))
+        self._load_buffers(sd)
 
 
-def _sum_names(sections: Sequence[Dict[str, Any]], key: str) -> Dict[str, Tensor]:
+def _sum_names(sections: Sequence[Dict[str, Any]], key: str, floating_only: bool = False) -> Dict[str, Tensor]:
     """Per-parameter sums of ``key`` over ``sections``, in their order (bit-identical on every rank)."""
     out: Dict[str, Tensor] = {}
     for sec in sections:
         for name, t in sec[key].items():
+            if floating_only and not t.is_floating_point():
+                continue
             t = t.to(torch.float64)
             out[name] = t.clone() if name not in out else out[name].add_(t)
     return out
@@ -567,7 +685,10 @@ def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) ->
       (the residuals' rule, :mod:`lightning_topk.lightning.checkpoint`);
     * θ_local and the inner optimizer state (inside a round each replica has its own) come as a pair from
       saved replica ``replica mod R``: with fewer replicas, the current round's progress of the others is
-      dropped; with more, some trajectories are duplicated.
+      dropped; with more, some trajectories are duplicated;
+    * the module's buffers are per process: every new rank gets the average of every saved rank's float
+      buffers (what the round end would make of them), integer ones (``num_batches_tracked``) and the round's
+      buffer anchor (the same on every saved rank) are rank 0's.
 
     Raises ``ValueError`` when the saved ranks disagree on the position (not one checkpoint).
     """
@@ -593,6 +714,14 @@ def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) ->
         out["anchor"] = dict(sections[0]["anchor"])
     if "pending" in sections[0]:
         out["pending"] = f32(_sum_names(node0, "pending"))
+    if "buffers" in sections[0]:
+        if not all("buffers" in s for s in sections):
+            raise ValueError("topk_local: some saved ranks' outer states hold the module buffers and some do not "
+                             "(shards of different versions); cannot reshard")
+        avg = _sum_names(sections, "buffers", floating_only=True)
+        out["buffers"] = {n: (avg[n] / len(sections)).to(t.dtype) if t.is_floating_point() else t.clone()
+                          for n, t in sections[0]["buffers"].items()}
+        out["buffer_anchor"] = dict(sections[0].get("buffer_anchor", {}))
     if src.get("inner_optimizer_states") is not None:
         out["inner_optimizer_states"] = src["inner_optimizer_states"]
     return out

@@ -48,7 +48,8 @@ warning (from rank 0) that says what was redistributed or reset:
   node) or with another ``outer_chunk``: the outer state is resharded from every saved rank's section
   (:func:`lightning_topk.comm.outer.reshard`: θ_outer and outer momentum carried, error feedback averaged
   over the saved replicas like residuals, each new replica takes a saved replica's θ_local and inner
-  optimizer state); a missing or unusable shard then fails with a message naming it;
+  optimizer state, every new rank the average of the saved ranks' module buffers); a missing or unusable
+  shard then fails with a message naming it;
 * residuals of parameters the model no longer has (or whose size changed) are dropped; velocities
   are dropped when ``momentum_correction`` is now off (with ``recipe="auto"``: once the optimizer shows
   it stays off), everything when ``error_feedback`` is off.
@@ -353,7 +354,8 @@ def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any
     out = reshard(sections, old_local, int(strategy.global_rank) // max(1, int(strategy.num_processes)))
     _rank_zero_warn(f"lightning_topk: topk_local resharded the outer state from {where}: theta_outer and the outer "
                     "momentum carried over, each replica's error feedback is the average of the saved replicas', "
-                    "each replica continues the round from a saved replica's weights and inner optimizer state")
+                    "each replica continues the round from a saved replica's weights and inner optimizer state, "
+                    "every rank from the average of the saved ranks' module buffers (BatchNorm statistics)")
     return out
 
 

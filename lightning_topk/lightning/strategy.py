@@ -170,8 +170,9 @@ class TopKStrategyMixin:
             self._pending_topk_state = None
         state.exchange = self._build_exchange(state)
         bind = getattr(state.exchange, "bind", None)
-        if bind is not None:  # local SGD: θ_outer := the weights DDP just broadcast (a loaded section: its own)
-            bind(self.lightning_module.named_parameters())
+        if bind is not None:  # local SGD: θ_outer := the weights DDP just broadcast (a loaded section: its own);
+            # the module's buffers: averaged over every rank at outer rounds, kept per rank in the checkpoint
+            bind(self.lightning_module.named_parameters(), self.lightning_module.named_buffers())
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
         from lightning_topk.comm.exchanges import exchange_hook
 

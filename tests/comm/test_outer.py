@@ -189,3 +189,58 @@ def test_nonfinite_pseudo_gradient_decided_on_every_rank(mode):
         assert all(o[0] == "raised" and "nonfinite='skip'" in o[1] for o in out)
     else:  # the round is skipped everywhere: θ_local := θ_outer, the error buffer untouched
         assert all(o == ("skipped", 1, True, 0.0, 0) for o in out), out
+
+
+
+TABLE = torch.linspace(0.01, 1.0, 64)  # a constant float buffer no rank changes
+
+
+def _bn_model():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(20, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 5))
+    m.register_buffer("table", TABLE.clone())
+    return m
+
+
+def _buffers(rank, world):
+    """3 ranks with a BatchNorm1d, H=2, nonfinite='skip': at the round end the float buffers are the anchor
+    plus the mean of the changes; a non-finite running statistic on one rank skips the next round on every
+    rank and puts the buffers back to the round's start."""
+    m = _bn_model()
+    st = OuterState(TopKConfig(local_steps=2, outer_density=0.5, outer_value_bits=8, nonfinite="skip"),
+                    list(m.named_parameters()), buffers=list(m.named_buffers()))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    torch.manual_seed(30 + rank)
+    data = [(torch.randn(8, 20) * (1 + rank), torch.randint(0, 5, (8,))) for _ in range(4)]
+    rounds = []
+    for i, (x, y) in enumerate(data):
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        if i == 3 and rank == 2:
+            with torch.no_grad():
+                m[1].running_var[0] = float("inf")
+        before = st.flat_buffers().clone()
+        if st.step():
+            rounds.append((before, st.flat_buffers().clone()))
+    return (rounds, torch.equal(m.table, TABLE), st.stats.skipped, st.stats.buffer_bytes,
+            sorted(st.state_dict()["buffers"]), int(m[1].num_batches_tracked))
+
+
+def test_buffers_averaged_over_every_rank_and_restored_on_a_skipped_round():
+    assert not torch.equal((TABLE + TABLE + TABLE) / 3, TABLE)  # a plain mean would move the constant buffer
+    out = run_distributed(_buffers, world=3)
+    befores = [o[0][0][0] for o in out]  # each rank's buffers just before the first round
+    assert not torch.equal(befores[0], befores[1])
+    for rounds, table_exact, skipped, nbytes, names, tracked in out:
+        assert len(rounds) == 2 and skipped == 1
+        assert table_exact  # only the changes are averaged: an unchanged buffer stays bit for bit
+        # round 1: the average of the three ranks' statistics, identical on every rank
+        assert torch.equal(rounds[0][1], out[0][0][0][1])
+        assert torch.allclose(rounds[0][1], sum(befores) / 3, rtol=0, atol=1e-6)
+        # round 2 skipped (rank 2's running_var is inf): back to the start of the round, on every rank
+        assert torch.equal(rounds[1][1], rounds[0][1])
+        # 16 mean + 16 var + 64 table fp32 in a ring all-reduce over 3 ranks
+        assert nbytes == 2 * 2 * 4 * 96 // 3
+        assert names == ["1.num_batches_tracked", "1.running_mean", "1.running_var", "table"]
+        assert tracked == 4  # integer buffers are left alone

@@ -170,7 +170,9 @@ def test_topk_local_registered_everywhere_with_its_defaults(name):
 def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_path):
     # 4 ranks, 3 steps per epoch, H=4: the node's two processes all-reduce every step and hold one replica
     # (the outer round is sharded over them); the checkpoint after epoch 1 is 3 steps into the first round.
-    common = ["--devices", "2", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512",
+    # With a BatchNorm1d: each process keeps its own running statistics between rounds (the node's processes
+    # too: DDP's reducer does not touch buffers), averaged over all four at the round end.
+    common = ["--bn", "--devices", "2", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512",
               "--outer-lr", "0.7", "--outer-momentum", "0.9", "--streaming"]
     straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
     stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
@@ -178,9 +180,19 @@ def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_pa
     assert stop[0]["position"] == 3
     assert torch.equal(stop[0]["flat"], stop[1]["flat"]) and torch.equal(stop[2]["flat"], stop[3]["flat"])
     assert not torch.equal(stop[0]["flat"], stop[2]["flat"])
+    mean = "net.1.running_mean"
+    assert not torch.equal(stop[0]["buffers"][mean], stop[1]["buffers"][mean])  # per process, inside a node too
+    rounds = [straight[r]["round_buffers"] for r in range(4)]
+    for i in range(2):  # at each round end: the average over the four ranks, identical on every rank
+        avg = sum(rounds[r][i][0] for r in range(4)) / 4
+        for r in range(4):
+            assert torch.equal(rounds[r][i][1], rounds[0][i][1]), (i, r)
+            assert torch.allclose(rounds[r][i][1], avg, rtol=0, atol=1e-6), (i, r)
     for r in range(4):
         assert straight[r]["steps"] == 9 and straight[r]["rounds"] == 2
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+        for name, b in straight[r]["buffers"].items():
+            assert torch.equal(resumed[r]["buffers"][name], b), (r, name)
 
 
 def test_cli_run_summary_names_the_mode(tmp_path):
@@ -296,9 +308,10 @@ def test_dense_steps_are_synchronous_then_local_and_resume_bit_exact(tmp_path):
 
 def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path):
     # 2 nodes x 2 processes, 3 steps per epoch, dense_steps=3, H=3: the checkpoint after epoch 1 is exactly at the
-    # end of the synchronous steps (θ_outer just re-anchored); rounds at steps 6 and 9 (sharded over each node's
-    # two processes). Resumed = straight, bit for bit, on all four ranks.
-    common = ["--devices", "2", "--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+    # end of the synchronous steps (θ_outer just re-anchored, the BatchNorm statistics averaged over the four
+    # ranks); rounds at steps 6 and 9 (sharded over each node's two processes). Resumed = straight, bit for bit,
+    # parameters and buffers, on all four ranks.
+    common = ["--bn", "--devices", "2", "--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
               "--outer-momentum", "0.9", "--dense-steps", "3"]
     straight = _run(tmp_path, "s", "--epochs", "3", *common, world=4)
     stop = _run(tmp_path, "p", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common, world=4)
@@ -307,8 +320,12 @@ def test_dense_steps_two_nodes_of_two_processes_resume_at_the_boundary(tmp_path)
         assert (stop[r]["section"]["steps"], stop[r]["rounds"], stop[r]["position"]) == (3, 0, 0), r
         assert torch.equal(stop[r]["flat"], stop[0]["flat"]), r  # synchronous: one replica over both nodes
         assert torch.equal(stop[r]["theta_outer"], stop[0]["theta_outer"]), r
+        for name, b in stop[0]["buffers"].items():  # averaged when local SGD started
+            assert torch.equal(stop[r]["buffers"][name], b), (r, name)
         assert (straight[r]["steps"], straight[r]["rounds"], straight[r]["position"]) == (9, 2, 0), r
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+        for name, b in straight[r]["buffers"].items():
+            assert torch.equal(resumed[r]["buffers"][name], b), (r, name)
     n = stop[0]["flat"].numel()
     assert torch.equal(stop[0]["theta_outer"][:n], stop[0]["flat"])  # re-anchored at the weights
 
@@ -319,3 +336,72 @@ def test_run_summary_mode_names_the_synchronous_steps():
     base = {"local_steps": 4.0, "outer_density": 1.0, "outer_value_bits": 4.0, "outer_streaming": 0.0}
     assert exchange_mode(base) == "sparse local SGD: 4 local steps per outer round, outer density 1, 4-bit values"
     assert exchange_mode({**base, "dense_steps": 160.0}).endswith(", first 160 steps synchronous")
+
+
+def test_buffers_are_averaged_over_every_rank_at_each_outer_round(tmp_path):
+    # A BatchNorm1d, 12 steps, H=4: rounds at steps 4, 8 and 12. Between rounds each process keeps its own
+    # running statistics (no per-forward sync under local SGD); at each round end they are averaged over both
+    # ranks, and the all-reduce's bytes are in topk/outer_bytes.
+    from lightning_topk.comm.outer import PacketLayout, chunk_k
+
+    out = _run(tmp_path, "bn", "--epochs", "2", "--H", "4", "--bn", "--outer-lr", "0.7", "--outer-momentum", "0.9")
+    r0, r1 = out[0]["round_buffers"], out[1]["round_buffers"]
+    assert len(r0) == len(r1) == 3 and r0[0][0].numel() == 2 * 128  # running_mean, running_var
+    for (b0, a0), (b1, a1) in zip(r0, r1):
+        assert not torch.equal(b0, b1)  # each rank's statistics of its own batches
+        assert torch.equal(a0, a1)
+        assert torch.allclose(a0, (b0 + b1) / 2, rtol=0, atol=1e-6)
+    assert out[0]["position"] == 0
+    for name, b in out[0]["buffers"].items():
+        assert torch.equal(b, out[1]["buffers"][name]), name
+    assert int(out[0]["buffers"]["net.1.num_batches_tracked"]) == 12
+    n = out[0]["flat"].numel()
+    lay = PacketLayout(-(-n // 1024), 1024, chunk_k(1024, 0.05), 8)
+    # one other replica's packet, plus the ring all-reduce of 256 fp32 buffers over 2 ranks
+    assert out[0]["metrics"]["topk/outer_bytes"] == lay.nbytes + 2 * 1 * 4 * 256 // 2
+
+
+def test_resume_inside_an_outer_round_with_batchnorm_is_bit_exact(tmp_path):
+    # As test_resume_inside_an_outer_round_is_bit_exact, with a BatchNorm1d: the checkpoint after epoch 1 is at
+    # step 6 (H + 2), where each rank has its own running statistics (Lightning's file holds rank 0's). Resumed =
+    # straight, parameters and buffers, on both ranks.
+    common = ["--bn", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9", "--ef-decay", "0.95", "--streaming"]
+    straight = _run(tmp_path, "straight", "--epochs", "3", *common)
+    stop = _run(tmp_path, "stop", "--epochs", "1", "--save", str(tmp_path / "e1.ckpt"), *common)
+    assert stop[0]["position"] == 2
+    assert not torch.equal(stop[0]["buffers"]["net.1.running_mean"], stop[1]["buffers"]["net.1.running_mean"])
+    resumed = _run(tmp_path, "resumed", "--epochs", "3", "--resume", str(tmp_path / "e1.ckpt"), *common)
+    for r in range(2):
+        assert resumed[r]["steps"] == straight[r]["steps"] == 18 and resumed[r]["position"] == 2
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+        for name, b in straight[r]["buffers"].items():
+            assert torch.equal(resumed[r]["buffers"][name], b), (r, name)
+        assert torch.equal(resumed[r]["start"]["buffers"]["net.1.running_var"], stop[r]["buffers"]["net.1.running_var"])
+    assert not torch.equal(straight[0]["buffers"]["net.1.running_var"], straight[1]["buffers"]["net.1.running_var"])
+
+
+def test_world_size_change_gives_every_rank_the_average_of_the_saved_buffers(tmp_path):
+    # Saved at 2 nodes x 1 inside a round (step 6, H=4) with a BatchNorm1d, resumed at 4 nodes x 1: every new rank
+    # starts from the average of the two saved ranks' running statistics (what the round end would make of
+    # them), num_batches_tracked and the round's buffer anchor carried; after the next round all four agree.
+    common = ["--bn", "--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9"]
+    ckpt = str(tmp_path / "e1.ckpt")
+    stop = _run(tmp_path, "stop", "--epochs", "1", "--save", ckpt, *common)
+    assert stop[0]["position"] == 2
+    anchor = torch.cat([stop[0]["section"]["buffer_anchor"][k] for k in ("net.1.running_mean", "net.1.running_var")])
+    assert torch.equal(anchor, torch.cat([stop[1]["section"]["buffer_anchor"][k]
+                                          for k in ("net.1.running_mean", "net.1.running_var")]))
+    four = _run(tmp_path, "four", "--epochs", "3", "--resume", ckpt, *common, world=4, nodes=4)
+    for r in range(4):
+        st = four[r]["start"]
+        for name in ("net.1.running_mean", "net.1.running_var"):
+            avg = (stop[0]["buffers"][name] + stop[1]["buffers"][name]) / 2
+            assert not torch.equal(stop[0]["buffers"][name], stop[1]["buffers"][name])
+            assert torch.allclose(st["buffers"][name], avg, rtol=0, atol=1e-7), (r, name)
+        assert int(st["buffers"]["net.1.num_batches_tracked"]) == 6
+        assert torch.equal(st["buffer_anchor"], anchor), r  # the statistics of the round's start, carried
+        assert (four[r]["steps"], four[r]["rounds"], four[r]["position"]) == (12, 3, 0), r
+        for name, b in four[0]["buffers"].items():
+            assert torch.equal(four[r]["buffers"][name], b), (r, name)

@@ -9,6 +9,7 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --inject-step S             rank 0's loss is inf at global step S (with --nonfinite skip: skipped on every rank)
   --dense-steps N             the first N steps synchronous (post-local SGD)
   --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
+  --bn                        a BatchNorm1d after the first layer (buffers: running statistics)
 
 Each rank also records the collectives it issued inside training batches whose group spans more than one
 node (torch.distributed's functions wrapped), apart from those of the outer rounds, and how many steps its
@@ -33,7 +34,14 @@ warnings.filterwarnings("ignore")
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "reduce_scatter_tensor", "barrier",
                "all_to_all_single", "broadcast_object_list", "all_gather_object", "gather", "scatter", "reduce")
-WATCH = {"in_batch": False, "in_round": False, "per_node": 1, "inner": [], "outer": 0}
+WATCH = {"in_batch": False, "in_round": False, "per_node": 1, "inner": [], "outer": 0, "model": None,
+         "round_buffers": []}
+
+
+def float_buffers(module) -> torch.Tensor:
+    """The module's floating-point buffers as one fp32 vector, read from the module itself."""
+    bufs = [b.detach().reshape(-1).float() for _, b in module.named_buffers() if b.is_floating_point()]
+    return torch.cat(bufs) if bufs else torch.zeros(0)
 
 
 def watch_collectives(per_node: int) -> None:
@@ -64,20 +72,25 @@ def watch_collectives(per_node: int) -> None:
 
     def outer_round(self):
         WATCH["in_round"] = True
+        m = WATCH["model"]
+        before = float_buffers(m).clone() if m is not None else None
         try:
             return round_(self)
         finally:
             WATCH["in_round"] = False
+            if m is not None:  # the module's buffers just before and just after each outer round
+                WATCH["round_buffers"].append((before, float_buffers(m).clone()))
 
     OuterState.outer_round = outer_round
 
 
 class Net(pl.LightningModule):
-    def __init__(self, opt: str, lr: float, inject_step=None) -> None:
+    def __init__(self, opt: str, lr: float, inject_step=None, bn: bool = False) -> None:
         super().__init__()
         self.inject_step = inject_step
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+        norm = [nn.BatchNorm1d(128)] if bn else []
+        self.net = nn.Sequential(nn.Linear(64, 128), *norm, nn.ReLU(), nn.Linear(128, 10))
         self.opt, self.lr = opt, lr
 
     def setup(self, stage):
@@ -92,7 +105,8 @@ class Net(pl.LightningModule):
         if o is not None:
             self.start = {"theta_outer": o.theta.clone(), "momentum": o.mom.clone(), "ef": o.ef.clone(),
                           "position": o.position, "steps": o.steps, "rounds": o.stats.rounds, "lo": o.lo,
-                          "shard": o.shard,
+                          "shard": o.shard, "buffers": {k: b.clone() for k, b in self.named_buffers()},
+                          "buffer_anchor": getattr(o, "buffer_anchor", None),
                           "flat": torch.cat([p.detach().reshape(-1) for p in self.parameters()])}
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -138,6 +152,7 @@ def main() -> None:
     ap.add_argument("--inject-step", type=int)
     ap.add_argument("--nonfinite", default="raise")
     ap.add_argument("--fabric", action="store_true")
+    ap.add_argument("--bn", action="store_true")
     ap.add_argument("--save")
     ap.add_argument("--resume")
     a = ap.parse_args()
@@ -154,7 +169,8 @@ def main() -> None:
     if a.fabric:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
-    model = Net(a.opt, a.lr, a.inject_step)
+    model = Net(a.opt, a.lr, a.inject_step, bn=a.bn)
+    WATCH["model"] = model
     trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, accumulate_grad_batches=a.accumulate, deterministic=True,
@@ -163,6 +179,7 @@ def main() -> None:
     if a.save:
         trainer.save_checkpoint(a.save)
     x, y = test.tensors
+    model.eval()  # BatchNorm: the running statistics, left as training ended
     with torch.no_grad():
         acc = (model.net(x).argmax(1) == y).float().mean().item()
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -181,6 +198,8 @@ def main() -> None:
                 "ef": outer.ef.clone() if outer is not None else None,
                 "section": outer.state_dict() if outer is not None else None,  # after a streamed fit: before its end
                 "inner_collectives": list(WATCH["inner"]), "outer_collectives": WATCH["outer"],
+                "buffers": {k: b.clone() for k, b in model.named_buffers()},
+                "round_buffers": list(WATCH["round_buffers"]),
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
 

@@ -16,7 +16,7 @@ Usage without Lightning::
 
     state = TopKState(TopKConfig(local_steps=50, outer_density=0.02, outer_value_bits=4))
     ddp.register_comm_hook(state, exchange_hook)           # after state.exchange = state.exchange_for("local")
-    state.exchange.bind(model.named_parameters())          # θ_outer := the weights now (before the first step)
+    state.exchange.bind(model.named_parameters(), model.named_buffers())  # θ_outer := the weights now
     ... loss.backward(); optimizer.step(); state.exchange.after_optimizer_step(model.named_parameters())
 """
 # No `from __future__ import annotations` here: DDP checks the hook's annotations at registration.
@@ -66,9 +66,12 @@ class LocalExchange(Exchange):
                              "round); set local_steps or another exchange")
 
     # ---- parameters -----------------------------------------------------------------------------------
-    def bind(self, named_parameters: Iterable[Tuple[str, Tensor]]) -> None:
+    def bind(self, named_parameters: Iterable[Tuple[str, Tensor]],
+             named_buffers: Iterable[Tuple[str, Tensor]] = ()) -> None:
         """θ_outer := these parameters now (call before the first optimizer step, on every rank); a loaded
-        section is applied here (θ_local included)."""
+        section is applied here (θ_local and this rank's buffers included). ``named_buffers``: the module's
+        buffers (BatchNorm statistics), averaged over every rank at each round end and kept per rank in the
+        checkpoint (:class:`~lightning_topk.comm.outer.OuterState`)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         g = self.groups
         local = g.local_world if g is not None else 1
@@ -76,7 +79,7 @@ class LocalExchange(Exchange):
                                 inter=g.inter if g is not None else self.state.process_group,
                                 intra=g.intra if g is not None else None, local=local,
                                 local_rank=g.local_rank if g is not None else 0,
-                                flag_group=self.state.process_group)
+                                flag_group=self.state.process_group, buffers=list(named_buffers))
         if self._section is not None:
             self._load(self._section)
             self._section = None
@@ -181,7 +184,8 @@ class LocalExchange(Exchange):
             link = "bytes_inter" if st.num_nodes > 1 else "bytes_intra"
             for s in (st.totals,):
                 s.bytes_wire += nbytes
-                s.bytes_sent += self.outer.layout.nbytes
+                # the packet, and the float buffers' fp32 all-reduce (BatchNorm statistics) if it ran
+                s.bytes_sent += self.outer.layout.nbytes + (4 * self.outer.nbuf if self.outer.stats.buffer_bytes else 0)
                 setattr(s, link, getattr(s, link) + nbytes)
             st.totals.comm_time_s += self.outer.stats.time_s
             self._outer_stats(st.last)
