@@ -209,27 +209,49 @@ class PacketLayout:
         return self.value_bytes + self.scale_bytes + self.index_bytes
 
 
-_BIT_WEIGHTS = tuple(1 << i for i in range(8))
+_BYTE_BITS: Dict[torch.device, Tensor] = {}  # byte value -> its 8 bits (bool [256, 8], bit 0 first), per device
+
+
+def _byte_bits(device: torch.device) -> Tensor:
+    t = _BYTE_BITS.get(device)
+    if t is None:
+        t = ((torch.arange(256, dtype=torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+        t = _BYTE_BITS[device] = t.to(device)
+    return t
+
+
+def mask_positions(mask: Tensor, lay: PacketLayout) -> Tensor:
+    """In-chunk positions [C, k] (int64, increasing in each chunk) of a bool mask [C, c] with exactly ``k``
+    entries set per chunk. Fixed-size on an accelerator (``nonzero_static``: no host sync); ``nonzero`` on
+    the CPU (faster there; it fails on a mask with another count)."""
+    flat = mask.reshape(-1)
+    if flat.device.type == "cpu":
+        pos = torch.nonzero(flat).view(lay.C, lay.k)
+    else:
+        pos = torch.nonzero_static(flat, size=lay.C * lay.k).view(lay.C, lay.k)
+    return pos - torch.arange(lay.C, device=pos.device).unsqueeze(1) * lay.c
+
+
+def sorted_positions(idx: Tensor, lay: PacketLayout) -> Tensor:
+    """The in-chunk positions ``idx`` [C, k] (distinct per chunk) in increasing order within each chunk."""
+    mask = torch.zeros(lay.C, lay.c, dtype=torch.bool, device=idx.device)
+    return mask_positions(mask.scatter_(1, idx, True), lay)
 
 
 def pack_bitmap(idx: Tensor, lay: PacketLayout) -> Tensor:
-    """In-chunk positions [C, k] -> the chunks' bitmaps, ``C * ceil(c / 8)`` uint8 (bit ``j % 8`` of byte
-    ``j // 8`` of a chunk's bytes is position ``j``)."""
-    nb = lay.bitmap_chunk_bytes
-    mask = torch.zeros(lay.C, nb * 8, dtype=torch.uint8, device=idx.device)
-    mask.scatter_(1, idx, 1)
-    w = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=idx.device)
-    return (mask.view(lay.C, nb, 8) * w).sum(dim=2, dtype=torch.int32).to(torch.uint8).reshape(-1)
+    """In-chunk positions [C, k] (distinct per chunk) -> the chunks' bitmaps, ``C * ceil(c / 8)`` uint8 (bit
+    ``j % 8`` of byte ``j // 8`` of a chunk's bytes is position ``j``)."""
+    b = torch.zeros(lay.C, lay.bitmap_chunk_bytes, dtype=torch.int32, device=idx.device)
+    b.scatter_add_(1, idx >> 3, torch.ones_like(idx, dtype=torch.int32) << (idx & 7).to(torch.int32))
+    return b.to(torch.uint8).reshape(-1)
 
 
 def unpack_bitmap(b: Tensor, lay: PacketLayout) -> Tensor:
     """Inverse of :func:`pack_bitmap` for bitmaps of exactly ``k`` set bits per chunk: the positions [C, k]
-    (int64), increasing within each chunk. Fixed-size (``nonzero_static``): no host sync on an accelerator."""
+    (int64), increasing within each chunk (:func:`mask_positions`: no host sync on an accelerator)."""
     nb = lay.bitmap_chunk_bytes
-    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)
-    mask = ((b.view(lay.C, nb, 1) >> shifts) & 1).reshape(lay.C, nb * 8)[:, :lay.c].bool()
-    # row-major: chunk by chunk, increasing position within each; exactly k per chunk
-    return torch.nonzero_static(mask, size=lay.C * lay.k)[:, 1].view(lay.C, lay.k)
+    bits = _byte_bits(b.device).index_select(0, b.to(torch.int32)).view(lay.C, nb * 8)
+    return mask_positions(bits[:, :lay.c] if nb * 8 != lay.c else bits, lay)
 
 
 def select_chunks(e: Tensor, lay: PacketLayout) -> Tensor:
@@ -246,7 +268,7 @@ def compress(e: Tensor, lay: PacketLayout, want_sent: bool = True) -> Tuple[Tens
     ``want_sent``)."""
     idx = select_chunks(e, lay)
     if lay.bitmap:  # the bitmap says which positions: the values go in increasing position per chunk
-        idx = torch.sort(idx, dim=1).values
+        idx = sorted_positions(idx, lay)
     x = e.view(lay.C, lay.c)
     values = torch.gather(x, 1, idx)
     codes, scale = quantize(values, lay.bits)
