@@ -220,12 +220,12 @@ def _byte_bits(device: torch.device) -> Tensor:
     return t
 
 
-def mask_positions(mask: Tensor, lay: PacketLayout) -> Tensor:
+def mask_positions(mask: Tensor, lay: PacketLayout, static: Optional[bool] = None) -> Tensor:
     """In-chunk positions [C, k] (int64, increasing in each chunk) of a bool mask [C, c] with exactly ``k``
     entries set per chunk. Fixed-size on an accelerator (``nonzero_static``: no host sync); ``nonzero`` on
-    the CPU (faster there; it fails on a mask with another count)."""
+    the CPU (faster there; it fails on a mask with another count). ``static`` forces one (tests)."""
     flat = mask.reshape(-1)
-    if flat.device.type == "cpu":
+    if not (flat.device.type != "cpu" if static is None else static):
         pos = torch.nonzero(flat).view(lay.C, lay.k)
     else:
         pos = torch.nonzero_static(flat, size=lay.C * lay.k).view(lay.C, lay.k)

@@ -13,6 +13,7 @@ from lightning_topk.comm.outer import (
     compress,
     decode_into,
     dequantize,
+    mask_positions,
     pack_codes,
     qmax,
     quantize,
@@ -110,6 +111,20 @@ def test_bitmap_and_integer_positions_decode_to_the_same_vector(c, k, bits):
     assert torch.equal(got["int"][0], got["bitmap"][0])
     assert torch.equal(got["int"][1], got["bitmap"][1])
     assert int((got["int"][0] != 0).sum()) <= C * k
+
+
+@pytest.mark.parametrize("c,k", INDEX_CASES)
+def test_mask_positions_fixed_size_and_cpu_paths_agree(c, k):
+    # the accelerator path (nonzero_static, no host sync) and the CPU one (nonzero) give the same positions:
+    # increasing in each chunk, exactly the set ones
+    C = 4
+    g = torch.Generator().manual_seed(c * k)
+    idx = torch.stack([torch.randperm(c, generator=g)[:k] for _ in range(C)])
+    lay = PacketLayout(C, c, k, 4, indices="bitmap")
+    mask = torch.zeros(C, c, dtype=torch.bool).scatter_(1, idx, True)
+    want = torch.sort(idx, dim=1).values
+    for static in (True, False):
+        assert torch.equal(mask_positions(mask, lay, static=static), want)
 
 
 @pytest.mark.parametrize("c", (13, 64, 4096, 32768, 40000))
