@@ -138,8 +138,9 @@ class TopKConfig:
         outer_nesterov: Nesterov momentum for the outer step (only with ``outer_momentum`` > 0).
         outer_density: share of each chunk's entries sent per outer round, in (0, 1] (1: dense, no indices).
         outer_chunk: entries per top-k chunk of the flat parameter vector (int >= 0; each chunk sends
-            ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; indices are int16
-            up to 32768); 0 = one top-k over the rank's whole shard.
+            ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; positions are int16
+            up to 32768, or a bitmap of the chunk where smaller: above 1/16 density); 0 = one top-k over the
+            rank's whole shard.
         outer_value_bits: bits per value sent: 32 (fp32), 16 (bf16), 8, 4 or 2 (integer codes with one
             scale per chunk, round half to even; 2 is ternary). The rounding error stays in the buffer.
         outer_ef_decay: error-feedback decay in [0, 1]: ``e = outer_ef_decay * e + Δ`` (0: no error
