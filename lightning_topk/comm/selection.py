@@ -530,7 +530,9 @@ def topk_select_sync_free(x: Tensor, k: int, method: str = "exact") -> Tuple[Ten
       by position (all within 0.8% of the k-th magnitude);
     * ``"torch"``: ``torch.topk``.
 
-    Tensors under ``_SYNC_FREE_MIN_NUMEL`` entries use ``torch.topk`` for every method.
+    Tensors under ``_SYNC_FREE_MIN_NUMEL`` entries use ``torch.topk`` for every method. No
+    :class:`ThresholdHint` here: checking that a reused threshold leaves at least k candidates is a count
+    that the host would have to read.
     """
     check_topk_args(x, k, method)
     n = x.numel()
