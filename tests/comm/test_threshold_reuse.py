@@ -9,6 +9,7 @@ from lightning_topk import TopKConfig, TopKState, topk_allgather_hook, topk_sele
 from lightning_topk.comm import selection as sel
 from lightning_topk.comm.exchanges.scatter import scatter_topk_hook
 from lightning_topk.comm.selection import ThresholdHint
+from tests.comm import test_contract as contract
 from tests.helpers.dist import run_distributed
 
 
@@ -187,3 +188,57 @@ def test_gloo_training_is_bit_identical_with_and_without_reuse(runs, case):
         assert any(key.startswith("owner/") for key in runs[0][case][0][1])
     if case == "parameter":
         assert any(key.endswith("/#0") for key in runs[0][case][0][1])
+
+
+# ------------------------------------- every sparse exchange: skip, resume, with and without reuse
+def _contract_runs(rank, world):
+    """tests/comm/test_contract.py's run (4 steps with one skipped, a state-dict round trip into a fresh
+    state, 4 more, against 8 steps in one state) for every sparse exchange on 2 nodes x 2, with threshold
+    reuse on and off. Its buckets are small: the small-tensor cut is lowered so that they take the CPU
+    path with hints (the same cut in both arms)."""
+    from lightning_topk.comm.exchanges import registry
+    from lightning_topk.comm.exchanges.hierarchical import make_groups
+    sel._SMALL_NUMEL = 1024
+    hits = [0]
+    hinted = sel._hinted_candidates
+
+    def counted(x, k, hint):
+        cand = hinted(x, k, hint)
+        hits[0] += cand is not None
+        return cand
+
+    sel._hinted_candidates = counted
+    groups = make_groups(contract.N, contract.L, rank)
+    out = {}
+    for name in registry.names():
+        if not registry.get(name).sparse or registry.get(name).local_sgd:
+            continue
+        res = {}
+        for reuse in (True, False):
+            sel.THRESHOLD_REUSE = reuse
+            hits[0] = 0
+            res[reuse] = (contract._run(rank, name, groups), hits[0])
+        out[name] = res
+    return out
+
+
+@pytest.fixture(scope="module")
+def contract_runs():
+    return run_distributed(_contract_runs, contract.WORLD)
+
+
+@pytest.mark.parametrize("name", ["allgather", "scatter", "hierarchical", "hierarchical_scatter"])
+def test_skip_and_resume_are_bit_exact_with_reuse_and_match_runs_without(contract_runs, name):
+    for res in contract_runs:
+        (on, hits_on), (off, hits_off) = res[name][True], res[name][False]
+        assert hits_on > 0 and hits_off == 0, (name, hits_on, hits_off)
+        for mode in ("straight", "resumed"):   # resumed: the fresh state starts with no hints
+            for key in ("params", "mass"):
+                a, b = on[mode][key], off[mode][key]
+                assert a.keys() == b.keys()
+                assert all(torch.equal(a[k], b[k]) for k in a), (name, mode, key)
+        for key in ("params", "mass"):
+            a, b = on["straight"][key], on["resumed"][key]
+            assert all(torch.equal(a[k], b[k]) for k in a), (name, key)
+        skipped = on["straight"]["steps"][contract.SKIP]
+        assert skipped["skipped"] and all(torch.equal(skipped["after"][k], skipped["before"][k]) for k in skipped["before"])
