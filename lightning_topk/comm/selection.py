@@ -65,7 +65,7 @@ class ThresholdHint:
 
 
 _SLACK_START = 1 << 18   # about 2% in magnitude
-_SLACK_MIN = 1 << 12
+_SLACK_MIN = 1 << 16     # about 0.5%: below it, training runs missed more often (BENCHMARKS.md)
 _SLACK_MAX = 1 << 23     # a factor of 2
 
 
