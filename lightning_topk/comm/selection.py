@@ -280,15 +280,16 @@ def _flagged(mask: Tensor) -> Tensor:
 def _exact(x: Tensor, k: int, hint: Optional[ThresholdHint] = None) -> Optional[Tuple[Tensor, Tensor]]:
     """The exact top k (ties by position), or None for the torch.topk path (non-finite entries)."""
     cand = _hinted_candidates(x, k, hint) if hint is not None else None
+    known: Optional[int] = None
     if cand is None:
-        cand = _sampled_candidates(x, k)
+        cand, known = _sampled_candidates(x, k)
     if cand is None:
         return None
     xv = x.index_select(0, cand)
     ck = xv.abs().float().view(torch.int32)
     if int(ck.max()) >= _KEY_INF:   # every non-finite entry is a candidate: torch.topk path
         return None
-    kth, pos = _keep_largest(ck, k)
+    kth, pos = _keep_largest(ck, k, known)
     if hint is not None:
         hint.key = kth
     if pos is None:
@@ -319,41 +320,47 @@ def _hinted_candidates(x: Tensor, k: int, hint: ThresholdHint) -> Optional[Tenso
     return cand
 
 
-def _sampled_candidates(x: Tensor, k: int) -> Optional[Tensor]:
+def _sampled_candidates(x: Tensor, k: int) -> Tuple[Optional[Tensor], Optional[int]]:
     """Positions (ascending) of a set of at least k entries that holds every entry at or above the k-th
     largest magnitude: |x| >= a threshold estimated from the sample and confirmed by one full count
-    (retried a few times). None: the sample holds a non-finite value (torch.topk path)."""
+    (retried a few times), and the key of the k-th largest magnitude if it is known (None: to be found).
+    (None, None): the sample holds a non-finite value (torch.topk path)."""
     n = x.numel()
     s = _sample(x).view(torch.int32)   # keys of the sample
     if int(s.max()) >= _KEY_INF:       # non-finite entries: torch.topk path
-        return None
+        return None, None
     ratio = 1.15 if k * s.numel() / n >= 1000 else 1.4
+    tried = set()
     for _ in range(6):
         ks = min(s.numel(), max(1, int(k * s.numel() / n * ratio) + 8))
         t = int(torch.topk(s, ks, sorted=False).values.min())
+        if t in tried:   # ties in the sample: the same threshold again would count the same
+            break
+        tried.add(t)
         cand = _flagged(_mask_ge(x, t))   # the count comes with the candidates: no extra pass
         c = cand.numel()
         if c >= k:
             if c > 3 * k + 1024:   # threshold far too low: raise it
                 ratio = max(1.0, ratio * 0.5 * (3 * k) / c * 1.2)
                 continue
-            return cand
+            return cand, None
         ratio *= 1.5 if c > 0.5 * k else 3.0
-    # The sample misled the search (heavy ties, say): the k-th magnitude from torch.topk, and the entries
-    # at or above it.
+    # The sample misled the search (heavy ties, say: an all-zero bucket): the k-th magnitude from
+    # torch.topk, and the entries at or above it.
     a = x.abs().float()
     kth = int(torch.topk(a, k, sorted=False).values.min().view(torch.int32))
-    return _flagged(_mask_ge(x, kth))
+    return _flagged(_mask_ge(x, kth)), kth
 
 
-def _keep_largest(ck: Tensor, k: int) -> Tuple[int, Optional[Tensor]]:
+def _keep_largest(ck: Tensor, k: int, known: Optional[int] = None) -> Tuple[int, Optional[Tensor]]:
     """(the k-th largest of the candidates' keys ``ck``, positions of the k largest; None: all of them).
     Positions: those with a key above the k-th in ascending order, then the first ones equal to it, so
-    that the result does not depend on which entries below the k-th are candidates."""
+    that the result does not depend on which entries below the k-th are candidates. ``known``: the k-th
+    largest key, if already known."""
     c = ck.numel()
     if c == k:
         return int(ck.min()), None
-    kth = torch.kthvalue(ck, c - k + 1).values
+    kth = torch.kthvalue(ck, c - k + 1).values if known is None else torch.tensor(known, dtype=ck.dtype)
     pos = torch.nonzero(ck >= kth).squeeze(1)
     if pos.numel() != k:   # ties at the k-th key: the first ones by position
         above = torch.nonzero(ck > kth).squeeze(1)
