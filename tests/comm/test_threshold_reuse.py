@@ -242,3 +242,17 @@ def test_skip_and_resume_are_bit_exact_with_reuse_and_match_runs_without(contrac
             assert all(torch.equal(a[k], b[k]) for k in a), (name, key)
         skipped = on["straight"]["steps"][contract.SKIP]
         assert skipped["skipped"] and all(torch.equal(skipped["after"][k], skipped["before"][k]) for k in skipped["before"])
+
+
+def test_mostly_zero_input_is_not_recounted_at_the_same_threshold(monkeypatch):
+    """A bucket of a layer without gradient: the k-th magnitude is 0, every threshold the sample offers is 0.
+    One count at it is enough; then the torch.topk fallback's k-th key is used as is (one more pass)."""
+    x = torch.zeros(300_000)
+    x[torch.arange(0, 300_000, 3_000)] = torch.arange(1, 101).float()
+    passes = []
+    mask_ge = sel._mask_ge
+    monkeypatch.setattr(sel, "_mask_ge", lambda x, key: passes.append(key) or mask_ge(x, key))
+    v, i = topk_select(x, 3_000, "exact")
+    assert len(passes) == 2 and passes == [0, 0]
+    assert torch.equal(i[:100], torch.arange(0, 300_000, 3_000))   # the non-zeros
+    assert torch.equal(i[100:], torch.nonzero(x == 0).squeeze(1)[:2_900])            # then the first zeros
