@@ -147,7 +147,7 @@ def topk_select(x: Tensor, k: int, method: str = "exact",
 
     ``"exact"`` breaks ties at the k-th magnitude by position (the lowest positions are kept) and returns
     the indices above that magnitude in ascending order, then the tied ones: the output depends on x and k
-    only. ``hint`` (a :class:`ThresholdHint`, "exact" only; ignored by the other methods): threshold reuse
+    only (the ``torch.topk`` fallbacks above keep torch's own order and ties). ``hint`` (a :class:`ThresholdHint`, "exact" only; ignored by the other methods): threshold reuse
     between steps, see the module docstring; it changes the time taken, never the output.
 
     The one full pass over ``x`` (per threshold tried) compares the magnitudes' fp32 bit patterns with
