@@ -1,14 +1,22 @@
 """Top-k selection speed, side by side: torch.topk, the CPU fast path (``topk_select``) and the sync-free
-path (``topk_select_sync_free``), each for exact and MSTopK, plus the L2 mass MSTopK captures.
+path (``topk_select_sync_free``), each for exact and MSTopK, plus the L2 mass MSTopK captures; then the
+exact selector's threshold reuse between steps on a drifting input.
 
     python benchmarks/bench_select.py [--sizes 1000000 25000000] [--densities 0.01 0.001] [--repeats 3]
-                                      [--device cpu|cuda] [--select-threads N]
+                                      [--device cpu|cuda] [--select-threads N] [--reuse-steps 8]
 
 Gradient-like data (Gaussian with a log-normal scale), fp32. Every time is the median of --repeats rounds
 after one warm-up; in each round all columns take turns (the machine may be shared: a burst of load
 hits them alike). `x.abs()` is the copy floor (one read and one fresh write of the tensor). On CUDA the times come from CUDA events around each call, so
 they include the kernels, not only the launches.
 250M entries (``--sizes 250000000``) needs about 10 GB of host memory on CPU.
+
+Reuse table (largest size, each density; ``--reuse-steps 0`` skips it): x drifts as a residual does,
+x <- 0.9 x + sqrt(0.19) noise, each entry keeping its own log-normal scale (stationary). At every step
+x.abs(), torch.topk, ``topk_select(x, k, "exact")`` and the same with a ThresholdHint kept across steps
+take turns on the same x; the table gives the median over steps after one warm-up step (the hint's first
+call has nothing to reuse), the ratios to torch.topk, and the hint's hit rate (steps that took the one
+pass). The two exact columns are checked to return the same indices.
 """
 import argparse
 import datetime
@@ -24,6 +32,20 @@ from lightning_topk.comm import selection
 from lightning_topk.comm.selection import topk_select_sync_free
 
 
+def once(fn, device):
+    """(seconds, output) of one call; CUDA: from events around it."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3, out
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
 def timed(fns, repeats, device):
     """Median time of each function over ``repeats`` rounds; the functions take turns in every round, so
     that a burst of load from elsewhere on a shared machine hits them alike. Returns (times, outputs)."""
@@ -31,17 +53,7 @@ def timed(fns, repeats, device):
     runs = [[] for _ in fns]
     for _ in range(repeats):
         for j, fn in enumerate(fns):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                outs[j] = fn()
-                end.record()
-                end.synchronize()
-                t = start.elapsed_time(end) / 1e3
-            else:
-                t0 = time.perf_counter()
-                outs[j] = fn()
-                t = time.perf_counter() - t0
+            t, outs[j] = once(fn, device)
             runs[j].append(t)
     return [statistics.median(r) for r in runs], outs
 
@@ -58,6 +70,41 @@ CASES = (  # column label, call
 )
 
 
+def reuse_table(n, densities, steps, device):
+    """Threshold reuse on a drifting input (see the module docstring)."""
+    print(f"\n## Threshold reuse, x <- 0.9 x + noise, {steps} timed steps after one warm-up step\n")
+    print("| n | density | k | x.abs() ms | torch.topk ms | exact ms | x | exact + hint ms | x | hint / exact | hint hits |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for rho in densities:
+        g = torch.Generator().manual_seed(1)
+        scale = torch.exp(torch.randn(n, generator=g)).to(device)
+        x = torch.randn(n, generator=g).to(device).mul_(scale)
+        k = max(1, int(rho * n))
+        hint = selection.ThresholdHint()
+        # x drifts in place: the functions see each step's values.
+        fns = [lambda x=x: (x.abs(), None), lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False),
+               lambda x=x, k=k: topk_select(x, k, "exact"), lambda x=x, k=k, h=hint: topk_select(x, k, "exact", h)]
+        runs = [[] for _ in fns]
+        hits0 = misses0 = 0
+        for step in range(steps + 1):
+            if step == 1:
+                hits0, misses0 = hint.hits, hint.misses
+            outs = []
+            for j, fn in enumerate(fns):
+                t, out = once(fn, device)
+                outs.append(out)
+                if step > 0:
+                    runs[j].append(t)
+            assert torch.equal(outs[2][1], outs[3][1]), "the hint changed the selection"
+            noise = torch.randn(n, generator=g).to(device).mul_(scale)
+            x.mul_(0.9).add_(noise, alpha=0.19 ** 0.5)
+            del noise, outs
+        t_abs, t_ref, t_ex, t_hint = (statistics.median(r) for r in runs)
+        hits, misses = hint.hits - hits0, hint.misses - misses0
+        print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_abs:.1f} | {1e3 * t_ref:.1f} | {1e3 * t_ex:.1f} | {t_ref / t_ex:.1f}x "
+              f"| {1e3 * t_hint:.1f} | {t_ref / t_hint:.1f}x | {t_hint / t_ex:.2f} | {hits}/{hits + misses} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", type=int, nargs="+", default=[1_000_000, 25_000_000])
@@ -66,6 +113,8 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--select-threads", type=int, default=None,
                     help="topk_select's CPU threads (selection.CPU_THREADS; 0: torch's setting)")
+    ap.add_argument("--reuse-steps", type=int, default=8,
+                    help="timed steps of the threshold-reuse table on the largest size (0: skip it)")
     a = ap.parse_args()
     if a.select_threads is not None:
         selection.CPU_THREADS = a.select_threads or None
@@ -95,6 +144,8 @@ def main():
             print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_copy:.1f} | {1e3 * t_ref:.1f} | {' | '.join(cells)} | {' | '.join(masses)} |",
                   flush=True)
         del x
+    if a.reuse_steps > 0:
+        reuse_table(max(a.sizes), a.densities, a.reuse_steps, device)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}; topk_select CPU threads: "
           f"{selection.CPU_THREADS or torch.get_num_threads()}")
 

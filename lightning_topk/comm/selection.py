@@ -7,6 +7,13 @@ the counts it reads back make it fast on CPU. :func:`topk_select_sync_free` neve
 fixed-size outputs packs exactly k entries. Large CPU temporaries come from a reusable workspace: a
 fresh 100 MB tensor costs more in page faults (~150 ms for 25M floats here) than the arithmetic on it
 (~7 ms).
+
+Threshold reuse (Ok-Topk's idea, with an exactness check): a :class:`ThresholdHint` passed to
+:func:`topk_select` remembers where the last exact selection of the same bucket put its k-th magnitude.
+Gradients and residuals drift slowly step to step, so one pass at a little below that magnitude usually
+yields between k and 3k+1024 candidates; then every entry at or above the true k-th magnitude is among
+them and the exact top k is picked from them alone. Otherwise the sampled search runs as without a hint.
+The hint only saves time: results are the same with or without it, whatever it holds.
 """
 from __future__ import annotations
 
@@ -32,6 +39,34 @@ CPU_THREADS: Optional[int] = 1
 # CUDA tensors when CuPy sees a device; "always": that code path everywhere (off CUDA the kernels'
 # torch references run, which is how it is tested here); "never": the torch path.
 KERNEL_PATH = "auto"
+
+# Threshold reuse for method "exact" when the caller passes a ThresholdHint (False: hints are ignored; for
+# benchmarks). Speed only: the selection is the same either way.
+THRESHOLD_REUSE = True
+
+
+class ThresholdHint:
+    """Where the last exact selection of one bucket (or slice) ended: a speed hint for the next one.
+
+    ``key``: the fp32 bit pattern (read as int32) of the k-th largest magnitude last time (None: no hint
+    yet). ``slack``: how far below it, in the same units (2**23 per factor of 2 in magnitude), the next
+    pass looks, adapted to the count found: doubled after too few candidates, shrunk after many.
+    ``hits`` / ``misses``: selections that took the one pass / that fell back to the sampled search.
+    Holds no state that a result depends on, so it is never checkpointed; any content is safe.
+    """
+
+    __slots__ = ("key", "slack", "hits", "misses")
+
+    def __init__(self) -> None:
+        self.key: Optional[int] = None
+        self.slack = _SLACK_START
+        self.hits = 0
+        self.misses = 0
+
+
+_SLACK_START = 1 << 18   # about 2% in magnitude
+_SLACK_MIN = 1 << 16     # about 0.5%: below it, training runs missed more often (BENCHMARKS.md)
+_SLACK_MAX = 1 << 23     # a factor of 2
 
 
 def _kernel_path(x: Tensor) -> bool:
@@ -93,7 +128,8 @@ def _all_or_nothing(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     return x.clone(), torch.arange(x.numel(), device=x.device)
 
 
-def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tensor]:
+def topk_select(x: Tensor, k: int, method: str = "exact",
+                hint: Optional[ThresholdHint] = None) -> Tuple[Tensor, Tensor]:
     """Select the k entries of ``x`` with the largest magnitude.
 
     Returns ``(values, indices)``: ``indices`` (int64) are positions in ``x`` and ``values`` are the
@@ -109,6 +145,11 @@ def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tenso
     Tiny tensors, k close to n, and inputs with non-finite values fall back to ``torch.topk``
     (non-finite entries count as largest, so they are always selected).
 
+    ``"exact"`` breaks ties at the k-th magnitude by position (the lowest positions are kept) and returns
+    the indices above that magnitude in ascending order, then the tied ones: the output depends on x and k
+    only (the ``torch.topk`` fallbacks above keep torch's own order and ties). ``hint`` (a :class:`ThresholdHint`, "exact" only; ignored by the other methods): threshold reuse
+    between steps, see the module docstring; it changes the time taken, never the output.
+
     The one full pass over ``x`` (per threshold tried) compares the magnitudes' fp32 bit patterns with
     the threshold's in cache-sized chunks, so no full-size |x| is written; the candidates come from a
     scan of the mask eight flags at a time (:func:`_flagged`).
@@ -122,8 +163,10 @@ def topk_select(x: Tensor, k: int, method: str = "exact") -> Tuple[Tensor, Tenso
     if method == "mstopk" and _kernel_path(x):
         out = _mstopk_kernels(x, k)
         return out if out is not None else _torch_topk(x, k)
+    if hint is not None and not THRESHOLD_REUSE:
+        hint = None
     with _cpu_threads(x):
-        out = _exact(x, k) if method == "exact" else _mstopk(x, k)
+        out = _exact(x, k, hint) if method == "exact" else _mstopk(x, k)
     return out if out is not None else _torch_topk(x, k)
 
 
@@ -234,47 +277,96 @@ def _flagged(mask: Tensor) -> Tensor:
     return w.index_select(0, q >> 3).mul_(8).add_(q & 7)
 
 
-def _exact(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
+def _exact(x: Tensor, k: int, hint: Optional[ThresholdHint] = None) -> Optional[Tuple[Tensor, Tensor]]:
+    """The exact top k (ties by position), or None for the torch.topk path (non-finite entries)."""
+    cand = _hinted_candidates(x, k, hint) if hint is not None else None
+    known: Optional[int] = None
+    if cand is None:
+        cand, known = _sampled_candidates(x, k)
+    if cand is None:
+        return None
+    xv = x.index_select(0, cand)
+    ck = xv.abs().float().view(torch.int32)
+    if int(ck.max()) >= _KEY_INF:   # every non-finite entry is a candidate: torch.topk path
+        return None
+    kth, pos = _keep_largest(ck, k, known)
+    if hint is not None:
+        hint.key = kth
+    if pos is None:
+        return xv, cand
+    return xv.index_select(0, pos), cand.index_select(0, pos)
+
+
+def _hinted_candidates(x: Tensor, k: int, hint: ThresholdHint) -> Optional[Tensor]:
+    """Positions (ascending) of |x| >= the hint's threshold if there are k to 3k+1024 of them, else None.
+    With at least k of them, the k-th largest magnitude is at or above the threshold, so every entry of
+    the top k is a candidate: the exactness check."""
+    if hint.key is None:
+        return None
+    t = min(max(int(hint.key) - int(hint.slack), 0), _KEY_INF)   # garbage in: still a valid threshold
+    cand = _flagged(_mask_ge(x, t))
+    c = cand.numel()
+    if c < k:
+        hint.misses += 1
+        hint.slack = min(2 * int(hint.slack), _SLACK_MAX) if hint.slack > 0 else _SLACK_START
+        return None
+    if c > 3 * k + 1024:
+        hint.misses += 1
+        hint.slack = max(int(hint.slack) // 2, _SLACK_MIN)
+        return None
+    hint.hits += 1
+    if c > 2 * k:
+        hint.slack = max(int(hint.slack) * 3 // 4, _SLACK_MIN)
+    return cand
+
+
+def _sampled_candidates(x: Tensor, k: int) -> Tuple[Optional[Tensor], Optional[int]]:
+    """Positions (ascending) of a set of at least k entries that holds every entry at or above the k-th
+    largest magnitude: |x| >= a threshold estimated from the sample and confirmed by one full count
+    (retried a few times), and the key of the k-th largest magnitude if it is known (None: to be found).
+    (None, None): the sample holds a non-finite value (torch.topk path)."""
     n = x.numel()
     s = _sample(x).view(torch.int32)   # keys of the sample
     if int(s.max()) >= _KEY_INF:       # non-finite entries: torch.topk path
-        return None
+        return None, None
     ratio = 1.15 if k * s.numel() / n >= 1000 else 1.4
+    tried = set()
     for _ in range(6):
         ks = min(s.numel(), max(1, int(k * s.numel() / n * ratio) + 8))
         t = int(torch.topk(s, ks, sorted=False).values.min())
+        if t in tried:   # ties in the sample: the same threshold again would count the same
+            break
+        tried.add(t)
         cand = _flagged(_mask_ge(x, t))   # the count comes with the candidates: no extra pass
         c = cand.numel()
         if c >= k:
             if c > 3 * k + 1024:   # threshold far too low: raise it
                 ratio = max(1.0, ratio * 0.5 * (3 * k) / c * 1.2)
                 continue
-            break
+            return cand, None
         ratio *= 1.5 if c > 0.5 * k else 3.0
-    else:
-        return None
-    xv = x.index_select(0, cand)
-    ck = xv.abs().float().view(torch.int32)
-    if int(ck.max()) >= _KEY_INF:   # every non-finite entry is a candidate: torch.topk path
-        return None
-    pos = _keep_largest(ck, k)
-    if pos is None:
-        return xv, cand
-    return xv.index_select(0, pos), cand.index_select(0, pos)
+    # The sample misled the search (heavy ties, say: an all-zero bucket): the k-th magnitude from
+    # torch.topk, and the entries at or above it.
+    a = x.abs().float()
+    kth = int(torch.topk(a, k, sorted=False).values.min().view(torch.int32))
+    return _flagged(_mask_ge(x, kth)), kth
 
 
-def _keep_largest(ck: Tensor, k: int) -> Optional[Tensor]:
-    """Positions of the k largest of the candidates' keys ``ck`` (exact); None: all of them."""
-    drop = ck.numel() - k
-    if drop == 0:
-        return None
-    if drop <= k:  # drop the smallest candidates: a smaller top-k than picking the largest
-        _, pos = torch.topk(ck, drop, largest=False, sorted=False)
-        keep = torch.ones(ck.numel(), dtype=torch.bool, device=ck.device)
-        keep[pos] = False
-        return torch.nonzero(keep).squeeze(1)
-    _, pos = torch.topk(ck, k, sorted=False)
-    return pos
+def _keep_largest(ck: Tensor, k: int, known: Optional[int] = None) -> Tuple[int, Optional[Tensor]]:
+    """(the k-th largest of the candidates' keys ``ck``, positions of the k largest; None: all of them).
+    Positions: those with a key above the k-th in ascending order, then the first ones equal to it, so
+    that the result does not depend on which entries below the k-th are candidates. ``known``: the k-th
+    largest key, if already known."""
+    c = ck.numel()
+    if c == k:
+        return int(ck.min()), None
+    kth = torch.kthvalue(ck, c - k + 1).values if known is None else torch.tensor(known, dtype=ck.dtype)
+    pos = torch.nonzero(ck >= kth).squeeze(1)
+    if pos.numel() != k:   # ties at the k-th key: the first ones by position
+        above = torch.nonzero(ck > kth).squeeze(1)
+        tied = torch.nonzero(ck == kth).squeeze(1)
+        pos = torch.cat([above, tied[: k - above.numel()]])
+    return int(kth), pos
 
 
 def _sample_top(x: Tensor, k: int) -> Tuple[Tensor, int, int]:
@@ -445,7 +537,9 @@ def topk_select_sync_free(x: Tensor, k: int, method: str = "exact") -> Tuple[Ten
       by position (all within 0.8% of the k-th magnitude);
     * ``"torch"``: ``torch.topk``.
 
-    Tensors under ``_SYNC_FREE_MIN_NUMEL`` entries use ``torch.topk`` for every method.
+    Tensors under ``_SYNC_FREE_MIN_NUMEL`` entries use ``torch.topk`` for every method. No
+    :class:`ThresholdHint` here: checking that a reused threshold leaves at least k candidates is a count
+    that the host would have to read.
     """
     check_topk_args(x, k, method)
     n = x.numel()

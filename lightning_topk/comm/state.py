@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_topk.comm.schedule import DensitySchedule
-from lightning_topk.comm.selection import METHODS
+from lightning_topk.comm.selection import METHODS, ThresholdHint
 from lightning_topk.comm.wire import value_dtype_of
 
 SCOPE_CHOICES = ("bucket", "parameter")
@@ -649,6 +649,9 @@ class TopKState:
         self.bucket_sizes: List[int] = []  # entries of each bucket of the last complete step, in launch order
         self._step_sizes: List[int] = []
         self.totals = StepStats()
+        # Selection thresholds reused between steps (a speed hint; results do not depend on it, so it is
+        # never saved or rolled back), by what was selected from: see kit.select.
+        self.select_hints: Dict[Tuple[str, ...], ThresholdHint] = {}
 
     # ---- binding parameters to names -------------------------------------------------------
     @property
@@ -672,6 +675,13 @@ class TopKState:
 
     def names_of(self, params: Sequence[Tensor]) -> Tuple[str, ...]:
         return tuple(self.name_of(p) for p in params)
+
+    def threshold_hint(self, key: Tuple[str, ...]) -> ThresholdHint:
+        """The selection threshold hint kept under ``key`` (made on first use)."""
+        h = self.select_hints.get(key)
+        if h is None:
+            h = self.select_hints[key] = ThresholdHint()
+        return h
 
     # ---- residual storage -------------------------------------------------------------------
     def buffers(self, params: Sequence[Tensor], device: torch.device, multiple: int = 1) -> _BucketBuffers:

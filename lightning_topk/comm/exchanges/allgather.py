@@ -48,7 +48,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     _, acc, vel = kit.take_bucket(state, params, names, grad)
     f = kit.factor(state.grad_scale, world)
 
-    idx = kit.select(state, acc, k, ks, numels)
+    idx = kit.select(state, acc, k, ks, numels, hint_key=("bucket", *names))
     wire = kit.send_values(state, acc, idx, vel)
     if state.debug.enabled:
         sent = torch.zeros(n, dtype=torch.float32, device=device)

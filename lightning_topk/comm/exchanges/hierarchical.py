@@ -175,7 +175,7 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     state.add_time(stats, "comm_time_s", t0)
 
     t1 = clock(device)
-    idx = select(state, shard, k)
+    idx = select(state, shard, k, hint_key=("shard", *names))
     wire = send_values(state, shard, idx, None)  # shard now holds what this rank did not send
     plan = slot_plan(s, k, N, hx.options) if scatter else None
     if plan is not None:

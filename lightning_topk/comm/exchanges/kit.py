@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.selection import ThresholdHint, sync_free_enabled, topk_select, topk_select_sync_free
 from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers
 from lightning_topk.comm.wire import (
     INT32,
@@ -155,20 +155,39 @@ def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor,
 
 
 def select(state: TopKState, acc: Tensor, k: int, ks: Optional[Sequence[int]] = None,
-           numels: Optional[Sequence[int]] = None) -> Tensor:
+           numels: Optional[Sequence[int]] = None, hint_key: Optional[Tuple[str, ...]] = None) -> Tensor:
     """Indices (int64) of the entries of ``acc`` to send: k of the bucket, or ``ks[i]`` of each parameter's
     slice (``selection_scope="parameter"``: independent of how DDP groups parameters into buckets, so a
     resumed run, whose first iteration uses DDP's pre-rebuild buckets, selects what an uninterrupted one
-    does). Sync-free selection where :func:`sync_free_enabled` says so, else the CPU fast path."""
-    pick = topk_select_sync_free if sync_free_enabled(acc.device) else topk_select
+    does). Sync-free selection where :func:`sync_free_enabled` says so, else the CPU fast path.
+
+    ``hint_key`` (a name for what ``acc`` holds, e.g. the bucket's parameter names): the CPU path's
+    ``"exact"`` selector reuses the threshold of the last selection under this key (a
+    :class:`~lightning_topk.comm.selection.ThresholdHint`: speed only, the indices are the same without
+    it). The sync-free path takes no hint: checking one reads a count back to the host."""
     method = state.config.selector
+    if sync_free_enabled(acc.device):
+        pick = topk_select_sync_free
+        if ks is None or numels is None:
+            return pick(acc, k, method)[1]
+        return torch.cat([pick(acc[off:off + n], kp, method)[1] + off
+                          for off, n, kp in zip(_offsets(numels), numels, ks)])
+
+    def hint(*part: str) -> Optional[ThresholdHint]:
+        return state.threshold_hint(hint_key + part) if hint_key is not None and method == "exact" else None
+
     if ks is None or numels is None:
-        return pick(acc, k, method)[1]
+        return topk_select(acc, k, method, hint())[1]
+    return torch.cat([topk_select(acc[off:off + n], kp, method, hint(f"#{i}"))[1] + off
+                      for i, (off, n, kp) in enumerate(zip(_offsets(numels), numels, ks))])
+
+
+def _offsets(numels: Sequence[int]) -> List[int]:
     out, off = [], 0
-    for n, kp in zip(numels, ks):
-        out.append(pick(acc[off:off + n], kp, method)[1] + off)
+    for n in numels:
+        out.append(off)
         off += n
-    return torch.cat(out)
+    return out
 
 
 def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor]) -> Tensor:

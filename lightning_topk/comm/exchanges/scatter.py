@@ -184,17 +184,17 @@ def fill_slots(values: Tensor, idx: Tensor, plan: SlotPlan) -> Tuple[Tensor, Ten
 
 
 def owner_step(state: TopKState, received: Tensor, positions: Tensor, owner_residual: Optional[Tensor],
-               plan: SlotPlan) -> Tuple[Tensor, Tensor]:
+               plan: SlotPlan, key: Optional[str] = None) -> Tuple[Tensor, Tensor]:
     """Add what this owner received to its owner residual (in place), pick what it forwards, keep the rest.
 
     Returns (wire values ``[c_out]``, their positions in the region). Without an owner residual (no error
     feedback) the region is summed in a fresh buffer and the rest is dropped, as senders drop what they
-    do not send.
+    do not send. ``key``: the owner residual's key (names the selection's threshold hint).
     """
     region = torch.zeros(plan.region, dtype=torch.float32, device=received.device) if owner_residual is None \
         else owner_residual
     region.index_add_(0, positions.long(), received.float())
-    q = select(state, region, plan.out)
+    q = select(state, region, plan.out, hint_key=None if key is None else ("owner", key))
     values = region.index_select(0, q)
     wire = to_wire(values, state.config.wire_dtype)
     region.index_copy_(0, q, values - wire.float())  # fp32: zero; fp16/bf16: the rounding error stays
@@ -404,7 +404,7 @@ def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
         ores = job.owners.live.get(job.key)
         if ores is not None:
             state.undo.save_tensor(owner_undo_key(job.key), ores)
-    wire, q = owner_step(state, vals, pos, ores, plan)
+    wire, q = owner_step(state, vals, pos, ores, plan, job.key)
     return gather_entries(pack(wire, global_index(job.rank, q, plan)), plan.out, plan.world, job.group,
                           job.wire_dtype)
 
@@ -437,7 +437,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     state.add_stats(stats, "scatter", buckets=1, numel=n, bytes_dense=n * grad.element_size())
     t0 = clock(device)
     b, acc, _ = take_bucket(state, params, names, grad)
-    idx = select(state, acc, k, ks, numels)
+    idx = select(state, acc, k, ks, numels, hint_key=("bucket", *names))
     wire = send_values(state, acc, idx, None)
     packed, fits = scatter_send(state, acc, idx, wire, plan)
     if state.debug.enabled:
