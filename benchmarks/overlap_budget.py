@@ -1,5 +1,5 @@
-"""Per-step time budget of topk_ddp on the namespace cluster: the packet format with 16-bit block indices (the
-default) against int32 indices (the format before 2026-11-25), and bf16 values on the wire.
+"""Per-step time budget of topk_ddp on the namespace cluster: today's packet (bf16 values, 16-bit block indices: 4
+bytes per entry) against the packet before 2026-11-25 (fp32 values, int32 indices: 8 bytes per entry).
 
     python benchmarks/overlap_budget.py --rounds 3 --dir /tmp/overlap      # runs, then prints the tables
     python benchmarks/overlap_budget.py --dir /tmp/overlap --summarize      # tables from an earlier run
@@ -8,8 +8,8 @@ default) against int32 indices (the format before 2026-11-25), and bf16 values o
 ``--hidden 2048``), 30 steps (3 warm-up steps excluded), no evaluation. Each round runs every entry once, in
 the same order, so slow spells of a shared machine hit all entries; the tables give the median over rounds.
 Entries: ``local`` (no communication: the bound), ``ag``/``auto`` = ``topk_ddp`` density 0.01 with
-``exchange="allgather"`` / its default ``"auto"``, ``_i32`` with ``--int32-indices``, ``ag_bf16`` with bf16
-values; ``ddp`` once (10 steps, slow). (The bucket rule's before/after of 2026-11-24 and the gradient copies'
+``exchange="allgather"`` / its default ``"auto"``, ``_before`` with the old packet (``--value-dtype fp32
+--int32-indices``), ``ag_fp32`` with fp32 values and block indices (6 bytes per entry); ``ddp`` once (10 steps, slow). (The bucket rule's before/after of 2026-11-24 and the gradient copies'
 of 2026-11-25 are in BENCHMARKS.md; for this model the rule keeps DDP's default buckets.)
 
 Budget columns (ms per step, mean over steps and ranks): forward; backward = from ``backward()`` to its end,
@@ -33,12 +33,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 COMMON = ["--nodes", "2", "--procs-per-node", "1", "--rate", "100mbit", "--steps", "30"]
 WORKER = ["--hidden", "2048", "--eval-every", "0"]
 TOPK = ["--strategy", "topk_ddp", "--density", "0.01"]
+BEFORE = ["--value-dtype", "fp32", "--int32-indices"]  # the packet before 2026-11-25: fp32 values, int32 indices
 ENTRIES: Dict[str, List[str]] = {
     "local": ["--strategy", "local"],
-    "ag_i32": [*TOPK, "--exchange", "allgather", "--int32-indices"],
+    "ag_before": [*TOPK, "--exchange", "allgather", *BEFORE],
+    "ag_fp32": [*TOPK, "--exchange", "allgather", "--value-dtype", "fp32"],
     "ag": [*TOPK, "--exchange", "allgather"],
-    "ag_bf16": [*TOPK, "--exchange", "allgather", "--value-dtype", "bf16"],
-    "auto_i32": [*TOPK, "--int32-indices"],
+    "auto_before": [*TOPK, *BEFORE],
     "auto": TOPK,
 }
 

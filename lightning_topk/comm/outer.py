@@ -14,8 +14,9 @@ weights) runs H inner optimizer steps alone. Then, on every rank:
    ``round(v / s)`` clamped to ``±(2^(b-1) − 1)`` with one fp32 scale ``s = max|v| / (2^(b-1) − 1)`` per chunk;
    2 bits is ternary); ``e`` keeps what was not sent, rounding error included
    (``sent + e_new = decay · e_old + Δ``);
-6. one all-gather of the fixed-size packets (codes, scales, in-chunk indices: int16 for chunks up to
-   32768) among the replicas; every rank decodes the same sum and averages it over the replicas;
+6. one all-gather of the fixed-size packets (codes, scales, in-chunk positions: int16 for chunks up to
+   32768, or a bitmap of the chunk where smaller, :class:`PacketLayout`) among the replicas; every rank
+   decodes the same sum and averages it over the replicas;
 7. the outer optimizer: SGD on the averaged pseudo-gradient ``g``: ``m = μ m + g``; step ``g + μ m``
    (Nesterov, DiLoCo) or ``m``; ``θ_outer −= outer_lr · step``. ``μ = 0`` with error feedback is SparseLoCo;
 8. ``θ_local := θ_outer`` on every replica, and the module's floating-point buffers (BatchNorm's running
@@ -128,14 +129,29 @@ def unpack_codes(b: Tensor, count: int, bits: int) -> Tensor:
     return (u - qmax(bits)).to(torch.int8)
 
 
+INDEX_CODES = ("auto", "int", "bitmap")
+
+
 @dataclass(frozen=True)
 class PacketLayout:
-    """Byte layout of one rank's packet: ``C`` chunks of ``c`` entries, ``k`` sent per chunk."""
+    """Byte layout of one rank's packet: ``C`` chunks of ``c`` entries, ``k`` sent per chunk.
+
+    The in-chunk positions of the sent entries go either as ``k`` integers per chunk (int16 for chunks up to
+    32768 entries, else int32; values in the order top-k returned them) or as a bitmap of ``c`` bits per chunk
+    (``ceil(c / 8)`` bytes, exactly ``k`` bits set; values in increasing position within the chunk).
+    ``indices="auto"`` picks the smaller, from ``(c, k)`` alone (every rank knows them, so every rank agrees:
+    the bitmap when ``density > 1/16`` with int16, ``> 1/32`` with int32; integers on a tie); ``"int"`` and
+    ``"bitmap"`` force one (tests). Dense chunks (``k == c``) send no positions."""
 
     C: int
     c: int
     k: int
     bits: int
+    indices: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.indices not in INDEX_CODES:
+            raise ValueError(f"PacketLayout: indices must be one of {INDEX_CODES}, got {self.indices!r}")
 
     @property
     def dense(self) -> bool:
@@ -144,6 +160,29 @@ class PacketLayout:
     @property
     def index_dtype(self) -> torch.dtype:
         return torch.int16 if self.c <= 32768 else torch.int32
+
+    @property
+    def bitmap_chunk_bytes(self) -> int:
+        """Bytes of one chunk's bitmap (each chunk's starts on a byte)."""
+        return -(-self.c // 8)
+
+    @property
+    def bitmap(self) -> bool:
+        """Whether the positions go as a bitmap (else as integers; neither when dense)."""
+        if self.dense:
+            return False
+        if self.indices != "auto":
+            return self.indices == "bitmap"
+        return self.bitmap_chunk_bytes < self.k * (2 if self.index_dtype == torch.int16 else 4)
+
+    @property
+    def index_code(self) -> str:
+        """``"none"`` (dense), ``"bitmap"``, ``"int16"`` or ``"int32"``."""
+        if self.dense:
+            return "none"
+        if self.bitmap:
+            return "bitmap"
+        return "int16" if self.index_dtype == torch.int16 else "int32"
 
     @property
     def value_bytes(self) -> int:
@@ -157,12 +196,62 @@ class PacketLayout:
 
     @property
     def index_bytes(self) -> int:
-        raw = 0 if self.dense else self.C * self.k * (2 if self.index_dtype == torch.int16 else 4)
+        if self.dense:
+            raw = 0
+        elif self.bitmap:
+            raw = self.C * self.bitmap_chunk_bytes
+        else:
+            raw = self.C * self.k * (2 if self.index_dtype == torch.int16 else 4)
         return -(-raw // 4) * 4
 
     @property
     def nbytes(self) -> int:
         return self.value_bytes + self.scale_bytes + self.index_bytes
+
+
+_BYTE_BITS: Dict[torch.device, Tensor] = {}  # byte value -> its 8 bits (bool [256, 8], bit 0 first), per device
+
+
+def _byte_bits(device: torch.device) -> Tensor:
+    t = _BYTE_BITS.get(device)
+    if t is None:
+        t = ((torch.arange(256, dtype=torch.int32).unsqueeze(1) >> torch.arange(8, dtype=torch.int32)) & 1).bool()
+        t = _BYTE_BITS[device] = t.to(device)
+    return t
+
+
+def mask_positions(mask: Tensor, lay: PacketLayout, static: Optional[bool] = None) -> Tensor:
+    """In-chunk positions [C, k] (int64, increasing in each chunk) of a bool mask [C, c] with exactly ``k``
+    entries set per chunk. Fixed-size on an accelerator (``nonzero_static``: no host sync); ``nonzero`` on
+    the CPU (faster there; it fails on a mask with another count). ``static`` forces one (tests)."""
+    flat = mask.reshape(-1)
+    if not (flat.device.type != "cpu" if static is None else static):
+        pos = torch.nonzero(flat).view(lay.C, lay.k)
+    else:
+        pos = torch.nonzero_static(flat, size=lay.C * lay.k).view(lay.C, lay.k)
+    return pos - torch.arange(lay.C, device=pos.device).unsqueeze(1) * lay.c
+
+
+def sorted_positions(idx: Tensor, lay: PacketLayout) -> Tensor:
+    """The in-chunk positions ``idx`` [C, k] (distinct per chunk) in increasing order within each chunk."""
+    mask = torch.zeros(lay.C, lay.c, dtype=torch.bool, device=idx.device)
+    return mask_positions(mask.scatter_(1, idx, True), lay)
+
+
+def pack_bitmap(idx: Tensor, lay: PacketLayout) -> Tensor:
+    """In-chunk positions [C, k] (distinct per chunk) -> the chunks' bitmaps, ``C * ceil(c / 8)`` uint8 (bit
+    ``j % 8`` of byte ``j // 8`` of a chunk's bytes is position ``j``)."""
+    b = torch.zeros(lay.C, lay.bitmap_chunk_bytes, dtype=torch.int32, device=idx.device)
+    b.scatter_add_(1, idx >> 3, torch.ones_like(idx, dtype=torch.int32) << (idx & 7).to(torch.int32))
+    return b.to(torch.uint8).reshape(-1)
+
+
+def unpack_bitmap(b: Tensor, lay: PacketLayout) -> Tensor:
+    """Inverse of :func:`pack_bitmap` for bitmaps of exactly ``k`` set bits per chunk: the positions [C, k]
+    (int64), increasing within each chunk (:func:`mask_positions`: no host sync on an accelerator)."""
+    nb = lay.bitmap_chunk_bytes
+    bits = _byte_bits(b.device).index_select(0, b.to(torch.int32)).view(lay.C, nb * 8)
+    return mask_positions(bits[:, :lay.c] if nb * 8 != lay.c else bits, lay)
 
 
 def select_chunks(e: Tensor, lay: PacketLayout) -> Tensor:
@@ -178,6 +267,8 @@ def compress(e: Tensor, lay: PacketLayout, want_sent: bool = True) -> Tuple[Tens
     Returns (packet bytes, the dense fp32 vector that was sent: what the receivers decode; None unless
     ``want_sent``)."""
     idx = select_chunks(e, lay)
+    if lay.bitmap:  # the bitmap says which positions: the values go in increasing position per chunk
+        idx = sorted_positions(idx, lay)
     x = e.view(lay.C, lay.c)
     values = torch.gather(x, 1, idx)
     codes, scale = quantize(values, lay.bits)
@@ -192,7 +283,10 @@ def compress(e: Tensor, lay: PacketLayout, want_sent: bool = True) -> Tuple[Tens
     if scale is not None:
         parts.append(scale.float().contiguous().view(torch.uint8))
     if not lay.dense:
-        ib = idx.to(lay.index_dtype).contiguous().reshape(-1).view(torch.uint8)
+        if lay.bitmap:
+            ib = pack_bitmap(idx, lay)
+        else:
+            ib = idx.to(lay.index_dtype).contiguous().reshape(-1).view(torch.uint8)
         parts += [ib, ib.new_zeros(lay.index_bytes - ib.numel())]
     return torch.cat(parts), None if sent is None else sent.view(-1)
 
@@ -219,8 +313,11 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
     if lay.dense:
         x.add_(vals)
         return out
-    ni = nv * (2 if lay.index_dtype == torch.int16 else 4)
-    idx = packet[off:off + ni].view(lay.index_dtype).view(lay.C, lay.k).long()
+    if lay.bitmap:
+        idx = unpack_bitmap(packet[off:off + lay.C * lay.bitmap_chunk_bytes], lay)
+    else:
+        ni = nv * (2 if lay.index_dtype == torch.int16 else 4)
+        idx = packet[off:off + ni].view(lay.index_dtype).view(lay.C, lay.k).long()
     x.scatter_add_(1, idx, vals)
     return out
 

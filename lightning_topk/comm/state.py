@@ -50,9 +50,11 @@ class TopKConfig:
         density: share of each bucket's entries sent per step (ρ = k/n), in (0, 1]; 1.0 sends dense.
         selector: top-k method: ``"exact"`` (the same set as ``torch.topk``), ``"mstopk"`` (MSTopK,
             approximate, MLSys'21) or ``"torch"``.
-        value_dtype: dtype of the values on the wire: ``"fp32"``, ``"fp16"`` or ``"bf16"`` (indices
-            are int32, int64 for buckets above 2**31 entries). Finite values beyond the dtype's range
-            are clamped to it; the clipped part and the rounding error stay in the residual.
+        value_dtype: dtype of the sparse values on the wire: ``"bf16"`` (default), ``"fp16"`` or ``"fp32"``
+            (indices: :mod:`~lightning_topk.comm.wire`'s 16-bit block code). Finite values beyond the
+            dtype's range are clamped to it; the clipped part and the rounding error stay in the residual,
+            so bf16 costs no convergence (MNIST-5k, BENCHMARKS.md). Dense steps, small buckets and
+            density 1 send fp32; ``exchange="dense"`` pinned sends this dtype.
         error_feedback: keep what was not sent and add it to the next step's gradient.
         momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
             with momentum-factor masking if ``momentum_masking`` (the velocity is zeroed where entries were
@@ -136,8 +138,9 @@ class TopKConfig:
         outer_nesterov: Nesterov momentum for the outer step (only with ``outer_momentum`` > 0).
         outer_density: share of each chunk's entries sent per outer round, in (0, 1] (1: dense, no indices).
         outer_chunk: entries per top-k chunk of the flat parameter vector (int >= 0; each chunk sends
-            ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; indices are int16
-            up to 32768); 0 = one top-k over the rank's whole shard.
+            ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; positions are int16
+            up to 32768, or a bitmap of the chunk where smaller: above 1/16 density); 0 = one top-k over the
+            rank's whole shard.
         outer_value_bits: bits per value sent: 32 (fp32), 16 (bf16), 8, 4 or 2 (integer codes with one
             scale per chunk, round half to even; 2 is ternary). The rounding error stays in the buffer.
         outer_ef_decay: error-feedback decay in [0, 1]: ``e = outer_ef_decay * e + Δ`` (0: no error
@@ -149,7 +152,7 @@ class TopKConfig:
 
     density: float = 0.01
     selector: str = "exact"
-    value_dtype: str = "fp32"
+    value_dtype: str = "bf16"
     error_feedback: bool = True
     momentum_correction: bool = False
     momentum: float = 0.9

@@ -39,7 +39,7 @@ def _expected(all_acc, density):
 def _run(rank, world, density, h):
     m = _model()
     ddp = DDP(m, bucket_cap_mb=0.05)  # several buckets: collectives of consecutive buckets interleave
-    st = TopKState(TopKConfig(density=density, min_sparse_numel=0, dense_steps=0, hierarchical=True), hier=h)
+    st = TopKState(TopKConfig(density=density, min_sparse_numel=0, dense_steps=0, hierarchical=True, value_dtype="fp32"), hier=h)
     st.bind(m.named_parameters())
     layouts = {}
 
@@ -99,7 +99,8 @@ def _two_nodes(out, exchange, epochs=3):
     # recipe none: the same algorithm for every exchange (recipe='auto' gives the flat exchange momentum
     # correction, which the hierarchical ones do not support), so the runs differ by the exchange only
     run_nodes(["tests/scripts/train_probe.py", "--strategy", "topk", "--density", "0.01", "--num-nodes", "2",
-               "--exchange", exchange, "--epochs", str(epochs), "--recipe", "none", "--out", str(out)])
+               "--exchange", exchange, "--epochs", str(epochs), "--recipe", "none", "--value-dtype", "fp32",
+               "--out", str(out)])
     return json.loads((out / "result.json").read_text()), [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 
@@ -193,7 +194,7 @@ from lightning_topk.comm.exchanges.scatter import (  # noqa: E402
 from lightning_topk.comm.wire import packed_nbytes, ring_allgather_wire, ring_reduce_scatter_wire  # noqa: E402
 from tests.helpers.exchanges import make_auto  # noqa: E402
 
-HS = dict(density=0.05, min_sparse_numel=0, exchange="hierarchical_scatter")
+HS = dict(density=0.05, min_sparse_numel=0, exchange="hierarchical_scatter", value_dtype="fp32")  # exact sums
 
 
 def _snap(d):

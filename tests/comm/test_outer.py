@@ -13,10 +13,12 @@ from lightning_topk.comm.outer import (
     compress,
     decode_into,
     dequantize,
+    mask_positions,
     pack_codes,
     qmax,
     quantize,
     unpack_codes,
+    wire_bytes_per_param,
 )
 from lightning_topk.comm.state import TopKConfig
 from tests.helpers.dist import run_distributed
@@ -74,6 +76,84 @@ def test_error_feedback_conservation_and_decode(bits, density):
     assert nz <= C * lay.k
     out = torch.zeros(C * c)
     assert torch.equal(decode_into(out, packet, lay), sent)
+
+
+# (c, k): near c/16 (the int16 / bitmap crossover at c = 4096: 256 is a tie, int16 kept), k = 1, k = c - 1,
+# c not a multiple of 8, and int32 positions (c > 32768: crossover at c/32)
+INDEX_CASES = ((4096, 255), (4096, 256), (4096, 257), (4096, 410), (64, 1), (64, 63), (13, 5), (40000, 1251))
+
+
+@pytest.mark.parametrize("bits", (32, 16, 4, 2))
+@pytest.mark.parametrize("c,k", INDEX_CASES)
+def test_bitmap_and_integer_positions_decode_to_the_same_vector(c, k, bits):
+    """The same buffer compressed with integer positions and with a bitmap: both packets decode to the same
+    dense vector bit for bit, it is what the sender counts as sent, and the error buffers left are identical."""
+    C = 3
+    g = torch.Generator().manual_seed(c + k + bits)
+    e = torch.randn(C * c, generator=g) * torch.logspace(-2, 1, C).repeat_interleave(c)
+    e[::7] = 0.0  # ties at zero in every chunk
+    got = {}
+    for code in ("int", "bitmap"):
+        lay = PacketLayout(C, c, k, bits, indices=code)
+        assert lay.bitmap == (code == "bitmap")
+        buf = e.clone()
+        packet, sent = compress(buf, lay)
+        assert packet.numel() == lay.nbytes and packet.dtype == torch.uint8
+        out = decode_into(torch.zeros(C * c), packet, lay)
+        assert torch.equal(out, sent)
+        if code == "bitmap":  # exactly k bits set per chunk, none past the chunk's end
+            nb = -(-c // 8)
+            raw = packet[lay.value_bytes + lay.scale_bytes:][:C * nb].view(C, nb)
+            bits_set = ((raw.unsqueeze(2) >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(C, nb * 8)
+            assert bits_set.sum(dim=1).tolist() == [k] * C
+            assert int(bits_set[:, c:].sum()) == 0
+        got[code] = (out, buf)
+    assert torch.equal(got["int"][0], got["bitmap"][0])
+    assert torch.equal(got["int"][1], got["bitmap"][1])
+    assert int((got["int"][0] != 0).sum()) <= C * k
+
+
+@pytest.mark.parametrize("c,k", INDEX_CASES)
+def test_mask_positions_fixed_size_and_cpu_paths_agree(c, k):
+    # the accelerator path (nonzero_static, no host sync) and the CPU one (nonzero) give the same positions:
+    # increasing in each chunk, exactly the set ones
+    C = 4
+    g = torch.Generator().manual_seed(c * k)
+    idx = torch.stack([torch.randperm(c, generator=g)[:k] for _ in range(C)])
+    lay = PacketLayout(C, c, k, 4, indices="bitmap")
+    mask = torch.zeros(C, c, dtype=torch.bool).scatter_(1, idx, True)
+    want = torch.sort(idx, dim=1).values
+    for static in (True, False):
+        assert torch.equal(mask_positions(mask, lay, static=static), want)
+
+
+@pytest.mark.parametrize("c", (13, 64, 4096, 32768, 40000))
+def test_packet_layout_picks_the_smaller_position_code(c):
+    for k in sorted({1, 2, c // 32, c // 32 + 1, c // 16, c // 16 + 1, c // 8, c - 1, c} - {0}):
+        auto = PacketLayout(5, c, k, 4)
+        forced = [PacketLayout(5, c, k, 4, indices=i) for i in ("int", "bitmap")]
+        assert auto.index_bytes == min(f.index_bytes for f in forced)
+        if k == c:
+            assert auto.index_code == "none" and auto.index_bytes == 0
+            continue
+        isz = 2 if c <= 32768 else 4
+        raw_int, raw_bitmap = k * isz, -(-c // 8)
+        assert auto.bitmap == (raw_bitmap < raw_int), (c, k)  # a tie keeps the integers
+        assert auto.index_code == ("bitmap" if auto.bitmap else "int16" if isz == 2 else "int32")
+
+
+def test_registered_presets_packet_bytes():
+    # topk_local (10%, 4-bit, chunk 4096): 410 entries -> 208 B of codes + 4 B scale + a 512 B bitmap
+    # (was 820 B of int16: 1032 B per chunk); topk_local_wan (2%, 2-bit): 82 entries keep int16 (164 B < 512 B)
+    lay = PacketLayout(1, 4096, chunk_k(4096, 0.1), 4)
+    assert (lay.index_code, lay.value_bytes, lay.scale_bytes, lay.index_bytes) == ("bitmap", 208, 4, 512)
+    assert PacketLayout(1, 4096, 410, 4, indices="int").nbytes == 1032
+    assert wire_bytes_per_param(0.1, 4) == 724 / 4096
+    wan = PacketLayout(1, 4096, chunk_k(4096, 0.02), 2)
+    assert (wan.index_code, wan.value_bytes, wan.scale_bytes, wan.index_bytes) == ("int16", 24, 4, 164)
+    assert wire_bytes_per_param(0.02, 2) == wan.nbytes / 4096
+    with pytest.raises(ValueError, match="indices must be one of"):
+        PacketLayout(1, 64, 4, 4, indices="delta")
 
 
 def _model():

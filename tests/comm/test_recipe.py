@@ -52,7 +52,7 @@ def test_bad_lookahead_is_named(kw, msg):
 
 @pytest.mark.parametrize("masking", [True, False])
 def test_a_sparse_step_zeroes_the_velocity_where_it_sent_only_with_masking(masking):
-    cfg = TopKConfig(density=0.25, momentum_correction=True, momentum=0.5, momentum_masking=masking,
+    cfg = TopKConfig(density=0.25, momentum_correction=True, momentum=0.5, momentum_masking=masking, value_dtype="fp32",
                      min_sparse_numel=0, exchange="allgather", recipe="none")
     st = TopKState(cfg)
     p = nn.Parameter(torch.zeros(8))
@@ -86,7 +86,7 @@ def test_a_sparse_step_with_lookahead_sends_c_steps_of_momentum_ahead_and_keeps_
     times its velocity, and its residual then holds -c v (unmasked), which the next steps repay. Sent plus
     residual stays the sum of the velocities plus the lead c v of the last step."""
     c, m = 2.0, 0.5
-    cfg = TopKConfig(density=0.25, momentum_correction=True, momentum=m, momentum_masking=masking,
+    cfg = TopKConfig(density=0.25, momentum_correction=True, momentum=m, momentum_masking=masking, value_dtype="fp32",
                      momentum_lookahead=c, min_sparse_numel=0, exchange="allgather", recipe="none")
     assert cfg.recipe_in_use == ("momentum_correction" if masking else "momentum_lookahead")
     st = TopKState(cfg)

@@ -60,7 +60,9 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(64, 1, 32, 32), torch.randint(0, 10, (64,)))
     kw = {} if args.bucket_cap_mb is None else {"bucket_cap_mb": args.bucket_cap_mb}
+    # fp32 values: at 6 bytes per entry the rule finds a cap that splits DDP's last bucket (bf16 halves the bytes)
     strategy = TopKDDPStrategy(density=0.01, exchange="auto", auto_model="constants", auto_link_gbps=0.1, log_telemetry=False,
+                               value_dtype="fp32",
                                process_group_backend="gloo", **kw)
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=3, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)

@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--hierarchical", default="auto")
     ap.add_argument("--exchange", default="allgather")  # auto may send dense on loopback
     ap.add_argument("--recipe", default="auto", choices=("auto", "none"))
+    ap.add_argument("--value-dtype", default=None, choices=("fp32", "fp16", "bf16"))
     ap.add_argument("--dump-epoch", type=int, default=0, help="also save the parameters after this many epochs")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
@@ -96,7 +97,8 @@ def main():
     else:
         hier = {"true": True, "false": False}.get(a.hierarchical, a.hierarchical)
         strategy = TopKDDPStrategy(density=a.density, selector=a.selector, error_feedback=bool(a.error_feedback),
-                                   hierarchical=hier, exchange=a.exchange, recipe=a.recipe, **ddp_kw)
+                                   hierarchical=hier, exchange=a.exchange, recipe=a.recipe,
+                                   **({} if a.value_dtype is None else {"value_dtype": a.value_dtype}), **ddp_kw)
     callbacks = [DumpAtEpoch(a.dump_epoch, a.out)] if a.dump_epoch else []
     trainer = pl.Trainer(
         callbacks=callbacks, accelerator="cpu", devices=2, num_nodes=a.num_nodes, strategy=strategy, max_epochs=a.epochs, max_steps=a.max_steps,

@@ -1,0 +1,93 @@
+"""Bytes of sparse local SGD's outer packets, from the packet layout (pure arithmetic, no training).
+
+    python benchmarks/outer_packet_bytes.py [--params 9610 11326410] [--replicas 2 4] [--time 11326410]
+
+For the registered presets (``topk_local``, ``topk_local_wan``) and models of ``--params`` parameters (one
+process per node, ``outer_chunk`` 4096): one rank's packet with the in-chunk positions as int16 (the encoding
+before the bitmap existed, ``PacketLayout(indices="int")``) and as chosen now (``indices="auto"``: a bitmap of
+the chunk where smaller), and the bytes a rank sends per outer round in a ring all-gather among R replicas
+((R - 1) packets; the module buffers' all-reduce, if any, comes on top). Then the bytes-per-parameter grid of
+docs/local_sgd.md. The 2-process telemetry (``topk/outer_bytes``) is in BENCHMARKS.md.
+
+``--time N``: also times one packet's ``compress`` and ``decode_into`` at ``topk_local``'s settings for N
+parameters, int16 positions against the bitmap, alternating, median of ``--repeats`` (``--threads`` torch threads).
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
+
+from lightning_topk.comm.outer import PacketLayout, chunk_k, chunk_size, compress, decode_into, wire_bytes_per_param
+from lightning_topk.lightning.registry import PRESETS
+
+
+def layout(n: int, density: float, bits: int, chunk: int, indices: str) -> PacketLayout:
+    c = chunk_size(n, chunk)
+    return PacketLayout(-(-n // c), c, chunk_k(c, density), bits, indices)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--params", type=int, nargs="+", default=[9610, 11326410],
+                    help="parameter counts (default: the digits MLP of tests/scripts/local_train.py and the "
+                         "namespace cluster's model, benchmarks/cluster_worker.py --hidden 2560)")
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--time", type=int, default=0, help="parameters for the encode/decode timing (0: none)")
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args()
+    print("| preset | params | positions before -> now | packet before | packet now | now / before | "
+          + " | ".join(f"per round, R={r} (before -> now)" for r in a.replicas) + " | per param per inner step, "
+          f"R={a.replicas[-1]} (before -> now) |")
+    print("|---|---|---|---|---|---|" + "---|" * len(a.replicas) + "---|")
+    for name, p in PRESETS.items():
+        d, b, ch, H = p["outer_density"], p["outer_value_bits"], p["outer_chunk"], p["local_steps"]
+        for n in a.params:
+            old, new = layout(n, d, b, ch, "int"), layout(n, d, b, ch, "auto")
+            rounds = " | ".join(f"{(r - 1) * old.nbytes:,} -> {(r - 1) * new.nbytes:,}" for r in a.replicas)
+            R = a.replicas[-1]
+            per_step = f"{(R - 1) * old.nbytes / n / H:.4f} -> {(R - 1) * new.nbytes / n / H:.4f}"
+            print(f"| {name} ({d:g}, {b}-bit, H {H}) | {n:,} | {old.index_code} -> {new.index_code} | "
+                  f"{old.nbytes:,} | {new.nbytes:,} | {new.nbytes / old.nbytes:.3f} | {rounds} | {per_step} |")
+    print()
+    bits = (32, 16, 8, 4, 2)
+    print("| outer_density | " + " | ".join(f"{b}-bit" for b in bits) + " |")
+    print("|---|" + "---|" * len(bits))
+    for d in (1.0, 0.1, 0.03, 0.01):
+        print(f"| {d:g} | " + " | ".join(f"{wire_bytes_per_param(d, b):.3f}" for b in bits) + " |")
+    if a.time:
+        timing(a.time, a.repeats, a.threads)
+
+
+def timing(n: int, repeats: int, threads: int) -> None:
+    torch.set_num_threads(threads)
+    p = PRESETS["topk_local"]
+    e0 = torch.randn(n, generator=torch.Generator().manual_seed(0))
+    times: dict = {}
+    for _ in range(repeats):
+        for code in ("int", "auto"):
+            lay = layout(n, p["outer_density"], p["outer_value_bits"], p["outer_chunk"], code)
+            e = torch.zeros(lay.C * lay.c)
+            e[:n] = e0
+            t0 = time.perf_counter()
+            packet, _ = compress(e, lay, want_sent=False)
+            t1 = time.perf_counter()
+            out = torch.zeros(lay.C * lay.c)
+            t2 = time.perf_counter()
+            decode_into(out, packet, lay)
+            t3 = time.perf_counter()
+            times.setdefault(lay.index_code, []).append((t1 - t0, t3 - t2))
+    print(f"\n{n:,} parameters, topk_local, {threads} thread(s), median of {repeats}:\n")
+    print("| positions | compress (ms) | decode_into (ms) |\n|---|---|---|")
+    for code, ts in times.items():
+        c = statistics.median(t[0] for t in ts) * 1e3
+        d = statistics.median(t[1] for t in ts) * 1e3
+        print(f"| {code} | {c:.1f} | {d:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
