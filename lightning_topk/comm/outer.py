@@ -604,6 +604,11 @@ class OuterState:
             self.pending = None
         return hidden
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a streamed exchange was launched and not waited for yet (:meth:`finish_flight` waits)."""
+        return self._flight is not None
+
     def finish_flight(self) -> None:
         """Wait for a streamed exchange and keep its decoded result as ``pending`` (applied at the next round
         end, as without the wait): before a checkpoint."""

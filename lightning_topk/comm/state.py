@@ -796,6 +796,19 @@ class TopKState:
         for name in [n for n in self._sections if n not in self.exchanges and n in registry.choices()]:
             registry.get(name).orphan(self, self._sections.pop(name))
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether any exchange of this state has a collective launched and not waited for yet."""
+        return any(ex.in_flight for ex in self.exchanges.values())
+
+    def finish_in_flight(self) -> None:
+        """Wait for every collective the exchanges still have in flight (a streamed outer round keeps its result
+        as pending, as before a checkpoint; a pipelined bucket completes its future). Call on every rank when
+        training ends: a collective left in flight at interpreter exit, with a Python callback on its future,
+        aborts the process ("terminate called without an active exception")."""
+        for ex in list(self.exchanges.values()):
+            ex.flush(self)
+
     def bucket_names(self) -> List[Tuple[str, ...]]:
         """The parameter names of each live bucket."""
         return list(self._buckets)

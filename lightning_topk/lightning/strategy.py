@@ -43,6 +43,7 @@ class TopKStrategyMixin:
         self.topk_controller: Optional[StepController] = None
         self._pending_topk_state: Optional[Dict[str, Any]] = None
         self._topk_heartbeat: Optional[Heartbeat] = None
+        self._topk_failed = False  # an exception ended the run: teardown waits for no collective
         self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
         self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
         self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
@@ -382,6 +383,7 @@ class TopKStrategyMixin:
     def on_exception(self, exception: BaseException) -> None:
         from lightning_topk.lightning import faults
 
+        self._topk_failed = True
         super().on_exception(exception)
         faults.explain_exception(self._topk_heartbeat, exception)
 
@@ -389,9 +391,22 @@ class TopKStrategyMixin:
     def teardown(self) -> None:
         from lightning_topk.lightning import faults
 
+        self._topk_close()
         faults.stop(self._topk_heartbeat)  # joined before the process group goes away
         self._topk_heartbeat = None
         super().teardown()
+
+    def _topk_close(self) -> None:
+        """End of a run, on every rank: wait for the collectives the exchanges still have in flight, then destroy
+        the intra-/inter-node groups this strategy made (each fit makes its own). After an exception neither
+        happens (a peer may be gone or stuck, so a wait could hang): the process is failing anyway."""
+        from lightning_topk.comm.exchanges.hierarchical import destroy_groups
+
+        state, failed, self._topk_failed = self.topk_state, self._topk_failed, False
+        if state is None or failed:
+            return
+        state.finish_in_flight()
+        destroy_groups(state.groups)
 
 
 def _ddp_has_forward_sync() -> bool:

@@ -324,3 +324,35 @@ def test_buffers_averaged_over_every_rank_and_restored_on_a_skipped_round():
         assert nbytes == 2 * 2 * 4 * 96 // 3
         assert names == ["1.num_batches_tracked", "1.running_mean", "1.running_var", "table"]
         assert tracked == 4  # integer buffers are left alone
+
+
+def _drain_then_release(rank, world):
+    """2 nodes x 2, streaming: the round of the last step is in flight when training ends. The state waits for
+    it (its result kept as pending, as before a checkpoint), then the groups make_groups made are destroyed."""
+    from lightning_topk.comm.exchanges import Layout
+    from lightning_topk.comm.exchanges.hierarchical import destroy_groups, make_groups
+    from lightning_topk.comm.state import TopKState
+
+    h = make_groups(2, 2, rank)
+    cfg = TopKConfig(local_steps=2, outer_density=0.5, outer_value_bits=8, outer_momentum=0.0, outer_streaming=True)
+    state = TopKState(cfg, hier=h, num_nodes=2)
+    state.exchange = ex = state.exchange_for("local", layout=Layout(2, 2, rank))
+    m = _model()
+    ex.bind(m.named_parameters())
+    for step in range(4):
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.01 * (h.node_rank + 1) * (step + 1))
+        ex.after_optimizer_step(m.named_parameters())
+    launched = state.in_flight
+    state.finish_in_flight()
+    groups = len(dist.distributed_c10d._world.pg_map)
+    destroy_groups(h)
+    destroy_groups(h)  # a second teardown: nothing left to destroy
+    return launched, state.in_flight, ex.outer.pending is not None, groups, len(dist.distributed_c10d._world.pg_map)
+
+
+def test_finish_in_flight_waits_for_the_streamed_round_and_destroy_groups_releases_them():
+    for launched, after, pending, groups, left in run_distributed(_drain_then_release, world=4):
+        assert launched and not after and pending
+        assert (groups, left) == (3, 1)  # the world, this rank's intra- and inter-node groups; then the world

@@ -130,6 +130,17 @@ def test_fabric_applies_the_streamed_last_round_as_the_trainer(tmp_path):
     assert "pending" in trainer[0]["section"] and not torch.equal(before, trainer[0]["flat"])  # ... and moved it
 
 
+def test_fabric_teardown_waits_for_a_streamed_round_in_flight(tmp_path):
+    # streaming, 12 steps, H=4: the round of step 12 is in flight when the loop ends, and this loop does not
+    # call on_train_end. teardown() waits for it on every rank and keeps its result (pending: applied at the next
+    # round end, as after a checkpoint); every rank exits with code 0 (run_nodes checks).
+    out = _run(tmp_path, "fab", "--fabric", "--no-train-end", "--epochs", "2", "--H", "4", "--streaming")
+    for r in range(2):
+        assert out[r]["rounds"] == 3 and out[r]["in_flight_at_end"] is True, r
+        assert out[r]["after"] == {"in_flight": False, "process_groups": 1, "threads": []}, r
+        assert out[r]["pending"] is True, r
+
+
 def test_gradient_accumulation_counts_optimizer_steps(tmp_path):
     # 6 batches per epoch, 2 per optimizer step: 6 optimizer steps in 2 epochs, H=4: 1 round and 2 steps
     out = _run(tmp_path, "acc", "--epochs", "2", "--H", "4", "--accumulate", "2")
@@ -191,6 +202,9 @@ def test_two_nodes_of_two_processes_one_replica_per_node_and_exact_resume(tmp_pa
     for r in range(4):
         assert straight[r]["steps"] == 9 and straight[r]["rounds"] == 2
         assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+        # after fit (teardown): nothing in flight, the intra-/inter-node groups destroyed (only Lightning's
+        # world group is left), no heartbeat thread
+        assert straight[r]["after"] == {"in_flight": False, "process_groups": 1, "threads": []}, r
         for name, b in straight[r]["buffers"].items():
             assert torch.equal(resumed[r]["buffers"][name], b), (r, name)
 

@@ -9,11 +9,14 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --inject-step S             rank 0's loss is inf at global step S (with --nonfinite skip: skipped on every rank)
   --dense-steps N             the first N steps synchronous (post-local SGD)
   --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
+  --no-train-end              (with --fabric) the loop does not call strategy.on_train_end(), only teardown()
   --bn                        a BatchNorm1d after the first layer (buffers: running statistics)
 
 Each rank also records the collectives it issued inside training batches whose group spans more than one
 node (torch.distributed's functions wrapped), apart from those of the outer rounds, and how many steps its
-step controller skipped.
+step controller skipped, and, once training ended (after fit; with --fabric after teardown), whether any
+collective of the exchange is still in flight, how many process groups are alive and which lightning_topk
+threads are.
 """
 import argparse
 import os
@@ -128,6 +131,17 @@ class Net(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+def after_training(state) -> dict:
+    """What a finished run leaves behind: collectives in flight, live process groups, lightning_topk threads."""
+    import threading
+
+    import torch.distributed as dist
+
+    return {"in_flight": state.in_flight if state is not None else None,
+            "process_groups": len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0,
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("lightning_topk"))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -152,6 +166,7 @@ def main() -> None:
     ap.add_argument("--inject-step", type=int)
     ap.add_argument("--nonfinite", default="raise")
     ap.add_argument("--fabric", action="store_true")
+    ap.add_argument("--no-train-end", action="store_true")
     ap.add_argument("--bn", action="store_true")
     ap.add_argument("--save")
     ap.add_argument("--resume")
@@ -200,7 +215,8 @@ def main() -> None:
                 "inner_collectives": list(WATCH["inner"]), "outer_collectives": WATCH["outer"],
                 "buffers": {k: b.clone() for k, b in model.named_buffers()},
                 "round_buffers": list(WATCH["round_buffers"]),
-                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")}},
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")},
+                "after": after_training(st)},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
 
 
@@ -231,17 +247,21 @@ def fabric_main(a, train, test) -> None:
             fabric.backward(nn.functional.cross_entropy(net(x), y))
             opt.step()
             steps += 1
-    fabric.strategy.on_train_end()  # Fabric has no end-of-training hook: a streamed last round is applied here
+    if not a.no_train_end:
+        fabric.strategy.on_train_end()  # Fabric has no end-of-training hook: a streamed last round is applied here
     x, y = test.tensors
     with torch.no_grad():
         acc = (net(x).argmax(1) == y).float().mean().item()
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
-    outer = fabric.strategy.topk_state.exchange.outer
-    torch.save({"flat": flat, "acc": acc, "steps": steps, "rounds": outer.stats.rounds, "position": outer.position,
-                "metrics": fabric.strategy.topk_metrics()}, os.path.join(a.out, f"{a.tag}_rank{fabric.global_rank}.pt"))
+    state = fabric.strategy.topk_state
+    outer = state.exchange.outer
+    out = {"flat": flat, "acc": acc, "steps": steps, "rounds": outer.stats.rounds, "position": outer.position,
+           "metrics": fabric.strategy.topk_metrics(), "in_flight_at_end": state.in_flight}
     # Known issue (docs/fabric.md): without teardown a Fabric script can abort at interpreter exit
     fabric.barrier()
     fabric.strategy.teardown()
+    out.update(after=after_training(state), pending=outer.pending is not None)
+    torch.save(out, os.path.join(a.out, f"{a.tag}_rank{fabric.global_rank}.pt"))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,10 @@ class AutoExchange(Exchange):
         for child in self.children.values():
             child.flush(state)
 
+    @property
+    def in_flight(self) -> bool:
+        return any(child.in_flight for child in self.children.values())
+
     def undo_keys(self) -> List[str]:
         return [k for child in self.children.values() for k in child.undo_keys()]
 

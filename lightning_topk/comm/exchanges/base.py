@@ -83,6 +83,11 @@ class Exchange:
     def flush(self, state: Any) -> None:
         """Finish the collectives in flight (only device work is queued)."""
 
+    @property
+    def in_flight(self) -> bool:
+        """Whether a collective of this exchange was launched and not waited for yet (:meth:`flush` waits)."""
+        return False
+
     def release(self, state: Any, names: Sequence[str], numels: Sequence[int]) -> None:
         """The bucket of these parameters now travels another way: give back its extra state."""
 

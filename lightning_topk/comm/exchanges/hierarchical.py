@@ -113,6 +113,19 @@ def make_groups(num_nodes: int, local_world: int, rank: int, backend: Optional[s
                       intra_lists[node], inter_lists[local])
 
 
+def destroy_groups(groups: Optional[HierGroups]) -> None:
+    """Destroy the process groups :func:`make_groups` made for this rank (local, not collective; their gloo
+    threads and connections go away). Nothing of theirs may be in flight: finish the exchanges first
+    (:meth:`~lightning_topk.comm.state.TopKState.finish_in_flight`)."""
+    if groups is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    for g in {id(g): g for g in (groups.intra, groups.inter)}.values():
+        if g is None or g is dist.GroupMember.NON_GROUP_MEMBER or g is dist.group.WORLD:
+            continue
+        if g in dist.distributed_c10d._world.pg_map:  # not destroyed already
+            dist.destroy_process_group(g)
+
+
 def build_groups(strategy: Any) -> HierGroups:
     """Groups from a Lightning strategy's cluster environment (node rank, local rank, devices)."""
     env = strategy.cluster_environment
@@ -311,6 +324,10 @@ class HierarchicalExchange(Exchange):
 
     def flush(self, state: TopKState, drain: bool = True) -> None:
         _flush(state, self, drain)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None or self.scatter_pending is not None
 
     @classmethod
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:

@@ -206,6 +206,10 @@ class LocalExchange(Exchange):
         if self.outer is not None:
             self.outer.finish_flight()
 
+    @property
+    def in_flight(self) -> bool:
+        return self.outer is not None and self.outer.in_flight
+
     # ---- checkpoint --------------------------------------------------------------------------------------
     def state_dict(self) -> Dict[str, Any]:
         if self.outer is None:

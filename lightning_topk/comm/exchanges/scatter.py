@@ -545,6 +545,10 @@ class ScatterExchange(OwnerResidualsMixin, Exchange):
         p, self.pending = self.pending, None
         _flush(state, p)
 
+    @property
+    def in_flight(self) -> bool:
+        return self.pending is not None
+
     @classmethod
     def predict(cls, model: Any, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
         P, N, L = model.world, model.nodes, model.local
