@@ -94,12 +94,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--summarize", action="store_true", help="only print the tables of an earlier run")
     p.add_argument("--no-ddp", action="store_true", help="skip the (slow) plain DDP entry")
+    p.add_argument("--only", default=",".join(ENTRIES), help="comma-separated entries to run (always with local)")
+    p.add_argument("--first-round", type=int, default=1, help="number of the first round (add rounds to a --dir)")
     a = p.parse_args(argv)
+    only = ["local"] + [e for e in a.only.split(",") if e != "local"]
+    bad = [e for e in only if e not in ENTRIES]
+    if bad:
+        p.error(f"--only: unknown entries {bad}; choose from {list(ENTRIES)}")
     os.makedirs(a.dir, exist_ok=True)
     if not a.summarize:
-        for i in range(1, a.rounds + 1):
-            for name, args in ENTRIES.items():
-                run(a.dir, f"{name}_{i}", args)
+        for i in range(a.first_round, a.first_round + a.rounds):
+            for name in only:
+                run(a.dir, f"{name}_{i}", ENTRIES[name])
         if not a.no_ddp:
             run(a.dir, "ddp_1", ["--strategy", "ddp", "--steps", "10"])
     print(summarize(a.dir))
