@@ -234,8 +234,7 @@ def mask_positions(mask: Tensor, lay: PacketLayout, static: Optional[bool] = Non
 
 def sorted_positions(idx: Tensor, lay: PacketLayout) -> Tensor:
     """The in-chunk positions ``idx`` [C, k] (distinct per chunk) in increasing order within each chunk."""
-    mask = torch.zeros(lay.C, lay.c, dtype=torch.bool, device=idx.device)
-    return mask_positions(mask.scatter_(1, idx, True), lay)
+    return idx.sort(dim=1).values
 
 
 def pack_bitmap(idx: Tensor, lay: PacketLayout) -> Tensor:

@@ -6,6 +6,7 @@ Nothing here reads a tensor on the host: finiteness goes into device flags (``st
 CUDA events on CUDA, and with the sync-free selection (default on CUDA, ``LIGHTNING_TOPK_SYNC_FREE=1``
 anywhere) only device work is queued.
 """
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.selection import ThresholdHint, sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
 from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers
 from lightning_topk.comm.wire import (
     INT32,
@@ -166,28 +167,19 @@ def select(state: TopKState, acc: Tensor, k: int, ks: Optional[Sequence[int]] = 
     :class:`~lightning_topk.comm.selection.ThresholdHint`: speed only, the indices are the same without
     it). The sync-free path takes no hint: checking one reads a count back to the host."""
     method = state.config.selector
-    if sync_free_enabled(acc.device):
-        pick = topk_select_sync_free
-        if ks is None or numels is None:
-            return pick(acc, k, method)[1]
-        return torch.cat([pick(acc[off:off + n], kp, method)[1] + off
-                          for off, n, kp in zip(_offsets(numels), numels, ks)])
+    sync_free = sync_free_enabled(acc.device)
 
-    def hint(*part: str) -> Optional[ThresholdHint]:
-        return state.threshold_hint(hint_key + part) if hint_key is not None and method == "exact" else None
+    def pick(x: Tensor, kx: int, *part: str) -> Tensor:
+        if sync_free:
+            return topk_select_sync_free(x, kx, method)[1]
+        hint = state.threshold_hint(hint_key + part) if hint_key is not None and method == "exact" else None
+        return topk_select(x, kx, method, hint)[1]
 
     if ks is None or numels is None:
-        return topk_select(acc, k, method, hint())[1]
-    return torch.cat([topk_select(acc[off:off + n], kp, method, hint(f"#{i}"))[1] + off
-                      for i, (off, n, kp) in enumerate(zip(_offsets(numels), numels, ks))])
-
-
-def _offsets(numels: Sequence[int]) -> List[int]:
-    out, off = [], 0
-    for n in numels:
-        out.append(off)
-        off += n
-    return out
+        return pick(acc, k)
+    offsets = itertools.accumulate(numels, initial=0)
+    return torch.cat([pick(acc[off:off + n], kp, f"#{i}") + off
+                      for i, (off, n, kp) in enumerate(zip(offsets, numels, ks))])
 
 
 def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor]) -> Tensor:
