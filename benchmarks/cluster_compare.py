@@ -52,6 +52,14 @@ ENTRIES: Dict[str, List[str]] = {
     # H=32, streamed (applied one round late; SparseLoCo-style outer step, momentum 0)
     "topk_local_wan_stream": ["--strategy", "topk_ddp", "--local-steps", "32", "--outer-density", "0.02",
                               "--outer-bits", "2", "--outer-streaming", "--outer-momentum", "0"],
+    # issue 21, 2026-11-27: shorter rounds for ~100 Mbit/s (candidates for the topk_local preset)
+    "topk_local_h8": ["--strategy", "topk_ddp", "--local-steps", "8"],
+    "topk_local_h8_wan": ["--strategy", "topk_ddp", "--local-steps", "8", "--outer-density", "0.02", "--outer-bits", "2"],
+    "topk_local_h4_wan": ["--strategy", "topk_ddp", "--local-steps", "4", "--outer-density", "0.02", "--outer-bits", "2"],
+    "topk_local_h8_5pct": ["--strategy", "topk_ddp", "--local-steps", "8", "--outer-density", "0.05", "--outer-bits", "2"],
+    # the ceiling of local SGD with several processes per node: the node's dense all-reduce every inner step and
+    # no outer round within the run (local_steps far beyond --max-steps); not a usable configuration
+    "node_allreduce_only": ["--strategy", "topk_ddp", "--local-steps", "1000000"],
     "local": ["--strategy", "local"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
@@ -249,7 +257,9 @@ def targets(rows: Dict[str, dict], rate_bits: Optional[float]) -> List[str]:
 
 
 LOCAL_SGD = ("topk_local", "topk_local_stream", "topk_local_h64", "topk_local_nosync", "topk_local_stream_mu0",
-             "topk_local_wan", "topk_local_wan32", "topk_local_wan_copy", "topk_local_wan_stream")
+             "topk_local_wan", "topk_local_wan32", "topk_local_wan_copy", "topk_local_wan_stream",
+             "topk_local_h8", "topk_local_h8_wan", "topk_local_h4_wan", "topk_local_h8_5pct",
+             "node_allreduce_only")
 PER_STEP = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
             "topk_hier_0.01", "topk_0.001")
 
