@@ -522,3 +522,37 @@ def test_bucket_rule_rejects_bad_input(kw, match):
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         cost.choose_bucket_cap(**args)
+
+
+def test_probe_times_exact_selection_with_a_warm_hint_on_a_drifting_input(monkeypatch):
+    """The exact selector reuses last step's threshold in training (ThresholdHint); the probe times it that way:
+    every call gets the same hint, the input drifts between calls, and the timed calls take the one-pass path."""
+    from lightning_topk.comm import selection
+
+    calls = []
+    real = selection.topk_select
+
+    def spy(x, k, method="exact", hint=None):
+        calls.append((hint, x.clone()))
+        return real(x, k, method, hint)
+
+    monkeypatch.setattr(cost, "topk_select", spy)
+    g = torch.Generator().manual_seed(0)
+    n = 1 << 18
+    scale = torch.randn(n, generator=g).exp()
+    x = torch.randn(n, generator=g).mul_(scale)
+    t = cost._select_time(x, scale, 2621, "exact", torch.device("cpu"), g, reps=2)
+    assert math.isfinite(t) and t > 0
+    assert len(calls) == 3
+    hints = {id(h) for h, _ in calls}
+    assert len(hints) == 1 and calls[0][0] is not None
+    assert not torch.equal(calls[0][1], calls[1][1]) and not torch.equal(calls[1][1], calls[2][1])
+    assert calls[0][0].hits == 2 and calls[0][0].misses == 0  # both timed calls reused the threshold
+    # other selectors (and reuse switched off) are timed without a hint
+    calls.clear()
+    cost._select_time(x, scale, 2621, "mstopk", torch.device("cpu"), g, reps=2)
+    assert calls and all(h is None for h, _ in calls)
+    monkeypatch.setattr(selection, "THRESHOLD_REUSE", False)
+    calls.clear()
+    cost._select_time(x, scale, 2621, "exact", torch.device("cpu"), g, reps=2)
+    assert calls and all(h is None for h, _ in calls)
