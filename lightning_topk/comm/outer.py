@@ -16,7 +16,11 @@ weights) runs H inner optimizer steps alone. Then, on every rank:
    (``sent + e_new = decay · e_old + Δ``);
 6. one all-gather of the fixed-size packets (codes, scales, in-chunk positions: int16 for chunks up to
    32768, or a bitmap of the chunk where smaller, :class:`PacketLayout`) among the replicas; every rank
-   decodes the same sum and averages it over the replicas;
+   decodes the same sum and averages it over the replicas. Or (``outer_exchange``, :func:`outer_exchange_for`)
+   the scale-free exchange: every replica owns a range of chunks; one all-to-all sends each owner the
+   replicas' packets of its range, the owner averages them, adds its own error feedback and re-selects the
+   top-k at the same density and bits, and one all-gather of the owners' ranges gives every rank the same
+   update (:meth:`OuterState._scatter_round`): about 2 (R − 1)/R packets out per replica, against R − 1;
 7. the outer optimizer: SGD on the averaged pseudo-gradient ``g``: ``m = μ m + g``; step ``g + μ m``
    (Nesterov, DiLoCo) or ``m``; ``θ_outer −= outer_lr · step``. ``μ = 0`` with error feedback is SparseLoCo;
 8. ``θ_local := θ_outer`` on every replica, and the module's floating-point buffers (BatchNorm's running
@@ -321,6 +325,31 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
     return out
 
 
+# ---- how the replicas exchange ---------------------------------------------------------------------
+# ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on: it sends about
+# 2 (R - 1)/R packets per replica per round against the all-gather's R - 1 (half at R = 4, and it stays under
+# 2 packets at any R), at the price of a second top-k at the owners (BENCHMARKS.md, "Scale-free outer exchange").
+SCATTER_MIN_REPLICAS = 4
+
+
+def outer_exchange_for(config: TopKConfig, replicas: int) -> str:
+    """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas. Decided
+    from the option and the number of replicas alone, so every rank agrees and every run decides the same: one
+    replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is ``"scatter"`` from
+    ``SCATTER_MIN_REPLICAS`` replicas on, except with ``outer_streaming`` (the scale-free exchange does not stream)."""
+    choice = getattr(config, "outer_exchange", "auto")
+    if replicas <= 1:
+        return "allgather"
+    if choice == "auto":
+        return "scatter" if replicas >= SCATTER_MIN_REPLICAS and not config.outer_streaming else "allgather"
+    return choice
+
+
+def owner_chunks(C: int, replicas: int) -> int:
+    """Chunks each replica owns in the scale-free exchange (the last owner's range is zero-padded)."""
+    return max(1, -(-C // replicas))
+
+
 # ---- the outer optimizer -------------------------------------------------------------------------
 def outer_sgd_(theta: Tensor, mom: Tensor, g: Tensor, lr: float, momentum: float, nesterov: bool) -> None:
     """``θ -= lr · step`` (torch SGD's update, dampening 0): ``m = μ m + g``; step = ``g + μ m`` (Nesterov) or
@@ -385,6 +414,14 @@ class OuterState:
         self.shard = Cs * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
         self.lo = local_rank * self.shard
         self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
+        R = self._replicas()
+        self.exchange = outer_exchange_for(config, R)
+        # scale-free exchange: this replica owns chunks [owner * per, (owner + 1) * per) of the shard and keeps
+        # the error feedback of their averaged, re-selected sum (mean units)
+        self.per = owner_chunks(Cs, R)
+        self.owner = dist.get_rank(self.inter) if self.exchange == "scatter" else 0
+        self.owner_layout = PacketLayout(self.per, c, self.layout.k, config.outer_value_bits)
+        self.owner_ef = torch.zeros(self.per * c if self.exchange == "scatter" else 0, device=dev)
         self.theta = self.flat_params()  # θ_outer
         self.buffer_anchor = self.flat_buffers()  # the float buffers at the start of the round (same on every rank)
         self.anchor: Optional[Tensor] = None  # streaming: where this round started (θ_outer when sent)
@@ -508,16 +545,19 @@ class OuterState:
             self.stats.time_s = time.perf_counter() - t0
             return
         self.ef.mul_(o.outer_ef_decay).add_(delta)
-        packet, _ = compress(self.ef, self.layout, want_sent=False)
-        gathered, work = self._launch(packet)
-        if o.outer_streaming:
-            self._flight = (work, gathered, time.perf_counter())
-            self._done_at = None
-            self.anchor = self.theta.clone()
+        if self.exchange == "scatter":  # never streamed (TopKConfig and outer_exchange_for see to it)
+            self._update(self._scatter_round())
         else:
-            if work is not None:
-                work.wait()
-            self._update(self._decode(gathered))
+            packet, _ = compress(self.ef, self.layout, want_sent=False)
+            gathered, work = self._launch(packet)
+            if o.outer_streaming:
+                self._flight = (work, gathered, time.perf_counter())
+                self._done_at = None
+                self.anchor = self.theta.clone()
+            else:
+                if work is not None:
+                    work.wait()
+                self._update(self._decode(gathered))
         self.write_params(self.theta)
         if buffers is not None:
             self.write_buffers(buffers)
@@ -525,10 +565,70 @@ class OuterState:
         R = self._replicas()
         self.stats.rounds += 1
         self.stats.buffer_bytes = self._buffer_wire_bytes()
-        self.stats.bytes = (R - 1) * self.layout.nbytes + self.stats.buffer_bytes
+        self.stats.bytes = self.packet_bytes_out(R) + self.stats.buffer_bytes
         self.stats.density = self.layout.k / self.layout.c
         self.stats.time_s = time.perf_counter() - t0
         self.stats.hidden_frac = hidden
+
+    def packet_bytes_out(self, replicas: int) -> int:
+        """Bytes of outer packets that leave this rank in one round among ``replicas`` replicas: R − 1 packets in
+        a ring all-gather; the scale-free exchange sends R − 1 owner segments in its all-to-all and R − 1 more in
+        its ring all-gather of the owners' ranges (a segment is a packet of ``owner_chunks`` chunks)."""
+        if self.exchange == "scatter":
+            return 2 * (replicas - 1) * self.owner_layout.nbytes
+        return (replicas - 1) * self.layout.nbytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """The bytes of packets this rank makes in one round: its packet (all-gather), or its R owner segments
+        plus its owner's re-selected segment (scale-free)."""
+        if self.exchange == "scatter":
+            return (self._replicas() + 1) * self.owner_layout.nbytes
+        return self.layout.nbytes
+
+    def _scatter_round(self) -> Tensor:
+        """The scale-free exchange of this round's error-feedback buffer; returns the averaged update (this
+        rank's shard, the same on every replica). Each replica compresses each owner's chunk range into a segment
+        (``owner_layout``: the same size for every owner, the last range zero-padded) and sends it to that
+        owner (one all-to-all); each owner decodes the R segments in rank order, averages them, adds its owner
+        error feedback, re-selects the top-k per chunk at the same density and bits (the owner buffer keeps
+        what was not sent, as ``ef`` does), and the owners' segments are all-gathered and decoded by every
+        replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners'
+        sent values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
+        lay, R, per, c = self.owner_layout, self._replicas(), self.per, self.layout.c
+        C, S = self.layout.C, self.owner_layout.nbytes
+        x = self.ef.view(C, c)
+        segments = []
+        for r in range(R):
+            lo, hi = min(r * per, C), min((r + 1) * per, C)
+            if hi - lo == per:
+                seg, _ = compress(x[lo:hi].reshape(-1), lay, want_sent=False)  # a view: keeps its residual in ef
+            else:
+                pad = torch.zeros(per * c, dtype=x.dtype, device=x.device)
+                pad[:(hi - lo) * c] = x[lo:hi].reshape(-1)
+                seg, _ = compress(pad, lay, want_sent=False)
+                x[lo:hi] = pad[:(hi - lo) * c].view(hi - lo, c)
+            segments.append(seg)
+        send = torch.cat(segments)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.inter)
+        acc = torch.zeros(per * c, dtype=torch.float32, device=send.device)
+        for r in range(R):  # fixed order: the same sum wherever it is computed
+            decode_into(acc, recv[r * S:(r + 1) * S], lay)
+        acc.div_(R).add_(self.owner_ef)
+        mine, _ = compress(acc, lay, want_sent=False)
+        self.owner_ef = acc
+        gathered = torch.empty(R * S, dtype=torch.uint8, device=send.device)
+        _all_gather(gathered, mine, group=self.inter)
+        g = torch.zeros(R * per * c, dtype=torch.float32, device=send.device)
+        for r in range(R):
+            decode_into(g[r * per * c:(r + 1) * per * c], gathered[r * S:(r + 1) * S], lay)
+        return g[:self.shard]
+
+    def _owner_range(self) -> Tuple[int, int]:
+        """Entries of this rank's shard that its owner error feedback covers: [lo, hi)."""
+        lo = min(self.owner * self.per * self.layout.c, self.shard)
+        return lo, min(lo + self.per * self.layout.c, self.shard)
 
     def _replicas(self) -> int:
         return dist.get_world_size(self.inter) if dist.is_available() and dist.is_initialized() else 1
@@ -697,6 +797,12 @@ class OuterState:
             "momentum": self._per_name(self.mom, full=False), "ef": self._per_name(self.ef, full=False),
             "rounds": self.stats.rounds,
         }
+        if self.exchange == "scatter":  # the owner error feedback: this rank's owned range of its shard
+            lo, hi = self._owner_range()
+            owned = torch.zeros_like(self.ef)
+            owned[lo:hi] = self.owner_ef[:hi - lo]
+            sd["owner_ef"] = self._per_name(owned, full=False)
+            sd["owner"] = [self._replicas(), self.owner, self.per]
         if self.anchor is not None:
             sd["anchor"] = self._per_name(self.anchor)
         if self.pending is not None:
@@ -705,6 +811,21 @@ class OuterState:
             sd["buffers"] = {n: b.detach().cpu().clone() for n, b in zip(self.buffer_names, self.buffers)}
             sd["buffer_anchor"] = self._buffers_by_name(self.buffer_anchor)
         return sd
+
+    def _load_owner(self, sd: Dict[str, Any], like: Tensor) -> None:
+        """The owner error feedback of a section saved under the scale-free exchange with this rank's owner plan
+        (a resharded section has it folded into ``ef``; a section without it starts the owner buffer at zero)."""
+        self.owner_ef.zero_()
+        if "owner_ef" not in sd:
+            return
+        plan = [self._replicas(), self.owner, self.per]
+        if self.exchange != "scatter" or list(sd.get("owner", [])) != plan:
+            raise ValueError(f"topk_local: the saved outer state holds owner error feedback of "
+                             f"outer_exchange='scatter' (replicas, owner, chunks per owner: {sd.get('owner')}); this "
+                             f"run exchanges by {self.exchange!r} ({plan}). Resume with the saved outer_exchange "
+                             "and layout (a change of either is resharded by the checkpoint loader)")
+        lo, hi = self._owner_range()
+        self.owner_ef[:hi - lo] = self._from_names(sd["owner_ef"], False, like)[lo:hi]
 
     def _buffers_by_name(self, flat: Tensor) -> Dict[str, Tensor]:
         out, off = {}, 0
@@ -749,6 +870,7 @@ class OuterState:
         self.theta = self._from_names(sd["theta_outer"], True, like)
         self.mom = self._from_names(sd["momentum"], False, like)
         self.ef = self._from_names(sd["ef"], False, like)
+        self._load_owner(sd, like)
         self.anchor = self._from_names(sd["anchor"], True, like) if "anchor" in sd else None
         self.pending = self._from_names(sd["pending"], False, like) if "pending" in sd else None
         self.position = int(sd["position"])
@@ -783,7 +905,10 @@ def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) ->
       over its processes: the sum of replica 0's shards (each holds zeros outside its shard);
     * the error-feedback buffers are per replica: each new replica gets their average ``(1/R) Σ_r e_r``. The
       exchange applies the mean of what the replicas send, so the pending update ``(1/R') Σ e`` is unchanged
-      (the residuals' rule, :mod:`lightning_topk.lightning.checkpoint`);
+      (the residuals' rule, :mod:`lightning_topk.lightning.checkpoint`). Under the scale-free exchange the
+      owners' buffers (each over its own range, in mean units: already averaged) are pending too: their sum
+      ``O`` is added to every new replica's, so the pending update ``(1/R) Σ_r e_r + O`` is unchanged, whatever
+      exchange the new run uses;
     * θ_local and the inner optimizer state (inside a round each replica has its own) come as a pair from
       saved replica ``replica mod R``: with fewer replicas, the current round's progress of the others is
       dropped; with more, some trajectories are duplicated;
@@ -804,7 +929,11 @@ def reshard(sections: Sequence[Dict[str, Any]], old_local: int, replica: int) ->
     node0 = sections[:old_local]
     src = sections[(replica % R) * old_local]
     f32 = (lambda d: {n: t.to(torch.float32) for n, t in d.items()})
-    ef = {n: (t / R).to(torch.float32) for n, t in _sum_names(sections, "ef").items()}
+    ef = {n: t / R for n, t in _sum_names(sections, "ef").items()}
+    if any("owner_ef" in s for s in sections):  # scale-free exchange: the owners' buffers, in mean units
+        owners = _sum_names([s for s in sections if "owner_ef" in s], "owner_ef")
+        ef = {n: t + owners[n] if n in owners else t for n, t in ef.items()}
+    ef = {n: t.to(torch.float32) for n, t in ef.items()}
     out: Dict[str, Any] = {
         "resharded": True, "position": positions[0], "rounds": int(sections[0].get("rounds", 0)),
         **({"steps": int(sections[0]["steps"])} if "steps" in sections[0] else {}),

@@ -25,6 +25,7 @@ NONFINITE_CHOICES = ("raise", "skip", "propagate")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
 OUTER_BITS = (32, 16, 8, 4, 2)  # outer_value_bits (sparse local SGD)
+OUTER_EXCHANGES = ("auto", "allgather", "scatter")  # outer_exchange (sparse local SGD)
 # Where exchange="auto" gets its cost model (see comm/exchanges/auto.py).
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 # recipe="auto": the convergence recipe for the user's optimizer (lightning_topk/comm/recipe.py).
@@ -148,6 +149,13 @@ class TopKConfig:
         outer_streaming: launch the outer all-gather asynchronously and apply its result one round late,
             so the next round's compute overlaps it. Use it with ``outer_momentum=0``: the DiLoCo outer
             momentum (0.9, Nesterov) applied one round late diverged (docs/local_sgd.md); a warning says so.
+        outer_exchange: how the replicas exchange their outer packets: ``"allgather"`` (every replica gets
+            every packet: R − 1 packets in per round), ``"scatter"`` (scale-free: each replica owns a range of
+            chunks, sums and re-selects it with its own error feedback, then the owners' ranges are
+            all-gathered: about 2 (R − 1)/R packets per round, whatever R) or ``"auto"`` (decided from the
+            number of replicas alone, the same on every rank: :func:`~lightning_topk.comm.outer.outer_exchange_for`).
+            ``"scatter"`` does not stream: with ``outer_streaming`` it is an error, and ``"auto"`` picks
+            ``"allgather"``.
     """
 
     density: float = 0.01
@@ -180,6 +188,7 @@ class TopKConfig:
     outer_value_bits: int = 4
     outer_ef_decay: float = 1.0
     outer_streaming: bool = False
+    outer_exchange: str = "auto"
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: str) -> ValueError:
@@ -220,6 +229,11 @@ class TopKConfig:
             setattr(self, name, float(getattr(self, name)))
         if not _is_int(self.outer_value_bits) or self.outer_value_bits not in OUTER_BITS:
             raise bad("outer_value_bits", f"one of {list(OUTER_BITS)}")
+        if self.outer_exchange not in OUTER_EXCHANGES:
+            raise bad("outer_exchange", f"one of {list(OUTER_EXCHANGES)}")
+        if self.outer_exchange == "scatter" and self.outer_streaming:
+            raise ValueError("topk_ddp: outer_exchange='scatter' does not stream (its owners re-select between two "
+                             "collectives); set outer_streaming=false, or outer_exchange='allgather' (or 'auto')")
         if self.auto_sparse_penalty is not None:
             if not _is_number(self.auto_sparse_penalty) or self.auto_sparse_penalty < 1.0:
                 raise bad("auto_sparse_penalty", "null (the measured table) or a number >= 1")

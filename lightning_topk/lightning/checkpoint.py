@@ -319,14 +319,16 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
 
 def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
     """Sparse local SGD saved and resumed, in another layout (world size, nodes, processes per node) or with
-    another ``outer_chunk``: the outer state is resharded (:func:`lightning_topk.comm.outer.reshard`)."""
+    another ``outer_chunk`` or ``outer_exchange``: the outer state is resharded
+    (:func:`lightning_topk.comm.outer.reshard`; it folds the scale-free exchange's owner buffers into ``ef``)."""
     saved = meta.get("config") or {}
     if cfg.local_steps <= 0 or int(saved.get("local_steps", 0) or 0) <= 0:
         return False
     return (int(meta.get("world_size", 0)) != int(strategy.world_size)
             or int(meta.get("num_nodes", 0)) != int(strategy.num_nodes)
             or int(meta.get("local_world_size", 0)) != int(strategy.num_processes)
-            or saved.get("outer_chunk") != cfg.outer_chunk)
+            or saved.get("outer_chunk") != cfg.outer_chunk
+            or saved.get("outer_exchange", "auto") != cfg.outer_exchange)
 
 
 def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any]:

@@ -356,3 +356,176 @@ def test_finish_in_flight_waits_for_the_streamed_round_and_destroy_groups_releas
     for launched, after, pending, groups, left in run_distributed(_drain_then_release, world=4):
         assert launched and not after and pending
         assert (groups, left) == (3, 1)  # the world, this rank's intra- and inter-node groups; then the world
+
+
+# ---- the scale-free outer exchange (outer_exchange="scatter") ------------------------------------------
+def _scatter_cfg(**kw):
+    base = dict(local_steps=2, outer_density=0.1, outer_chunk=96, outer_value_bits=4, outer_lr=1.0,
+                outer_momentum=0.0, outer_exchange="scatter")
+    base.update(kw)
+    return TopKConfig(**base)
+
+
+def _drift(m, rank, step):
+    """A deterministic per-rank change of the weights (an inner step's stand-in)."""
+    g = torch.Generator().manual_seed(100 * rank + step)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g))
+
+
+def _scatter_vs_allgather(rank, world):
+    """Density 1, fp32: the owners' re-selection sends everything, so the scale-free round is the all-gather's
+    average, bit for bit (the same summation order per entry)."""
+    out = {}
+    for ex in ("allgather", "scatter"):
+        m = _model()
+        st = OuterState(_scatter_cfg(outer_density=1.0, outer_value_bits=32, outer_exchange=ex, outer_momentum=0.9),
+                        list(m.named_parameters()))
+        for s in range(6):
+            _drift(m, rank, s)
+            st.step()
+        out[ex] = (_flat(m), st.exchange, float(st.owner_ef.abs().sum()) if ex == "scatter" else 0.0)
+    return out
+
+
+def test_scatter_at_density_one_fp32_is_the_allgather_average_bit_for_bit():
+    out = run_distributed(_scatter_vs_allgather, world=4)
+    for o in out:
+        assert o["allgather"][1] == "allgather" and o["scatter"][1] == "scatter"
+        assert torch.equal(o["scatter"][0], o["allgather"][0])
+        assert o["scatter"][2] == 0.0  # nothing left at the owners
+    assert all(torch.equal(o["scatter"][0], out[0]["scatter"][0]) for o in out)
+
+
+def _scatter_conservation(rank, world):
+    """One round at density 0.1, 4 bits, outer lr 1, momentum 0 (the update is g itself): the replicas' mean
+    error feedback, the owners' buffers and the applied update add up to the mean pseudo-gradient."""
+    m = _model()
+    st = OuterState(_scatter_cfg(local_steps=1), list(m.named_parameters()))
+    theta0 = st.theta.clone()
+    _drift(m, rank, 0)
+    delta = theta0 - st.flat_params()
+    assert st.step()
+    g = theta0 - st.theta
+    lo, hi = st._owner_range()
+    owned = torch.zeros_like(st.ef)
+    owned[lo:hi] = st.owner_ef[:hi - lo]
+    parts = torch.stack([delta, st.ef, owned])
+    everyone = [torch.empty_like(parts) for _ in range(world)]
+    dist.all_gather(everyone, parts)
+    d, e, o = (torch.stack([t[i] for t in everyone]) for i in range(3))
+    packet = st.layout.nbytes
+    return g, d.mean(0), e.mean(0), o.sum(0), st.stats.bytes, st.owner_layout.nbytes, packet, _flat(m)
+
+
+def test_scatter_conserves_the_pseudo_gradient_and_replicas_agree():
+    out = run_distributed(_scatter_conservation, world=4)
+    g, dmean, emean, osum, nbytes, seg, packet, theta = out[0]
+    assert float(g.abs().sum()) > 0 and float(osum.abs().sum()) > 0  # sent something, kept something at owners
+    assert torch.allclose(g + emean + osum, dmean, atol=1e-6)
+    assert nbytes == 2 * 3 * seg  # all-to-all (R - 1 segments) + ring all-gather (R - 1 segments)
+    assert nbytes < 3 * packet  # the all-gather's (R - 1) packets
+    assert all(torch.equal(o[7], theta) for o in out)  # θ_local := the same θ_outer on every replica
+
+
+def _scatter_resume(rank, world):
+    """Resume from a state dict taken inside a round equals the uninterrupted run; a world-size change
+    (reshard) keeps the pending update, owner buffers included; a skipped round leaves the owner buffer."""
+    from lightning_topk.comm.outer import reshard
+
+    def run(stop=7, sd=None, start=0, **kw):
+        m = _model()
+        st = OuterState(_scatter_cfg(local_steps=3, outer_momentum=0.9, outer_nesterov=True, outer_lr=0.7, **kw),
+                        list(m.named_parameters()))
+        if sd is not None:
+            st.load_state_dict(sd)
+        for s in range(start, stop):
+            _drift(m, rank, s)
+            st.step()
+        return m, st
+
+    full, _ = run()
+    _, half = run(stop=4)
+    sd = half.state_dict()
+    resumed, _ = run(sd=sd, start=4)
+    sections = [None] * world
+    dist.all_gather_object(sections, sd)
+    new = reshard(sections, 1, rank % 2)
+    # a plain all-gather run cannot take the owner buffer as is
+    m = _model()
+    other = OuterState(_scatter_cfg(local_steps=3, outer_exchange="allgather"), list(m.named_parameters()))
+    try:
+        other.load_state_dict(sd)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    # a skipped round: NaN on rank 3 at the round end
+    m = _model()
+    st = OuterState(_scatter_cfg(local_steps=2, nonfinite="skip"), list(m.named_parameters()))
+    for s in range(2):
+        _drift(m, rank, s)
+        st.step()
+    before = st.owner_ef.clone()
+    _drift(m, rank, 2)
+    st.step()
+    if rank == 3:
+        with torch.no_grad():
+            next(m.parameters()).view(-1)[0] = float("nan")
+    _drift(m, rank, 3)
+    st.step()
+    return (_flat(full), _flat(resumed), sd, new, refused, torch.equal(before, st.owner_ef),
+            float(before.abs().sum()), st.stats.skipped)
+
+
+def test_scatter_resumes_bit_exactly_reshards_its_owner_buffers_and_survives_a_skip():
+    out = run_distributed(_scatter_resume, world=4)
+    sds = [o[2] for o in out]
+    assert all(sd["position"] == 1 and "owner_ef" in sd for sd in sds)  # saved inside the second round
+    for full, resumed, _, _, refused, same, owned, skipped in out:
+        assert torch.equal(full, resumed)
+        assert "outer_exchange='scatter'" in refused and "'allgather'" in refused
+        assert same and owned > 0 and skipped == 1
+    # reshard to 2 replicas: every new replica's ef = the saved replicas' mean ef + the sum of owner buffers
+    names = list(sds[0]["ef"])
+    for n in names:
+        mean_ef = sum(sd["ef"][n].double() for sd in sds) / 4
+        owners = sum(sd["owner_ef"][n].double() for sd in sds)
+        assert float(owners.abs().sum()) > 0 or n.endswith("bias")
+        for o in out:
+            assert "owner_ef" not in o[3]
+            assert torch.allclose(o[3]["ef"][n].double(), mean_ef + owners, atol=1e-6)
+
+
+def test_outer_exchange_option_and_auto_rule():
+    from lightning_topk.comm.outer import SCATTER_MIN_REPLICAS, outer_exchange_for
+
+    with pytest.raises(ValueError, match="outer_exchange must be one of"):
+        TopKConfig(local_steps=4, outer_exchange="ring")
+    with pytest.raises(ValueError, match="outer_exchange='scatter' does not stream"):
+        TopKConfig(local_steps=4, outer_exchange="scatter", outer_streaming=True)
+    auto = TopKConfig(local_steps=4)
+    assert auto.outer_exchange == "auto"
+    assert [outer_exchange_for(auto, r) for r in (1, 2, 3, SCATTER_MIN_REPLICAS, 16)] == \
+        ["allgather", "allgather", "allgather", "scatter", "scatter"]
+    streamed = TopKConfig(local_steps=4, outer_streaming=True, outer_momentum=0.0)
+    assert outer_exchange_for(streamed, 16) == "allgather"
+    pinned = TopKConfig(local_steps=4, outer_exchange="scatter")
+    assert outer_exchange_for(pinned, 2) == "scatter" and outer_exchange_for(pinned, 1) == "allgather"
+
+
+def test_scatter_bytes_per_replica_stay_flat_in_the_replica_count():
+    """Pure arithmetic at the topk_local_wan preset: (R - 1) packets for the all-gather, 2 (R - 1) segments of
+    ceil(C / R) chunks for the scale-free exchange."""
+    from lightning_topk.comm.outer import owner_chunks
+
+    n, c = 11_326_410, 4096
+    C = -(-n // c)
+    lay = PacketLayout(C, c, chunk_k(c, 0.02), 2)
+    rows = []
+    for R in (2, 4, 8, 16, 32):
+        seg = PacketLayout(owner_chunks(C, R), c, chunk_k(c, 0.02), 2).nbytes
+        rows.append(((R - 1) * lay.nbytes, 2 * (R - 1) * seg))
+    ag, sc = zip(*rows)
+    assert sc[-1] < 2.1 * lay.nbytes and ag[-1] == 31 * lay.nbytes
+    assert sc[1] <= 1.001 * ag[1] / 2  # half at R = 4 (the last owner's padded chunks aside)

@@ -185,7 +185,7 @@ class LocalExchange(Exchange):
             for s in (st.totals,):
                 s.bytes_wire += nbytes
                 # the packet, and the float buffers' fp32 all-reduce (BatchNorm statistics) if it ran
-                s.bytes_sent += self.outer.layout.nbytes + (4 * self.outer.nbuf if self.outer.stats.buffer_bytes else 0)
+                s.bytes_sent += self.outer.payload_bytes + (4 * self.outer.nbuf if self.outer.stats.buffer_bytes else 0)
                 setattr(s, link, getattr(s, link) + nbytes)
             st.totals.comm_time_s += self.outer.stats.time_s
             self._outer_stats(st.last)
