@@ -19,8 +19,8 @@ weights) runs H inner optimizer steps alone. Then, on every rank:
    decodes the same sum and averages it over the replicas. Or (``outer_exchange``, :func:`outer_exchange_for`)
    the scale-free exchange: every replica owns a range of chunks; one all-to-all sends each owner the
    replicas' packets of its range, the owner averages them, adds its own error feedback and re-selects the
-   top-k at the same density and bits, and one all-gather of the owners' ranges gives every rank the same
-   update (:meth:`OuterState._scatter_round`): about 2 (R − 1)/R packets out per replica, against R − 1;
+   top-k at twice the density (``OWNER_K_FACTOR``), and one all-gather of the owners' ranges gives every rank
+   the same update (:meth:`OuterState._scatter_round`): about 3 (R − 1)/R packets out per replica, against R − 1;
 7. the outer optimizer: SGD on the averaged pseudo-gradient ``g``: ``m = μ m + g``; step ``g + μ m``
    (Nesterov, DiLoCo) or ``m``; ``θ_outer −= outer_lr · step``. ``μ = 0`` with error feedback is SparseLoCo;
 8. ``θ_local := θ_outer`` on every replica, and the module's floating-point buffers (BatchNorm's running
@@ -326,9 +326,14 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
 
 
 # ---- how the replicas exchange ---------------------------------------------------------------------
-# ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on: it sends about
-# 2 (R - 1)/R packets per replica per round against the all-gather's R - 1 (half at R = 4, and it stays under
-# 2 packets at any R), at the price of a second top-k at the owners (BENCHMARKS.md, "Scale-free outer exchange").
+# The scale-free exchange's owners re-select the averaged sum of R replicas' top-k (up to R k entries per chunk)
+# at this many times the density: at 1x the owners' error feedback held back most of it and 4-node accuracy fell
+# (digits -4.1 points against ddp, all-gather -2.4; MNIST-5k -1.7 against -0.7); at 2x it matched the
+# all-gather's (-2.4, -0.4), at 4x too (BENCHMARKS.md, "Scale-free outer exchange").
+OWNER_K_FACTOR = 2
+# ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on, where it sends fewer bytes:
+# (R - 1)/R of a packet in the all-to-all plus (R - 1)/R of a twice-as-dense packet in the all-gather, about
+# 3 (R - 1)/R packets per replica per round whatever R, against the all-gather's R - 1 (0.75x at R = 4).
 SCATTER_MIN_REPLICAS = 4
 
 
@@ -421,6 +426,8 @@ class OuterState:
         self.per = owner_chunks(Cs, R)
         self.owner = dist.get_rank(self.inter) if self.exchange == "scatter" else 0
         self.owner_layout = PacketLayout(self.per, c, self.layout.k, config.outer_value_bits)
+        self.owner_out_layout = PacketLayout(self.per, c, min(c, math.ceil(OWNER_K_FACTOR * self.layout.k)),
+                                             config.outer_value_bits)
         self.owner_ef = torch.zeros(self.per * c if self.exchange == "scatter" else 0, device=dev)
         self.theta = self.flat_params()  # θ_outer
         self.buffer_anchor = self.flat_buffers()  # the float buffers at the start of the round (same on every rank)
@@ -572,10 +579,10 @@ class OuterState:
 
     def packet_bytes_out(self, replicas: int) -> int:
         """Bytes of outer packets that leave this rank in one round among ``replicas`` replicas: R − 1 packets in
-        a ring all-gather; the scale-free exchange sends R − 1 owner segments in its all-to-all and R − 1 more in
-        its ring all-gather of the owners' ranges (a segment is a packet of ``owner_chunks`` chunks)."""
+        a ring all-gather; the scale-free exchange sends R − 1 segments (packets of ``owner_chunks`` chunks) in
+        its all-to-all and R − 1 owner segments (twice as dense) in its ring all-gather."""
         if self.exchange == "scatter":
-            return 2 * (replicas - 1) * self.owner_layout.nbytes
+            return (replicas - 1) * (self.owner_layout.nbytes + self.owner_out_layout.nbytes)
         return (replicas - 1) * self.layout.nbytes
 
     @property
@@ -583,7 +590,7 @@ class OuterState:
         """The bytes of packets this rank makes in one round: its packet (all-gather), or its R owner segments
         plus its owner's re-selected segment (scale-free)."""
         if self.exchange == "scatter":
-            return (self._replicas() + 1) * self.owner_layout.nbytes
+            return self._replicas() * self.owner_layout.nbytes + self.owner_out_layout.nbytes
         return self.layout.nbytes
 
     def _scatter_round(self) -> Tensor:
@@ -591,9 +598,9 @@ class OuterState:
         rank's shard, the same on every replica). Each replica compresses each owner's chunk range into a segment
         (``owner_layout``: the same size for every owner, the last range zero-padded) and sends it to that
         owner (one all-to-all); each owner decodes the R segments in rank order, averages them, adds its owner
-        error feedback, re-selects the top-k per chunk at the same density and bits (the owner buffer keeps
-        what was not sent, as ``ef`` does), and the owners' segments are all-gathered and decoded by every
-        replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners'
+        error feedback, re-selects the top-k per chunk at ``OWNER_K_FACTOR`` times the density, at the same bits
+        (``owner_out_layout``; the owner buffer keeps what was not sent, as ``ef`` does), and the owners'
+        segments are all-gathered and decoded by every replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners'
         sent values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
         lay, R, per, c = self.owner_layout, self._replicas(), self.per, self.layout.c
         C, S = self.layout.C, self.owner_layout.nbytes
@@ -616,13 +623,15 @@ class OuterState:
         for r in range(R):  # fixed order: the same sum wherever it is computed
             decode_into(acc, recv[r * S:(r + 1) * S], lay)
         acc.div_(R).add_(self.owner_ef)
-        mine, _ = compress(acc, lay, want_sent=False)
+        out_lay = self.owner_out_layout
+        mine, _ = compress(acc, out_lay, want_sent=False)
         self.owner_ef = acc
-        gathered = torch.empty(R * S, dtype=torch.uint8, device=send.device)
+        So = out_lay.nbytes
+        gathered = torch.empty(R * So, dtype=torch.uint8, device=send.device)
         _all_gather(gathered, mine, group=self.inter)
         g = torch.zeros(R * per * c, dtype=torch.float32, device=send.device)
         for r in range(R):
-            decode_into(g[r * per * c:(r + 1) * per * c], gathered[r * S:(r + 1) * S], lay)
+            decode_into(g[r * per * c:(r + 1) * per * c], gathered[r * So:(r + 1) * So], out_lay)
         return g[:self.shard]
 
     def _owner_range(self) -> Tuple[int, int]:

@@ -416,7 +416,8 @@ def _scatter_conservation(rank, world):
     dist.all_gather(everyone, parts)
     d, e, o = (torch.stack([t[i] for t in everyone]) for i in range(3))
     packet = st.layout.nbytes
-    return g, d.mean(0), e.mean(0), o.sum(0), st.stats.bytes, st.owner_layout.nbytes, packet, _flat(m)
+    seg = st.owner_layout.nbytes + st.owner_out_layout.nbytes
+    return g, d.mean(0), e.mean(0), o.sum(0), st.stats.bytes, seg, packet, _flat(m)
 
 
 def test_scatter_conserves_the_pseudo_gradient_and_replicas_agree():
@@ -424,7 +425,7 @@ def test_scatter_conserves_the_pseudo_gradient_and_replicas_agree():
     g, dmean, emean, osum, nbytes, seg, packet, theta = out[0]
     assert float(g.abs().sum()) > 0 and float(osum.abs().sum()) > 0  # sent something, kept something at owners
     assert torch.allclose(g + emean + osum, dmean, atol=1e-6)
-    assert nbytes == 2 * 3 * seg  # all-to-all (R - 1 segments) + ring all-gather (R - 1 segments)
+    assert nbytes == 3 * seg  # all-to-all (R - 1 segments) + ring all-gather (R - 1 owner segments)
     assert nbytes < 3 * packet  # the all-gather's (R - 1) packets
     assert all(torch.equal(o[7], theta) for o in out)  # θ_local := the same θ_outer on every replica
 
@@ -515,17 +516,20 @@ def test_outer_exchange_option_and_auto_rule():
 
 
 def test_scatter_bytes_per_replica_stay_flat_in_the_replica_count():
-    """Pure arithmetic at the topk_local_wan preset: (R - 1) packets for the all-gather, 2 (R - 1) segments of
-    ceil(C / R) chunks for the scale-free exchange."""
-    from lightning_topk.comm.outer import owner_chunks
+    """Pure arithmetic at the topk_local_wan preset: (R - 1) packets for the all-gather; for the scale-free
+    exchange (R - 1) segments of ceil(C / R) chunks and (R - 1) owner segments at twice the density."""
+    from lightning_topk.comm.outer import OWNER_K_FACTOR, owner_chunks
 
     n, c = 11_326_410, 4096
     C = -(-n // c)
-    lay = PacketLayout(C, c, chunk_k(c, 0.02), 2)
+    k = chunk_k(c, 0.02)
+    lay = PacketLayout(C, c, k, 2)
     rows = []
     for R in (2, 4, 8, 16, 32):
-        seg = PacketLayout(owner_chunks(C, R), c, chunk_k(c, 0.02), 2).nbytes
-        rows.append(((R - 1) * lay.nbytes, 2 * (R - 1) * seg))
+        per = owner_chunks(C, R)
+        seg = PacketLayout(per, c, k, 2).nbytes + PacketLayout(per, c, min(c, OWNER_K_FACTOR * k), 2).nbytes
+        rows.append(((R - 1) * lay.nbytes, (R - 1) * seg))
     ag, sc = zip(*rows)
-    assert sc[-1] < 2.1 * lay.nbytes and ag[-1] == 31 * lay.nbytes
-    assert sc[1] <= 1.001 * ag[1] / 2  # half at R = 4 (the last owner's padded chunks aside)
+    assert sc[-1] < 3.1 * lay.nbytes and ag[-1] == 31 * lay.nbytes
+    assert sc[1] <= 1.001 * 0.75 * ag[1]  # 0.75x at R = 4 (the last owner's padded chunks aside)
+    assert sc[0] > ag[0]  # at R = 2 it would send more: auto keeps the all-gather there
