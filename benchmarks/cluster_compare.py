@@ -57,6 +57,10 @@ ENTRIES: Dict[str, List[str]] = {
     "topk_local_h8_wan": ["--strategy", "topk_ddp", "--local-steps", "8", "--outer-density", "0.02", "--outer-bits", "2"],
     "topk_local_h4_wan": ["--strategy", "topk_ddp", "--local-steps", "4", "--outer-density", "0.02", "--outer-bits", "2"],
     "topk_local_h8_5pct": ["--strategy", "topk_ddp", "--local-steps", "8", "--outer-density", "0.05", "--outer-bits", "2"],
+    # the local presets with the outer all-gather pinned (at 4 nodes outer_exchange="auto" is the scale-free one)
+    "topk_local_ag": ["--strategy", "topk_ddp", "--local-steps", "16", "--outer-exchange", "allgather"],
+    "topk_local_wan_ag": ["--strategy", "topk_ddp", "--local-steps", "64", "--outer-density", "0.02", "--outer-bits", "2",
+                          "--outer-exchange", "allgather"],
     # the ceiling of local SGD with several processes per node: the node's dense all-reduce every inner step and
     # no outer round within the run (local_steps far beyond --max-steps); not a usable configuration
     "node_allreduce_only": ["--strategy", "topk_ddp", "--local-steps", "1000000"],
@@ -259,7 +263,7 @@ def targets(rows: Dict[str, dict], rate_bits: Optional[float]) -> List[str]:
 LOCAL_SGD = ("topk_local", "topk_local_stream", "topk_local_h64", "topk_local_nosync", "topk_local_stream_mu0",
              "topk_local_wan", "topk_local_wan32", "topk_local_wan_copy", "topk_local_wan_stream",
              "topk_local_h8", "topk_local_h8_wan", "topk_local_h4_wan", "topk_local_h8_5pct",
-             "node_allreduce_only")
+             "node_allreduce_only", "topk_local_ag", "topk_local_wan_ag")
 PER_STEP = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
             "topk_hier_0.01", "topk_0.001")
 

@@ -57,6 +57,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--outer-density", type=float, default=0.1, help="topk_ddp --local-steps: outer top-k density")
     p.add_argument("--outer-bits", type=int, default=4, help="topk_ddp --local-steps: bits per outer value")
     p.add_argument("--outer-streaming", action="store_true", help="topk_ddp --local-steps: apply one round late")
+    p.add_argument("--outer-exchange", default=None, choices=("auto", "allgather", "scatter"),
+                   help="topk_ddp --local-steps: how replicas exchange outer packets (default: the strategy's)")
     p.add_argument("--grad-copies", action="store_true",
                    help="topk_ddp: gradient_as_bucket_view=False (DDP copies gradients into its buckets and back "
                         "every step; the strategy's behaviour before 2026-11-25)")
@@ -201,7 +203,7 @@ def make_strategy(args: argparse.Namespace):
         if args.int32_indices:
             _int32_indices()
         if args.local_steps > 0:
-            for opt in ("outer_lr", "outer_momentum"):
+            for opt in ("outer_lr", "outer_momentum", "outer_exchange"):
                 if getattr(args, opt) is not None:
                     extra[opt] = getattr(args, opt)
             return TopKDDPStrategy(local_steps=args.local_steps, outer_density=args.outer_density,

@@ -61,6 +61,8 @@ class ThroughputMonitor(pl.Callback):
             vals.update(local_steps=cfg.local_steps, outer_density=cfg.outer_density,
                         outer_value_bits=cfg.outer_value_bits, outer_streaming=float(cfg.outer_streaming),
                         dense_steps=cfg.dense_steps)
+            exchange = getattr(getattr(trainer.strategy, "topk_state", None), "exchange", None)
+            vals["outer_scatter"] = float(getattr(getattr(exchange, "outer", None), "exchange", "") == "scatter")
         for k, v in vals.items():
             trainer.callback_metrics[f"{PREFIX}{k}"] = torch.tensor(float(v), dtype=torch.float64)
 
@@ -174,6 +176,7 @@ def exchange_mode(stats: Mapping[str, float]) -> Optional[str]:
         return "per-step exchange"
     return (f"sparse local SGD: {h} local steps per outer round, outer density {stats['outer_density']:g}, "
             f"{int(stats['outer_value_bits'])}-bit values" + (", streaming" if stats.get("outer_streaming") else "")
+            + (", scale-free outer exchange" if stats.get("outer_scatter") else "")
             + (f", first {int(stats['dense_steps'])} steps synchronous" if stats.get("dense_steps") else ""))
 
 

@@ -33,6 +33,26 @@ def test_resume_inside_an_outer_round_is_bit_exact(tmp_path):
     assert straight[0]["rounds"] == 4 and straight[0]["metrics"]["topk/outer_bytes"] > 0
 
 
+def test_four_nodes_take_the_scale_free_outer_exchange_and_resume_bit_exactly(tmp_path):
+    # 4 nodes x 1: outer_exchange="auto" is the scale-free exchange. Saved 2 steps into the second round with the
+    # owners' error feedback set; the resume equals the uninterrupted run bit for bit, and resuming the same
+    # checkpoint under the all-gather folds the owners' buffers into the replicas' (a reshard) and trains on.
+    common = ["--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
+              "--outer-momentum", "0.9", "--epochs", "4"]
+    straight = _run(tmp_path, "straight", *common, world=4, nodes=4)
+    ckpt = str(tmp_path / "e2.ckpt")
+    stop = _run(tmp_path, "stop", *common[:-1], "2", "--save", ckpt, world=4, nodes=4)
+    assert stop[0]["steps"] == 6 and stop[0]["position"] == 2  # 3 steps per epoch at 4 nodes; a round at step 4
+    assert all(s["outer_exchange"] == "scatter" and float(s["owner_ef"].abs().sum()) > 0 for s in stop)
+    resumed = _run(tmp_path, "resumed", *common, "--resume", ckpt, world=4, nodes=4)
+    for r in range(4):
+        assert resumed[r]["steps"] == straight[r]["steps"] == 12
+        assert torch.equal(resumed[r]["flat"], straight[r]["flat"]), r
+    switched = _run(tmp_path, "switched", *common, "--resume", ckpt, "--outer-exchange", "allgather", world=4, nodes=4)
+    assert all(s["outer_exchange"] == "allgather" and s["steps"] == 12 for s in switched)
+    assert all(torch.equal(s["flat"], switched[0]["flat"]) for s in switched)  # replicas agree after the last round
+
+
 def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
     ddp = _run(tmp_path, "ddp", "--strategy", "ddp", "--epochs", "10")
     local = _run(tmp_path, "local", "--epochs", "10", "--H", "8", "--density", "0.1", "--bits", "4",
@@ -350,6 +370,7 @@ def test_run_summary_mode_names_the_synchronous_steps():
     base = {"local_steps": 4.0, "outer_density": 1.0, "outer_value_bits": 4.0, "outer_streaming": 0.0}
     assert exchange_mode(base) == "sparse local SGD: 4 local steps per outer round, outer density 1, 4-bit values"
     assert exchange_mode({**base, "dense_steps": 160.0}).endswith(", first 160 steps synchronous")
+    assert exchange_mode({**base, "outer_scatter": 1.0}).endswith("4-bit values, scale-free outer exchange")
 
 
 def test_buffers_are_averaged_over_every_rank_at_each_outer_round(tmp_path):

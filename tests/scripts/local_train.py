@@ -159,6 +159,7 @@ def main() -> None:
     ap.add_argument("--outer-momentum", type=float, default=0.0)
     ap.add_argument("--ef-decay", type=float, default=1.0)
     ap.add_argument("--streaming", action="store_true")
+    ap.add_argument("--outer-exchange", default="auto")
     ap.add_argument("--dense-steps", type=int, default=0, help="synchronous first steps (post-local SGD)")
     ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--devices", type=int, default=1, help="processes per node")
@@ -180,7 +181,8 @@ def main() -> None:
         strategy = TopKDDPStrategy(local_steps=a.H, outer_density=a.density, outer_value_bits=a.bits,
                                    outer_chunk=a.chunk, outer_lr=a.outer_lr, outer_momentum=a.outer_momentum,
                                    outer_ef_decay=a.ef_decay, outer_streaming=a.streaming, nonfinite=a.nonfinite,
-                                   dense_steps=a.dense_steps, process_group_backend="gloo")
+                                   dense_steps=a.dense_steps, outer_exchange=a.outer_exchange,
+                                   process_group_backend="gloo")
     if a.fabric:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
@@ -205,6 +207,8 @@ def main() -> None:
     torch.save({"flat": flat, "acc": acc, "steps": trainer.global_step,
                 "rounds": outer.stats.rounds if outer is not None else 0,
                 "position": outer.position if outer is not None else -1,
+                "outer_exchange": outer.exchange if outer is not None else None,
+                "owner_ef": outer.owner_ef.clone() if outer is not None else None,
                 "skips": ctl.skipped_steps if ctl is not None else -1, "start": getattr(model, "start", None),
                 "grad_views": getattr(model, "grad_views", None), "bypass": getattr(ex, "bypass", None),
                 "buffer_sync": getattr(model, "buffer_sync", None),
