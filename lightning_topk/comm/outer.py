@@ -331,22 +331,37 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
 # (digits -4.1 points against ddp, all-gather -2.4; MNIST-5k -1.7 against -0.7); at 2x it matched the
 # all-gather's (-2.4, -0.4), at 4x too (BENCHMARKS.md, "Scale-free outer exchange").
 OWNER_K_FACTOR = 2
-# ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on, where it sends fewer bytes:
-# (R - 1)/R of a packet in the all-to-all plus (R - 1)/R of a twice-as-dense packet in the all-gather, about
-# 3 (R - 1)/R packets per replica per round whatever R, against the all-gather's R - 1 (0.75x at R = 4).
-SCATTER_MIN_REPLICAS = 4
+# ``outer_exchange="auto"`` takes the scale-free exchange where it sends at most this share of the all-gather's
+# bytes. It pays two collectives and a second selection for them: on the namespace cluster at 4 replicas it was
+# faster at 0.57 of the bytes (topk_local: 1.17x / 1.28x samples/s at 100 / 10 Mbit/s) and not at 0.75
+# (topk_local_wan: 0.96x / 0.97x); BENCHMARKS.md, "Scale-free outer exchange".
+SCATTER_MAX_BYTE_SHARE = 0.6
 
 
-def outer_exchange_for(config: TopKConfig, replicas: int) -> str:
-    """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas. Decided
-    from the option and the number of replicas alone, so every rank agrees and every run decides the same: one
-    replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is ``"scatter"`` from
-    ``SCATTER_MIN_REPLICAS`` replicas on, except with ``outer_streaming`` (the scale-free exchange does not stream)."""
+def scatter_bytes(layout: "PacketLayout", replicas: int) -> int:
+    """Bytes a replica sends per round in the scale-free exchange of a shard of ``layout``: R − 1 segments of
+    ``owner_chunks`` chunks in the all-to-all and R − 1 owner segments at ``OWNER_K_FACTOR`` times the density in
+    the ring all-gather (:meth:`OuterState._scatter_round`)."""
+    per = owner_chunks(layout.C, replicas)
+    seg = PacketLayout(per, layout.c, layout.k, layout.bits, layout.indices)
+    out = PacketLayout(per, layout.c, min(layout.c, OWNER_K_FACTOR * layout.k), layout.bits, layout.indices)
+    return (replicas - 1) * (seg.nbytes + out.nbytes)
+
+
+def outer_exchange_for(config: TopKConfig, replicas: int, layout: "PacketLayout") -> str:
+    """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas for a
+    shard of ``layout``. Decided from the option, the replica count and the layout alone, so every rank agrees
+    and every run decides the same: one replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is
+    ``"scatter"`` where its bytes are at most ``SCATTER_MAX_BYTE_SHARE`` of the all-gather's ((R − 1) packets),
+    except with ``outer_streaming`` (the scale-free exchange does not stream)."""
     choice = getattr(config, "outer_exchange", "auto")
     if replicas <= 1:
         return "allgather"
     if choice == "auto":
-        return "scatter" if replicas >= SCATTER_MIN_REPLICAS and not config.outer_streaming else "allgather"
+        if config.outer_streaming:
+            return "allgather"
+        share = scatter_bytes(layout, replicas) / ((replicas - 1) * layout.nbytes)
+        return "scatter" if share <= SCATTER_MAX_BYTE_SHARE else "allgather"
     return choice
 
 
@@ -420,7 +435,7 @@ class OuterState:
         self.lo = local_rank * self.shard
         self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
         R = self._replicas()
-        self.exchange = outer_exchange_for(config, R)
+        self.exchange = outer_exchange_for(config, R, self.layout)
         # scale-free exchange: this replica owns chunks [owner * per, (owner + 1) * per) of the shard and keeps
         # the error feedback of their averaged, re-selected sum (mean units)
         self.per = owner_chunks(Cs, R)
@@ -582,7 +597,7 @@ class OuterState:
         a ring all-gather; the scale-free exchange sends R − 1 segments (packets of ``owner_chunks`` chunks) in
         its all-to-all and R − 1 owner segments (twice as dense) in its ring all-gather."""
         if self.exchange == "scatter":
-            return (replicas - 1) * (self.owner_layout.nbytes + self.owner_out_layout.nbytes)
+            return scatter_bytes(self.layout, replicas)
         return (replicas - 1) * self.layout.nbytes
 
     @property

@@ -153,8 +153,9 @@ class TopKConfig:
             every packet: R − 1 packets in per round), ``"scatter"`` (scale-free: each replica owns a range of
             chunks, averages the replicas' packets of it and re-selects it at twice the density with its own
             error feedback, then the owners' ranges are all-gathered: about 3 (R − 1)/R packets per round,
-            whatever R) or ``"auto"`` (decided from the
-            number of replicas alone, the same on every rank: :func:`~lightning_topk.comm.outer.outer_exchange_for`).
+            whatever R) or ``"auto"`` (``"scatter"`` where it
+            sends at most 0.6 of the all-gather's bytes, decided from the number of replicas and the packet layout
+            alone, the same on every rank: :func:`~lightning_topk.comm.outer.outer_exchange_for`).
             ``"scatter"`` does not stream: with ``outer_streaming`` it is an error, and ``"auto"`` picks
             ``"allgather"``.
     """

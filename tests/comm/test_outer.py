@@ -499,20 +499,26 @@ def test_scatter_resumes_bit_exactly_reshards_its_owner_buffers_and_survives_a_s
 
 
 def test_outer_exchange_option_and_auto_rule():
-    from lightning_topk.comm.outer import SCATTER_MIN_REPLICAS, outer_exchange_for
+    from lightning_topk.comm.outer import SCATTER_MAX_BYTE_SHARE, outer_exchange_for, scatter_bytes
 
     with pytest.raises(ValueError, match="outer_exchange must be one of"):
         TopKConfig(local_steps=4, outer_exchange="ring")
     with pytest.raises(ValueError, match="outer_exchange='scatter' does not stream"):
         TopKConfig(local_steps=4, outer_exchange="scatter", outer_streaming=True)
+    C, c = 2766, 4096  # the cluster model's 11.3M parameters, one process per node
+    local = PacketLayout(C, c, chunk_k(c, 0.1), 4)   # topk_local: 10% at 4 bits (bitmap positions)
+    wan = PacketLayout(C, c, chunk_k(c, 0.02), 2)    # topk_local_wan: 2% at 2 bits (int16 positions)
     auto = TopKConfig(local_steps=4)
     assert auto.outer_exchange == "auto"
-    assert [outer_exchange_for(auto, r) for r in (1, 2, 3, SCATTER_MIN_REPLICAS, 16)] == \
+    # auto: the scale-free exchange where it sends at most SCATTER_MAX_BYTE_SHARE of the all-gather's bytes
+    assert [outer_exchange_for(auto, r, local) for r in (1, 2, 3, 4, 16)] == \
         ["allgather", "allgather", "allgather", "scatter", "scatter"]
+    assert [outer_exchange_for(auto, r, wan) for r in (2, 4, 8)] == ["allgather", "allgather", "scatter"]
+    assert scatter_bytes(local, 4) <= SCATTER_MAX_BYTE_SHARE * 3 * local.nbytes < scatter_bytes(wan, 4) * local.nbytes / wan.nbytes
     streamed = TopKConfig(local_steps=4, outer_streaming=True, outer_momentum=0.0)
-    assert outer_exchange_for(streamed, 16) == "allgather"
+    assert outer_exchange_for(streamed, 16, local) == "allgather"
     pinned = TopKConfig(local_steps=4, outer_exchange="scatter")
-    assert outer_exchange_for(pinned, 2) == "scatter" and outer_exchange_for(pinned, 1) == "allgather"
+    assert outer_exchange_for(pinned, 2, wan) == "scatter" and outer_exchange_for(pinned, 1, wan) == "allgather"
 
 
 def test_scatter_bytes_per_replica_stay_flat_in_the_replica_count():
