@@ -336,6 +336,10 @@ OWNER_K_FACTOR = 2
 # faster at 0.57 of the bytes (topk_local: 1.17x / 1.28x samples/s at 100 / 10 Mbit/s) and not at 0.75
 # (topk_local_wan: 0.96x / 0.97x); BENCHMARKS.md, "Scale-free outer exchange".
 SCATTER_MAX_BYTE_SHARE = 0.6
+# ... and only from this many bits per value: an owner re-quantizes the average of R replicas' codes, and with
+# 2-bit (ternary) codes that lost accuracy (topk_local_wan's settings at 4 nodes: 0.699 test accuracy after 128
+# steps against the all-gather's 0.917, both rates; BENCHMARKS.md).
+SCATTER_MIN_BITS = 4
 
 
 def scatter_bytes(layout: "PacketLayout", replicas: int) -> int:
@@ -352,13 +356,14 @@ def outer_exchange_for(config: TopKConfig, replicas: int, layout: "PacketLayout"
     """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas for a
     shard of ``layout``. Decided from the option, the replica count and the layout alone, so every rank agrees
     and every run decides the same: one replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is
-    ``"scatter"`` where its bytes are at most ``SCATTER_MAX_BYTE_SHARE`` of the all-gather's ((R − 1) packets),
-    except with ``outer_streaming`` (the scale-free exchange does not stream)."""
+    ``"scatter"`` where its bytes are at most ``SCATTER_MAX_BYTE_SHARE`` of the all-gather's ((R − 1) packets)
+    and the values have at least ``SCATTER_MIN_BITS`` bits, except with ``outer_streaming`` (the scale-free
+    exchange does not stream)."""
     choice = getattr(config, "outer_exchange", "auto")
     if replicas <= 1:
         return "allgather"
     if choice == "auto":
-        if config.outer_streaming:
+        if config.outer_streaming or config.outer_value_bits < SCATTER_MIN_BITS:
             return "allgather"
         share = scatter_bytes(layout, replicas) / ((replicas - 1) * layout.nbytes)
         return "scatter" if share <= SCATTER_MAX_BYTE_SHARE else "allgather"

@@ -513,7 +513,11 @@ def test_outer_exchange_option_and_auto_rule():
     # auto: the scale-free exchange where it sends at most SCATTER_MAX_BYTE_SHARE of the all-gather's bytes
     assert [outer_exchange_for(auto, r, local) for r in (1, 2, 3, 4, 16)] == \
         ["allgather", "allgather", "allgather", "scatter", "scatter"]
-    assert [outer_exchange_for(auto, r, wan) for r in (2, 4, 8)] == ["allgather", "allgather", "scatter"]
+    wan4 = PacketLayout(C, c, chunk_k(c, 0.02), 4)
+    assert [outer_exchange_for(auto, r, wan4) for r in (2, 4, 8)] == ["allgather", "allgather", "scatter"]
+    # 2-bit values: the owners would re-quantize an average of ternary codes; auto keeps the all-gather
+    wan_cfg = TopKConfig(local_steps=64, outer_density=0.02, outer_value_bits=2)
+    assert [outer_exchange_for(wan_cfg, r, wan) for r in (4, 8, 64)] == ["allgather"] * 3
     assert scatter_bytes(local, 4) <= SCATTER_MAX_BYTE_SHARE * 3 * local.nbytes < scatter_bytes(wan, 4) * local.nbytes / wan.nbytes
     streamed = TopKConfig(local_steps=4, outer_streaming=True, outer_momentum=0.0)
     assert outer_exchange_for(streamed, 16, local) == "allgather"
