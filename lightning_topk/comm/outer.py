@@ -333,26 +333,60 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
 OWNER_K_FACTOR = 2
 # ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on, where it sends fewer bytes:
 # (R - 1)/R of a packet in the all-to-all plus (R - 1)/R of a twice-as-dense packet in the all-gather, about
-# 3 (R - 1)/R packets per replica per round whatever R, against the all-gather's R - 1 (0.75x at R = 4).
+# 2.3-3 (R - 1)/R packets per replica per round whatever R (the owners' segments grow by the values only where
+# the bitmap carries the positions), against the all-gather's R - 1 (0.57-0.75x at R = 4). At R = 3 it would
+# save bytes too (0.76x at topk_local's 10% 4-bit, 1.00x at topk_local_wan's 2% 2-bit) but its accuracy there
+# was not measured.
 SCATTER_MIN_REPLICAS = 4
 
 
-def outer_exchange_for(config: TopKConfig, replicas: int) -> str:
-    """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas. Decided
-    from the option and the number of replicas alone, so every rank agrees and every run decides the same: one
-    replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is ``"scatter"`` from
-    ``SCATTER_MIN_REPLICAS`` replicas on, except with ``outer_streaming`` (the scale-free exchange does not stream)."""
+def outer_exchange_for(config: TopKConfig, replicas: int, layout: Optional[PacketLayout] = None) -> str:
+    """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas for a
+    shard of packet layout ``layout``. Decided from the option, the number of replicas and the layout alone (the
+    same on every rank: the shards are the same size; no timing), so every rank agrees and every run decides the
+    same: one replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is ``"scatter"`` from
+    ``SCATTER_MIN_REPLICAS`` replicas on where it sends strictly fewer bytes than the all-gather
+    (:func:`round_bytes_out`; not where the shard has too few chunks to split among the owners, e.g.
+    ``outer_chunk=0``: one chunk, one owner, 3x the all-gather's bytes), and never with ``outer_streaming``
+    (the scale-free exchange does not stream). Without ``layout`` the bytes are not compared."""
     choice = getattr(config, "outer_exchange", "auto")
     if replicas <= 1:
         return "allgather"
     if choice == "auto":
-        return "scatter" if replicas >= SCATTER_MIN_REPLICAS and not config.outer_streaming else "allgather"
+        if replicas < SCATTER_MIN_REPLICAS or config.outer_streaming:
+            return "allgather"
+        if layout is not None and round_bytes_out(layout, replicas, "scatter") >= \
+                round_bytes_out(layout, replicas, "allgather"):
+            return "allgather"
+        return "scatter"
     return choice
 
 
 def owner_chunks(C: int, replicas: int) -> int:
     """Chunks each replica owns in the scale-free exchange (the last owner's range is zero-padded)."""
     return max(1, -(-C // replicas))
+
+
+def owner_layouts(lay: PacketLayout, replicas: int) -> Tuple[PacketLayout, PacketLayout]:
+    """The scale-free exchange's two segment layouts for a shard of layout ``lay`` among ``replicas`` replicas:
+    (what a replica sends each owner: ``owner_chunks`` chunks at the replicas' ``k``; what an owner sends every
+    replica: the same chunks at ``OWNER_K_FACTOR`` times ``k``, at most dense)."""
+    per = owner_chunks(lay.C, replicas)
+    return (PacketLayout(per, lay.c, lay.k, lay.bits, lay.indices),
+            PacketLayout(per, lay.c, min(lay.c, math.ceil(OWNER_K_FACTOR * lay.k)), lay.bits, lay.indices))
+
+
+def round_bytes_out(lay: PacketLayout, replicas: int, exchange: str) -> int:
+    """Bytes of outer packets that leave one rank per round among ``replicas`` replicas (pure arithmetic; what
+    :attr:`OuterStats.bytes` counts, the buffers' all-reduce aside). ``"allgather"``: R − 1 packets (ring
+    all-gather). ``"scatter"``: R − 1 segments in the all-to-all (its own stays) plus R − 1 owner segments in
+    the ring all-gather. The bytes a rank receives are the same."""
+    if replicas <= 1:
+        return 0
+    if exchange == "scatter":
+        seg, out = owner_layouts(lay, replicas)
+        return (replicas - 1) * (seg.nbytes + out.nbytes)
+    return (replicas - 1) * lay.nbytes
 
 
 # ---- the outer optimizer -------------------------------------------------------------------------
@@ -373,7 +407,8 @@ class OuterStats:
     """Telemetry of the last outer round on this rank."""
 
     rounds: int = 0
-    bytes: int = 0           # this rank's packet times (replicas - 1): what leaves it in a ring all-gather,
+    bytes: int = 0           # the outer packets that leave this rank (:func:`round_bytes_out`: R - 1 packets in
+    #                          the all-gather; R - 1 segments plus R - 1 owner segments in the scale-free exchange),
     #                          plus ``buffer_bytes``
     buffer_bytes: int = 0    # the fp32 buffer average's ring all-reduce over every rank: 2 (W-1)/W * 4 bytes each
     density: float = 0.0
@@ -420,14 +455,12 @@ class OuterState:
         self.lo = local_rank * self.shard
         self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
         R = self._replicas()
-        self.exchange = outer_exchange_for(config, R)
+        self.exchange = outer_exchange_for(config, R, self.layout)
         # scale-free exchange: this replica owns chunks [owner * per, (owner + 1) * per) of the shard and keeps
         # the error feedback of their averaged, re-selected sum (mean units)
         self.per = owner_chunks(Cs, R)
         self.owner = dist.get_rank(self.inter) if self.exchange == "scatter" else 0
-        self.owner_layout = PacketLayout(self.per, c, self.layout.k, config.outer_value_bits)
-        self.owner_out_layout = PacketLayout(self.per, c, min(c, math.ceil(OWNER_K_FACTOR * self.layout.k)),
-                                             config.outer_value_bits)
+        self.owner_layout, self.owner_out_layout = owner_layouts(self.layout, R)
         self.owner_ef = torch.zeros(self.per * c if self.exchange == "scatter" else 0, device=dev)
         self.theta = self.flat_params()  # θ_outer
         self.buffer_anchor = self.flat_buffers()  # the float buffers at the start of the round (same on every rank)
@@ -581,9 +614,7 @@ class OuterState:
         """Bytes of outer packets that leave this rank in one round among ``replicas`` replicas: R − 1 packets in
         a ring all-gather; the scale-free exchange sends R − 1 segments (packets of ``owner_chunks`` chunks) in
         its all-to-all and R − 1 owner segments (twice as dense) in its ring all-gather."""
-        if self.exchange == "scatter":
-            return (replicas - 1) * (self.owner_layout.nbytes + self.owner_out_layout.nbytes)
-        return (replicas - 1) * self.layout.nbytes
+        return round_bytes_out(self.layout, replicas, self.exchange)
 
     @property
     def payload_bytes(self) -> int:
