@@ -1,13 +1,17 @@
 """Bytes of sparse local SGD's outer packets, from the packet layout (pure arithmetic, no training).
 
     python benchmarks/outer_packet_bytes.py [--params 9610 11326410] [--replicas 2 4] [--time 11326410]
+        [--exchange-replicas 2 4 8 16 32]
 
 For the registered presets (``topk_local``, ``topk_local_wan``) and models of ``--params`` parameters (one
 process per node, ``outer_chunk`` 4096): one rank's packet with the in-chunk positions as int16 (the encoding
 before the bitmap existed, ``PacketLayout(indices="int")``) and as chosen now (``indices="auto"``: a bitmap of
 the chunk where smaller), and the bytes a rank sends per outer round in a ring all-gather among R replicas
 ((R - 1) packets; the module buffers' all-reduce, if any, comes on top). Then the bytes-per-parameter grid of
-docs/local_sgd.md. The 2-process telemetry (``topk/outer_bytes``) is in BENCHMARKS.md.
+docs/local_sgd.md. Then (issue 21) the bytes one replica sends per outer round under each ``outer_exchange``
+among ``--exchange-replicas`` replicas (:func:`outer.round_bytes_out`: the flat all-gather's R - 1 packets
+against the scale-free exchange's R - 1 segments in its all-to-all plus R - 1 owner segments, at
+``OWNER_K_FACTOR`` times the density, in its all-gather), and what ``outer_exchange="auto"`` picks. The 2-process telemetry (``topk/outer_bytes``) is in BENCHMARKS.md.
 
 ``--time N``: also times one packet's ``compress`` and ``decode_into`` at ``topk_local``'s settings for N
 parameters, int16 positions against the bitmap, alternating, median of ``--repeats`` (``--threads`` torch threads).
@@ -21,7 +25,17 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torch
 
-from lightning_topk.comm.outer import PacketLayout, chunk_k, chunk_size, compress, decode_into, wire_bytes_per_param
+from lightning_topk.comm.outer import (
+    PacketLayout,
+    chunk_k,
+    chunk_size,
+    compress,
+    decode_into,
+    outer_exchange_for,
+    round_bytes_out,
+    wire_bytes_per_param,
+)
+from lightning_topk.comm.state import TopKConfig
 from lightning_topk.lightning.registry import PRESETS
 
 
@@ -36,6 +50,8 @@ def main() -> None:
                     help="parameter counts (default: the digits MLP of tests/scripts/local_train.py and the "
                          "namespace cluster's model, benchmarks/cluster_worker.py --hidden 2560)")
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--exchange-replicas", type=int, nargs="+", default=[2, 4, 8, 16, 32],
+                    help="replica counts of the all-gather against scale-free table (issue 21)")
     ap.add_argument("--time", type=int, default=0, help="parameters for the encode/decode timing (0: none)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
@@ -59,8 +75,28 @@ def main() -> None:
     print("|---|" + "---|" * len(bits))
     for d in (1.0, 0.1, 0.03, 0.01):
         print(f"| {d:g} | " + " | ".join(f"{wire_bytes_per_param(d, b):.3f}" for b in bits) + " |")
+    exchanges(a.params, a.exchange_replicas)
     if a.time:
         timing(a.time, a.repeats, a.threads)
+
+
+def exchanges(params, replicas) -> None:
+    """Bytes per replica per outer round, MB (10^6): all-gather / scale-free (ratio), and auto's choice."""
+    print("\nBytes one replica sends per outer round (MB): all-gather / scale-free (ratio), auto's pick; one process "
+          "per node, the module buffers' all-reduce aside (it receives the same)\n")
+    print("| preset | params | packet (MB) | " + " | ".join(f"R = {r}" for r in replicas) + " |")
+    print("|---|---|---|" + "---|" * len(replicas))
+    for name, p in PRESETS.items():
+        cfg = TopKConfig(**p)
+        d, b, ch = p["outer_density"], p["outer_value_bits"], p["outer_chunk"]
+        for n in params:
+            lay = layout(n, d, b, ch, "auto")
+            cells = []
+            for r in replicas:
+                ag, sc = round_bytes_out(lay, r, "allgather"), round_bytes_out(lay, r, "scatter")
+                pick = "sc" if outer_exchange_for(cfg, r, lay) == "scatter" else "ag"
+                cells.append(f"{ag / 1e6:.2f} / {sc / 1e6:.2f} ({sc / ag:.2f}×, auto {pick})")
+            print(f"| {name} ({d:g}, {b}-bit) | {n:,} | {lay.nbytes / 1e6:.2f} | " + " | ".join(cells) + " |")
 
 
 def timing(n: int, repeats: int, threads: int) -> None:

@@ -331,41 +331,35 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
 # (digits -4.1 points against ddp, all-gather -2.4; MNIST-5k -1.7 against -0.7); at 2x it matched the
 # all-gather's (-2.4, -0.4), at 4x too (BENCHMARKS.md, "Scale-free outer exchange").
 OWNER_K_FACTOR = 2
-# ``outer_exchange="auto"`` takes the scale-free exchange where it sends at most this share of the all-gather's
-# bytes. It pays two collectives and a second selection for them: on the namespace cluster at 4 replicas it was
-# faster at 0.57 of the bytes (topk_local: 1.17x / 1.28x samples/s at 100 / 10 Mbit/s) and not at 0.75
-# (topk_local_wan: 0.96x / 0.97x); BENCHMARKS.md, "Scale-free outer exchange".
+# ``outer_exchange="auto"`` takes the scale-free exchange only where all of these hold:
+# - at least this many replicas: its accuracy was measured at 4 (BENCHMARKS.md, "Scale-free outer exchange");
+SCATTER_MIN_REPLICAS = 4
+# - it sends at most this share of the all-gather's bytes (:func:`round_bytes_out`). It pays two collectives and
+#   a second selection for them: on the namespace cluster at 4 replicas it was faster at 0.57 of the bytes
+#   (topk_local: 1.17x / 1.28x samples/s at 100 / 10 Mbit/s) and not at 0.75 (topk_local_wan: 0.96x / 0.97x).
+#   A shard with too few chunks to split among the owners (``outer_chunk=0``: one chunk) would send 3x;
 SCATTER_MAX_BYTE_SHARE = 0.6
-# ... and only from this many bits per value: an owner re-quantizes the average of R replicas' codes, and with
-# 2-bit (ternary) codes that lost accuracy (topk_local_wan's settings at 4 nodes: 0.699 test accuracy after 128
-# steps against the all-gather's 0.917, both rates; BENCHMARKS.md).
+# - the values have at least this many bits: an owner re-quantizes the average of R replicas' codes, and with
+#   2-bit (ternary) codes that lost accuracy (topk_local_wan's settings at 4 nodes: 0.699 test accuracy after 128
+#   steps against the all-gather's 0.917, at both rates).
 SCATTER_MIN_BITS = 4
 
 
-def scatter_bytes(layout: "PacketLayout", replicas: int) -> int:
-    """Bytes a replica sends per round in the scale-free exchange of a shard of ``layout``: R − 1 segments of
-    ``owner_chunks`` chunks in the all-to-all and R − 1 owner segments at ``OWNER_K_FACTOR`` times the density in
-    the ring all-gather (:meth:`OuterState._scatter_round`)."""
-    per = owner_chunks(layout.C, replicas)
-    seg = PacketLayout(per, layout.c, layout.k, layout.bits, layout.indices)
-    out = PacketLayout(per, layout.c, min(layout.c, OWNER_K_FACTOR * layout.k), layout.bits, layout.indices)
-    return (replicas - 1) * (seg.nbytes + out.nbytes)
-
-
-def outer_exchange_for(config: TopKConfig, replicas: int, layout: "PacketLayout") -> str:
+def outer_exchange_for(config: TopKConfig, replicas: int, layout: PacketLayout) -> str:
     """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas for a
-    shard of ``layout``. Decided from the option, the replica count and the layout alone, so every rank agrees
-    and every run decides the same: one replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is
-    ``"scatter"`` where its bytes are at most ``SCATTER_MAX_BYTE_SHARE`` of the all-gather's ((R − 1) packets)
-    and the values have at least ``SCATTER_MIN_BITS`` bits, except with ``outer_streaming`` (the scale-free
-    exchange does not stream)."""
+    shard of packet layout ``layout``. Decided from the option, the number of replicas and the layout alone (the
+    same on every rank: the shards are the same size; no timing), so every rank agrees and every run decides the
+    same: one replica has nothing to exchange (all-gather, a no-op); ``"auto"`` is ``"scatter"`` where the three
+    conditions above hold (``SCATTER_MIN_REPLICAS``, ``SCATTER_MAX_BYTE_SHARE``, ``SCATTER_MIN_BITS``), and never
+    with ``outer_streaming`` (the scale-free exchange does not stream)."""
     choice = getattr(config, "outer_exchange", "auto")
     if replicas <= 1:
         return "allgather"
     if choice == "auto":
-        if config.outer_streaming or config.outer_value_bits < SCATTER_MIN_BITS:
+        if (replicas < SCATTER_MIN_REPLICAS or config.outer_streaming
+                or config.outer_value_bits < SCATTER_MIN_BITS):
             return "allgather"
-        share = scatter_bytes(layout, replicas) / ((replicas - 1) * layout.nbytes)
+        share = round_bytes_out(layout, replicas, "scatter") / round_bytes_out(layout, replicas, "allgather")
         return "scatter" if share <= SCATTER_MAX_BYTE_SHARE else "allgather"
     return choice
 
@@ -373,6 +367,28 @@ def outer_exchange_for(config: TopKConfig, replicas: int, layout: "PacketLayout"
 def owner_chunks(C: int, replicas: int) -> int:
     """Chunks each replica owns in the scale-free exchange (the last owner's range is zero-padded)."""
     return max(1, -(-C // replicas))
+
+
+def owner_layouts(lay: PacketLayout, replicas: int) -> Tuple[PacketLayout, PacketLayout]:
+    """The scale-free exchange's two segment layouts for a shard of layout ``lay`` among ``replicas`` replicas:
+    (what a replica sends each owner: ``owner_chunks`` chunks at the replicas' ``k``; what an owner sends every
+    replica: the same chunks at ``OWNER_K_FACTOR`` times ``k``, at most dense)."""
+    per = owner_chunks(lay.C, replicas)
+    return (PacketLayout(per, lay.c, lay.k, lay.bits, lay.indices),
+            PacketLayout(per, lay.c, min(lay.c, math.ceil(OWNER_K_FACTOR * lay.k)), lay.bits, lay.indices))
+
+
+def round_bytes_out(lay: PacketLayout, replicas: int, exchange: str) -> int:
+    """Bytes of outer packets that leave one rank per round among ``replicas`` replicas (pure arithmetic; what
+    :attr:`OuterStats.bytes` counts, the buffers' all-reduce aside). ``"allgather"``: R − 1 packets (ring
+    all-gather). ``"scatter"``: R − 1 segments in the all-to-all (its own stays) plus R − 1 owner segments in
+    the ring all-gather. The bytes a rank receives are the same."""
+    if replicas <= 1:
+        return 0
+    if exchange == "scatter":
+        seg, out = owner_layouts(lay, replicas)
+        return (replicas - 1) * (seg.nbytes + out.nbytes)
+    return (replicas - 1) * lay.nbytes
 
 
 # ---- the outer optimizer -------------------------------------------------------------------------
@@ -393,7 +409,8 @@ class OuterStats:
     """Telemetry of the last outer round on this rank."""
 
     rounds: int = 0
-    bytes: int = 0           # this rank's packet times (replicas - 1): what leaves it in a ring all-gather,
+    bytes: int = 0           # the outer packets that leave this rank (:func:`round_bytes_out`: R - 1 packets in
+    #                          the all-gather; R - 1 segments plus R - 1 owner segments in the scale-free exchange),
     #                          plus ``buffer_bytes``
     buffer_bytes: int = 0    # the fp32 buffer average's ring all-reduce over every rank: 2 (W-1)/W * 4 bytes each
     density: float = 0.0
@@ -445,9 +462,7 @@ class OuterState:
         # the error feedback of their averaged, re-selected sum (mean units)
         self.per = owner_chunks(Cs, R)
         self.owner = dist.get_rank(self.inter) if self.exchange == "scatter" else 0
-        self.owner_layout = PacketLayout(self.per, c, self.layout.k, config.outer_value_bits)
-        self.owner_out_layout = PacketLayout(self.per, c, min(c, math.ceil(OWNER_K_FACTOR * self.layout.k)),
-                                             config.outer_value_bits)
+        self.owner_layout, self.owner_out_layout = owner_layouts(self.layout, R)
         self.owner_ef = torch.zeros(self.per * c if self.exchange == "scatter" else 0, device=dev)
         self.theta = self.flat_params()  # θ_outer
         self.buffer_anchor = self.flat_buffers()  # the float buffers at the start of the round (same on every rank)
@@ -601,9 +616,7 @@ class OuterState:
         """Bytes of outer packets that leave this rank in one round among ``replicas`` replicas: R − 1 packets in
         a ring all-gather; the scale-free exchange sends R − 1 segments (packets of ``owner_chunks`` chunks) in
         its all-to-all and R − 1 owner segments (twice as dense) in its ring all-gather."""
-        if self.exchange == "scatter":
-            return scatter_bytes(self.layout, replicas)
-        return (replicas - 1) * self.layout.nbytes
+        return round_bytes_out(self.layout, replicas, self.exchange)
 
     @property
     def payload_bytes(self) -> int:

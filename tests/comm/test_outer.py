@@ -196,14 +196,15 @@ def test_h1_dense_fp32_equals_ddp():
     assert torch.equal(out[0][1], out[1][1])  # replicas agree bit for bit
 
 
-def _sharded(rank, world, streaming):
+def _sharded(rank, world, streaming, exchange="allgather", stop_at=4):
     """2 nodes x 2: the node's ranks hold the same replica; shards over the inter groups; then resume from a
     state dict taken inside a round equals the uninterrupted run."""
     from lightning_topk.comm.exchanges.hierarchical import make_groups
 
     h = make_groups(2, 2, rank)
     opts = TopKConfig(local_steps=3, outer_density=0.1, outer_chunk=128, outer_value_bits=4, outer_lr=0.7,
-                      outer_momentum=0.9, outer_nesterov=True, outer_ef_decay=0.95, outer_streaming=streaming)
+                      outer_momentum=0.9, outer_nesterov=True, outer_ef_decay=0.95, outer_streaming=streaming,
+                      outer_exchange=exchange)
     torch.manual_seed(20 + h.node_rank)  # data per node (a node is one replica)
     data = [(torch.randn(16, 20), torch.randint(0, 5, (16,))) for _ in range(8)]
 
@@ -215,7 +216,7 @@ def _sharded(rank, world, streaming):
         start = 0
         if sd is not None:
             st.load_state_dict(sd)
-            start = 4
+            start = stop_at
         for x, y in data[start:stop]:
             opt.zero_grad()
             nn.functional.cross_entropy(m(x), y).backward()
@@ -225,9 +226,15 @@ def _sharded(rank, world, streaming):
         return m, st
 
     full, st_full = run()
-    _, st_half = run(stop=4)
+    _, st_half = run(stop=stop_at)
     sd = st_half.state_dict()
     resumed, _ = run(sd=sd)
+    if exchange == "scatter":
+        from lightning_topk.comm.outer import round_bytes_out
+
+        assert st_full.exchange == "scatter" and float(st_half.owner_ef.abs().sum()) > 0
+        return (_flat(full), _flat(resumed), st_full.stats.bytes, round_bytes_out(st_full.layout, 2, "scatter"),
+                sd["position"], sd["owner"], st_full.layout.C)
     return _flat(full), _flat(resumed), st_full.stats.bytes, st_full.layout.nbytes, sd["position"]
 
 
@@ -241,6 +248,22 @@ def test_two_nodes_sharded_rounds_agree_and_resume_inside_a_round(streaming):
     # every rank ends on the same θ (θ_local := θ_outer after the last round, and 8 % 3 == 2 steps since)
     # the node's two ranks hold the same replica bit for bit
     assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[2][0], out[3][0])
+
+
+@pytest.mark.parametrize("stop_at", (4, 6))
+def test_two_nodes_sharded_scale_free_rounds_agree_and_resume_inside_and_at_the_end_of_a_round(stop_at):
+    # 2 nodes x 2 processes, outer_exchange="scatter" pinned (auto keeps the all-gather at 2 replicas): each local
+    # rank runs the scale-free exchange among its inter group (its shard's chunks split between the two owners).
+    # Saved 1 step into the second round (stop 4) and at the end of the second round (stop 6); both resume bit
+    # for bit, the owners' buffers included.
+    out = run_distributed(_sharded, world=4, args=(False, "scatter", stop_at))
+    for full, resumed, nbytes, expect, pos, _, _ in out:
+        assert pos == stop_at % 3
+        assert torch.equal(full, resumed)
+        assert nbytes == expect > 0
+    assert [o[5][1] for o in out] == [0, 0, 1, 1]  # ranks 0, 1 on node 0: owner 0 in their inter groups
+    assert all(o[5][0] == 2 and o[5][2] == -(-o[6] // 2) for o in out)
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[2][0], out[3][0])  # a node's ranks: one replica
 
 
 def _fault(rank, world, mode):
@@ -417,17 +440,20 @@ def _scatter_conservation(rank, world):
     d, e, o = (torch.stack([t[i] for t in everyone]) for i in range(3))
     packet = st.layout.nbytes
     seg = st.owner_layout.nbytes + st.owner_out_layout.nbytes
-    return g, d.mean(0), e.mean(0), o.sum(0), st.stats.bytes, seg, packet, _flat(m)
+    picks = [OuterState(_scatter_cfg(outer_exchange="auto", outer_chunk=ch), list(_model().named_parameters())).exchange
+             for ch in (96, 0)]
+    return g, d.mean(0), e.mean(0), o.sum(0), st.stats.bytes, seg, packet, _flat(m), picks
 
 
 def test_scatter_conserves_the_pseudo_gradient_and_replicas_agree():
     out = run_distributed(_scatter_conservation, world=4)
-    g, dmean, emean, osum, nbytes, seg, packet, theta = out[0]
+    g, dmean, emean, osum, nbytes, seg, packet, theta, _ = out[0]
     assert float(g.abs().sum()) > 0 and float(osum.abs().sum()) > 0  # sent something, kept something at owners
     assert torch.allclose(g + emean + osum, dmean, atol=1e-6)
     assert nbytes == 3 * seg  # all-to-all (R - 1 segments) + ring all-gather (R - 1 owner segments)
     assert nbytes < 3 * packet  # the all-gather's (R - 1) packets
     assert all(torch.equal(o[7], theta) for o in out)  # θ_local := the same θ_outer on every replica
+    assert all(o[8][1] == "allgather" for o in out)  # auto at 4 replicas: one chunk per shard -> allgather
 
 
 def _scatter_resume(rank, world):
@@ -499,7 +525,7 @@ def test_scatter_resumes_bit_exactly_reshards_its_owner_buffers_and_survives_a_s
 
 
 def test_outer_exchange_option_and_auto_rule():
-    from lightning_topk.comm.outer import SCATTER_MAX_BYTE_SHARE, outer_exchange_for, scatter_bytes
+    from lightning_topk.comm.outer import SCATTER_MAX_BYTE_SHARE, outer_exchange_for, round_bytes_out
 
     with pytest.raises(ValueError, match="outer_exchange must be one of"):
         TopKConfig(local_steps=4, outer_exchange="ring")
@@ -518,11 +544,21 @@ def test_outer_exchange_option_and_auto_rule():
     # 2-bit values: the owners would re-quantize an average of ternary codes; auto keeps the all-gather
     wan_cfg = TopKConfig(local_steps=64, outer_density=0.02, outer_value_bits=2)
     assert [outer_exchange_for(wan_cfg, r, wan) for r in (4, 8, 64)] == ["allgather"] * 3
-    assert scatter_bytes(local, 4) <= SCATTER_MAX_BYTE_SHARE * 3 * local.nbytes < scatter_bytes(wan, 4) * local.nbytes / wan.nbytes
+    assert round_bytes_out(local, 4, "scatter") <= SCATTER_MAX_BYTE_SHARE * round_bytes_out(local, 4, "allgather")
+    assert round_bytes_out(wan4, 4, "scatter") > SCATTER_MAX_BYTE_SHARE * round_bytes_out(wan4, 4, "allgather")
     streamed = TopKConfig(local_steps=4, outer_streaming=True, outer_momentum=0.0)
     assert outer_exchange_for(streamed, 16, local) == "allgather"
     pinned = TopKConfig(local_steps=4, outer_exchange="scatter")
     assert outer_exchange_for(pinned, 2, wan) == "scatter" and outer_exchange_for(pinned, 1, wan) == "allgather"
+    # auto also needs the shard to split among the owners: not with one chunk per shard (outer_chunk=0: one owner
+    # would take it all, 2.3x the all-gather's bytes), nor where it ties
+    one_chunk = PacketLayout(1, 11_326_410, chunk_k(11_326_410, 0.1), 4)
+    tie = PacketLayout(3, 4096, chunk_k(4096, 0.02), 2)  # topk_local_wan's digits MLP (9,610 parameters)
+    assert round_bytes_out(one_chunk, 4, "scatter") > 2 * round_bytes_out(one_chunk, 4, "allgather")
+    assert round_bytes_out(tie, 4, "scatter") == round_bytes_out(tie, 4, "allgather")
+    assert [outer_exchange_for(auto, r, one_chunk) for r in (4, 32)] == ["allgather", "allgather"]
+    assert outer_exchange_for(pinned, 4, one_chunk) == "scatter"  # pinned: as asked
+    assert round_bytes_out(local, 1, "scatter") == 0 and round_bytes_out(local, 5, "allgather") == 4 * local.nbytes
 
 
 def test_scatter_bytes_per_replica_stay_flat_in_the_replica_count():
