@@ -14,6 +14,25 @@ One line of JSON per density: steps to each target per seed, their means, the fi
 * ``fullk=1``: every entry is "selected" each step (the recipe's dense equivalent);
 * ``lr=X`` / ``mom=X`` / ``nesterov=1``: the SGD learning rate, momentum, Nesterov.
 
+Fourth pass (issue 22, 2026-11-27), other exchanges' arithmetic (``ex=``; sparse steps only):
+
+* ``ex=union``: union sparse all-reduce: every rank picks its top-k of its accumulator as today, the index
+  sets are all-gathered, and every rank sends its accumulator's values at the union U of the W sets (an
+  all-reduce of |U| <= W*k values, summed, averaged over W) and clears its accumulator at all of U
+  (``send_values``: zero for fp32 wire, the rounding error for bf16; with the lookahead the next step's
+  accumulate leaves the debt -c*u there, as today);
+* ``ex=cltk``: ScaleCom's cyclic local top-k: the leader rank (step mod W) picks k indices from its own
+  accumulator, every rank sends its values there (an all-reduce of k values) and clears them;
+* ``lpf=B`` (with ``ex=``): ScaleCom's low-pass filter on the error memory,
+  ``m_new = (1-B)*m_old + B*(x - C(x))`` with ``x = m_old + (the step's accumulation)`` (B = 1: plain);
+* ``kmul=X`` (with ``ex=``): k scaled by X (e.g. the union at fewer entries per rank);
+* ``ualpha=A`` (with ``ex=union``): at the union's entries that a rank did not pick itself it sends only A
+  times its accumulator and keeps the rest (A = 1: the union; A = 0: the all-gather's arithmetic, at the
+  union's bytes); at its own picks it sends everything.
+
+Each line then carries ``sent``: the mean number of distinct entries summed per step (|U| for the union,
+k for CLT-k), for the wire bytes.
+
 Usage::
 
     python benchmarks/convergence_prototypes.py NAME look=3 recipe=ef set.momentum_correction=true \\
@@ -32,8 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import convergence as C
 
 from lightning_topk.comm.exchanges.kit import select, send_values, sparse_k, take_bucket
+from lightning_topk.comm.wire import to_wire
 
 P: Dict[str, float] = {}  # the prototype knobs
+EX: Dict[str, str] = {}  # string knobs: ex=union|cltk
+SENT: List[int] = []  # per step: distinct entries summed (ex=)
 
 
 class Sim(C.SimulatedAllgather):
@@ -42,6 +64,8 @@ class Sim(C.SimulatedAllgather):
         self.gnorm: Optional[torch.Tensor] = None
 
     def reduce(self, grads):  # type: ignore[override]
+        if EX.get("ex"):
+            return self.reduce_ex(grads, EX["ex"])
         clip = P.get("clip")
         if clip:
             norms = torch.stack([g.norm() for g in grads])
@@ -70,6 +94,50 @@ class Sim(C.SimulatedAllgather):
         if st.config.momentum_masking:
             vel.index_fill_(0, idx, 0.0)
         return values, idx
+
+    def reduce_ex(self, grads, ex):
+        """``ex=union`` / ``ex=cltk``: every rank sends its values at one common index set."""
+        n, world = grads[0].numel(), self.world
+        self.t = getattr(self, "t", 0) + 1
+        beta = P.get("lpf", 1.0)
+        accs, vels, olds = [], [], []
+        k = ks = numels = None
+        for st, g in zip(self.states, grads):
+            k, ks, numels = sparse_k(st, self.params, n)
+            if k == 0:
+                raise ValueError("convergence_prototypes: ex= is for sparse steps only")
+            k = max(1, int(round(k * P.get("kmul", 1.0))))
+            if beta != 1.0:
+                olds.append(st.buffers(self.params, g.device).residual[:n].clone())
+            _, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+            accs.append(acc)
+            vels.append(vel)
+        own = None
+        if ex == "union":
+            own = [select(st, acc, k, ks, numels) for st, acc in zip(self.states, accs)]
+            idx = torch.unique(torch.cat(own))
+        elif ex == "cltk":
+            leader = (self.t - 1) % world
+            idx = select(self.states[leader], accs[leader], k, ks, numels)
+        else:
+            raise ValueError(f"convergence_prototypes: ex must be union or cltk, got {ex!r}")
+        out = torch.zeros(n)
+        alpha = P.get("ualpha", 1.0)
+        for i, (st, acc, vel) in enumerate(zip(self.states, accs, vels)):
+            if own is not None and alpha != 1.0:
+                scale = torch.where(torch.isin(idx, own[i]), 1.0, alpha)
+                wire = to_wire(acc.index_select(0, idx) * scale, st.config.wire_dtype).float()
+                acc.index_add_(0, idx, -wire)  # keeps the unsent part and the rounding error
+                if vel is not None and st.config.momentum_masking:
+                    vel.index_fill_(0, own[i], 0.0)
+                out.index_add_(0, idx, wire)
+            else:
+                out.index_add_(0, idx, send_values(st, acc, idx, vel).float())
+            if beta != 1.0:
+                acc.mul_(beta).add_(olds[i], alpha=1.0 - beta)
+            st.end_exchange()
+        SENT.append(idx.numel())
+        return out.div_(world)
 
     def _send_all(self, st, g, n, k, ks, numels):
         b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
@@ -114,6 +182,8 @@ def main(argv: List[str]) -> None:
             steps = int(v)
         elif k == "seeds":
             seeds = [int(x) for x in v.split(",")]
+        elif k == "ex":
+            EX["ex"] = v
         elif k.startswith("set."):
             over[k[4:]] = yaml.safe_load(v)
         else:
@@ -126,7 +196,11 @@ def main(argv: List[str]) -> None:
                       overrides=None if recipe == "dense" else over) for s in seeds]
         s1, s2 = [r.steps_to(t1) for r in rs], [r.steps_to(t2) for r in rs]
         line = dict(name=name, task=task, opt=opt, recipe=recipe, d=d, P=dict(P), over=over, s1=s1, s2=s2,
-                    m1=C._mean(s1), m2=C._mean(s2), final=round(sum(r.final for r in rs) / len(rs), 4), steps=steps)
+                    m1=C._mean(s1), m2=C._mean(s2), final=round(sum(r.final for r in rs) / len(rs), 4), steps=steps,
+                    finals=[round(r.final, 4) for r in rs])
+        if EX:
+            line.update(EX, sent=round(sum(SENT) / max(1, len(SENT)), 1))
+        SENT.clear()
         print(json.dumps(line), flush=True)
         if out_path:
             with open(out_path, "a") as f:
