@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lightning_topk.comm import selection
+import lightning_topk.comm.selection as selection
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
 from lightning_topk.comm.wire import sparse_nbytes
 
