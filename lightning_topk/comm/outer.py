@@ -331,6 +331,12 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
 # (digits -4.1 points against ddp, all-gather -2.4; MNIST-5k -1.7 against -0.7); at 2x it matched the
 # all-gather's (-2.4, -0.4), at 4x too (BENCHMARKS.md, "Scale-free outer exchange").
 OWNER_K_FACTOR = 2
+# ... and at no fewer bits than this: an owner's chunk holds the average of R replicas' quantized values, and a
+# ternary code (2 bits: -s, 0, s with s = the chunk's max) of it zeroed all but its largest entries, whatever the
+# density (4x the density sent the same update). At topk_local_wan's settings (2%, 2-bit, H 64) MNIST-5k fell
+# 1.93 points behind the all-gather; with the owners at 4 bits, 0.40 (3 seeds; BENCHMARKS.md). 8 bits and more
+# are kept as they are.
+OWNER_MIN_BITS = 4
 # ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on, where it sends fewer bytes:
 # (R - 1)/R of a packet in the all-to-all plus (R - 1)/R of a twice-as-dense packet in the all-gather, about
 # 2.3-3 (R - 1)/R packets per replica per round whatever R (the owners' segments grow by the values only where
@@ -369,11 +375,13 @@ def owner_chunks(C: int, replicas: int) -> int:
 
 def owner_layouts(lay: PacketLayout, replicas: int) -> Tuple[PacketLayout, PacketLayout]:
     """The scale-free exchange's two segment layouts for a shard of layout ``lay`` among ``replicas`` replicas:
-    (what a replica sends each owner: ``owner_chunks`` chunks at the replicas' ``k``; what an owner sends every
-    replica: the same chunks at ``OWNER_K_FACTOR`` times ``k``, at most dense)."""
+    (what a replica sends each owner: ``owner_chunks`` chunks at the replicas' ``k`` and bits; what an owner
+    sends every replica: the same chunks at ``OWNER_K_FACTOR`` times ``k``, at most dense, and at
+    ``max(bits, OWNER_MIN_BITS)`` bits)."""
     per = owner_chunks(lay.C, replicas)
     return (PacketLayout(per, lay.c, lay.k, lay.bits, lay.indices),
-            PacketLayout(per, lay.c, min(lay.c, math.ceil(OWNER_K_FACTOR * lay.k)), lay.bits, lay.indices))
+            PacketLayout(per, lay.c, min(lay.c, math.ceil(OWNER_K_FACTOR * lay.k)), max(lay.bits, OWNER_MIN_BITS),
+                         lay.indices))
 
 
 def round_bytes_out(lay: PacketLayout, replicas: int, exchange: str) -> int:
@@ -629,10 +637,11 @@ class OuterState:
         rank's shard, the same on every replica). Each replica compresses each owner's chunk range into a segment
         (``owner_layout``: the same size for every owner, the last range zero-padded) and sends it to that
         owner (one all-to-all); each owner decodes the R segments in rank order, averages them, adds its owner
-        error feedback, re-selects the top-k per chunk at ``OWNER_K_FACTOR`` times the density, at the same bits
-        (``owner_out_layout``; the owner buffer keeps what was not sent, as ``ef`` does), and the owners'
-        segments are all-gathered and decoded by every replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners'
-        sent values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
+        error feedback, re-selects the top-k per chunk at ``OWNER_K_FACTOR`` times the density and quantizes it
+        at ``max(bits, OWNER_MIN_BITS)`` bits (``owner_out_layout``; the owner buffer keeps what was not sent,
+        rounding error included, as ``ef`` does), and the owners' segments are all-gathered and decoded by every
+        replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners' sent
+        values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
         lay, R, per, c = self.owner_layout, self._replicas(), self.per, self.layout.c
         C, S = self.layout.C, self.owner_layout.nbytes
         x = self.ef.view(C, c)
