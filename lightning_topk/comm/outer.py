@@ -338,11 +338,11 @@ OWNER_K_FACTOR = 2
 # are kept as they are.
 OWNER_MIN_BITS = 4
 # ``outer_exchange="auto"`` takes the scale-free exchange from this many replicas on, where it sends fewer bytes:
-# (R - 1)/R of a packet in the all-to-all plus (R - 1)/R of a twice-as-dense packet in the all-gather, about
-# 2.3-3 (R - 1)/R packets per replica per round whatever R (the owners' segments grow by the values only where
-# the bitmap carries the positions), against the all-gather's R - 1 (0.57-0.75x at R = 4). At R = 3 it would
-# save bytes too (0.76x at topk_local's 10% 4-bit, 1.00x at topk_local_wan's 2% 2-bit) but its accuracy there
-# was not measured.
+# (R - 1)/R of a packet in the all-to-all plus (R - 1)/R of a twice-as-dense packet (at 4 bits or more) in the
+# all-gather, about 2.3-3.2 (R - 1)/R packets per replica per round whatever R (the owners' segments grow by the
+# values only where the bitmap carries the positions), against the all-gather's R - 1 (0.57x at topk_local's
+# 10% 4-bit, 0.80x at topk_local_wan's 2% 2-bit at R = 4). At R = 3 it would save bytes at topk_local's settings
+# (0.76x; 1.07x at topk_local_wan's) but its accuracy there was not measured.
 SCATTER_MIN_REPLICAS = 4
 
 
