@@ -36,7 +36,6 @@ Usage::
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Any, Dict, List, Optional
@@ -147,55 +146,18 @@ def optimizer_for(name, params, momentum_in_hook):
     return _optimizer_for(name, params, momentum_in_hook)
 
 
+def _check(recipe: str) -> None:
+    if recipe == "dense" and (P.get("adam") or P.get("frozen") or P.get("vevery")):
+        raise SystemExit("convergence_adam: adam=/frozen= need a sparse recipe (recipe=ef, dens=1 for dense)")
+
+
 def main(argv: List[str]) -> None:
-    import yaml
+    from convergence_prototypes import cli
 
     C.SimulatedAllgather = AdamInHook  # type: ignore[misc]
     C.optimizer_for = optimizer_for
-    name, out_path = argv[0], None
-    task, opt, recipe, dens, steps, seeds = "mnist5k", "adamw", "ef", [0.01, 0.001], 500, [0, 1, 2, 3, 4]
-    over: Dict[str, Any] = {}
-    rest = argv[1:]
-    if "--out" in rest:
-        i = rest.index("--out")
-        out_path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
-    for a in rest:
-        k, v = a.split("=", 1)
-        if k == "task":
-            task = v
-        elif k == "opt":
-            opt = v
-        elif k == "recipe":
-            recipe = v
-        elif k == "dens":
-            dens = [float(x) for x in v.split(",")]
-        elif k == "steps":
-            steps = int(v)
-        elif k == "seeds":
-            seeds = [int(x) for x in v.split(",")]
-        elif k.startswith("set."):
-            over[k[4:]] = yaml.safe_load(v)
-        else:
-            P[k] = float(v)
-    if recipe == "dense" and (P.get("adam") or P.get("frozen") or P.get("vevery")):
-        raise SystemExit("convergence_adam: adam=/frozen= need a sparse recipe (recipe=ef, dens=1 for dense)")
-    torch.set_num_threads(1)
-    data = C.load(task)
-    t1, t2 = C.TARGETS[task]
-    for d in dens:
-        rs = [C.train(task, opt, recipe, d if recipe != "dense" else 1.0, steps, seed=s, data=data,
-                      overrides=None if recipe == "dense" else over) for s in seeds]
-        s1, s2 = [r.steps_to(t1) for r in rs], [r.steps_to(t2) for r in rs]
-        line = dict(name=name, task=task, opt=opt, recipe=recipe, d=d, P=dict(P), over=over, s1=s1, s2=s2,
-                    m1=C._mean(s1), m2=C._mean(s2), finals=[round(r.final, 4) for r in rs],
-                    final=round(sum(r.final for r in rs) / len(rs), 4), steps=steps,
-                    secs=round(sum(r.seconds for r in rs), 1))
-        print(json.dumps(line), flush=True)
-        if out_path:
-            with open(out_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        if recipe == "dense":
-            break
+    cli(argv, P, dict(task="mnist5k", opt="adamw", recipe="ef", dens=[0.01, 0.001], steps=500, seeds=[0, 1, 2, 3, 4]),
+        check=_check)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -156,13 +156,19 @@ def optimizer_for(name, params, momentum_in_hook):
     return _optimizer_for(name, params, momentum_in_hook)
 
 
-def main(argv: List[str]) -> None:
+def cli(argv: List[str], knobs: Dict[str, float], defaults: Dict[str, Any],
+        string_knobs: Optional[Dict[str, str]] = None, string_keys: Tuple[str, ...] = (), extra_line: Any = None,
+        check: Any = None) -> None:
+    """Parse ``NAME KEY=VALUE ... [--out FILE]`` (``task``/``opt``/``recipe``/``dens``/``steps``/``seeds``,
+    ``set.OPTION=VALUE`` for a TopKConfig option, a key in ``string_keys`` as a string into ``string_knobs``, anything else a float
+    into ``knobs``), run the harness (``C.train``, with the simulator and optimizer the caller patched into
+    ``convergence``) for each density and print one JSON line each (appended to FILE too). ``defaults``: the run's
+    task, opt, recipe, dens, steps and seeds; ``extra_line()`` adds fields to a line; ``check(recipe)`` may
+    refuse a combination (SystemExit). Shared by the prototype scripts (this one, ``convergence_adam.py``)."""
     import yaml
 
-    C.SimulatedAllgather = Sim  # type: ignore[misc]
-    C.optimizer_for = optimizer_for
     name, out_path = argv[0], None
-    task, opt, recipe, dens, steps, seeds = "mnist5k", "sgd", "auto", [0.01, 0.001], 300, [0, 1, 2]
+    run = dict(defaults)
     over: Dict[str, Any] = {}
     rest = argv[1:]
     if "--out" in rest:
@@ -170,43 +176,54 @@ def main(argv: List[str]) -> None:
         out_path, rest = rest[i + 1], rest[:i] + rest[i + 2:]
     for a in rest:
         k, v = a.split("=", 1)
-        if k == "task":
-            task = v
-        elif k == "opt":
-            opt = v
-        elif k == "recipe":
-            recipe = v
+        if k in ("task", "opt", "recipe"):
+            run[k] = v
         elif k == "dens":
-            dens = [float(x) for x in v.split(",")]
+            run["dens"] = [float(x) for x in v.split(",")]
         elif k == "steps":
-            steps = int(v)
+            run["steps"] = int(v)
         elif k == "seeds":
-            seeds = [int(x) for x in v.split(",")]
-        elif k == "ex":
-            EX["ex"] = v
+            run["seeds"] = [int(x) for x in v.split(",")]
+        elif string_knobs is not None and k in string_keys:
+            string_knobs[k] = v
         elif k.startswith("set."):
             over[k[4:]] = yaml.safe_load(v)
         else:
-            P[k] = float(v)
+            knobs[k] = float(v)
+    task, opt, recipe, steps = run["task"], run["opt"], run["recipe"], run["steps"]
+    if check is not None:
+        check(recipe)
     torch.set_num_threads(1)
     data = C.load(task)
     t1, t2 = C.TARGETS[task]
-    for d in dens:
+    for d in run["dens"]:
         rs = [C.train(task, opt, recipe, d if recipe != "dense" else 1.0, steps, seed=s, data=data,
-                      overrides=None if recipe == "dense" else over) for s in seeds]
+                      overrides=None if recipe == "dense" else over) for s in run["seeds"]]
         s1, s2 = [r.steps_to(t1) for r in rs], [r.steps_to(t2) for r in rs]
-        line = dict(name=name, task=task, opt=opt, recipe=recipe, d=d, P=dict(P), over=over, s1=s1, s2=s2,
+        line = dict(name=name, task=task, opt=opt, recipe=recipe, d=d, P=dict(knobs), over=over, s1=s1, s2=s2,
                     m1=C._mean(s1), m2=C._mean(s2), final=round(sum(r.final for r in rs) / len(rs), 4), steps=steps,
-                    finals=[round(r.final, 4) for r in rs])
-        if EX:
-            line.update(EX, sent=round(sum(SENT) / max(1, len(SENT)), 1))
-        SENT.clear()
+                    finals=[round(r.final, 4) for r in rs], secs=round(sum(r.seconds for r in rs), 1))
+        if extra_line is not None:
+            line.update(extra_line())
         print(json.dumps(line), flush=True)
         if out_path:
             with open(out_path, "a") as f:
                 f.write(json.dumps(line) + "\n")
         if recipe == "dense":
             break
+
+
+def _sent_fields() -> Dict[str, Any]:
+    out: Dict[str, Any] = dict(EX, sent=round(sum(SENT) / max(1, len(SENT)), 1)) if EX else {}
+    SENT.clear()
+    return out
+
+
+def main(argv: List[str]) -> None:
+    C.SimulatedAllgather = Sim  # type: ignore[misc]
+    C.optimizer_for = optimizer_for
+    cli(argv, P, dict(task="mnist5k", opt="sgd", recipe="auto", dens=[0.01, 0.001], steps=300, seeds=[0, 1, 2]),
+        string_knobs=EX, string_keys=("ex",), extra_line=_sent_fields)
 
 
 if __name__ == "__main__":
