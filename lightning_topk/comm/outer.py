@@ -325,6 +325,16 @@ def decode_into(out: Tensor, packet: Tensor, lay: PacketLayout) -> Tensor:
     return out
 
 
+def sum_packets(buf: Tensor, lay: PacketLayout, n: int) -> Tensor:
+    """The fp32 sum (``n`` entries) of the fixed-size packets of layout ``lay`` laid end to end in ``buf``, decoded in
+    their order (every rank that decodes the same bytes gets the same sum, bit for bit)."""
+    out = torch.zeros(n, dtype=torch.float32, device=buf.device)
+    S = lay.nbytes
+    for r in range(buf.numel() // S):
+        decode_into(out, buf[r * S:(r + 1) * S], lay)
+    return out
+
+
 # ---- how the replicas exchange ---------------------------------------------------------------------
 # The scale-free exchange's owners re-select the averaged sum of R replicas' top-k (up to R k entries per chunk)
 # at this many times the density: at 1x the owners' error feedback held back most of it and 4-node accuracy fell
@@ -469,9 +479,9 @@ class OuterState:
         self.exchange = outer_exchange_for(config, R, self.layout)
         # scale-free exchange: this replica owns chunks [owner * per, (owner + 1) * per) of the shard and keeps
         # the error feedback of their averaged, re-selected sum (mean units)
-        self.per = owner_chunks(Cs, R)
         self.owner = dist.get_rank(self.inter) if self.exchange == "scatter" else 0
         self.owner_layout, self.owner_out_layout = owner_layouts(self.layout, R)
+        self.per = self.owner_layout.C  # chunks per owner (owner_chunks)
         self.owner_ef = torch.zeros(self.per * c if self.exchange == "scatter" else 0, device=dev)
         self.theta = self.flat_params()  # θ_outer
         self.buffer_anchor = self.flat_buffers()  # the float buffers at the start of the round (same on every rank)
@@ -616,16 +626,10 @@ class OuterState:
         R = self._replicas()
         self.stats.rounds += 1
         self.stats.buffer_bytes = self._buffer_wire_bytes()
-        self.stats.bytes = self.packet_bytes_out(R) + self.stats.buffer_bytes
+        self.stats.bytes = round_bytes_out(self.layout, R, self.exchange) + self.stats.buffer_bytes
         self.stats.density = self.layout.k / self.layout.c
         self.stats.time_s = time.perf_counter() - t0
         self.stats.hidden_frac = hidden
-
-    def packet_bytes_out(self, replicas: int) -> int:
-        """Bytes of outer packets that leave this rank in one round among ``replicas`` replicas: R − 1 packets in
-        a ring all-gather; the scale-free exchange sends R − 1 segments (packets of ``owner_chunks`` chunks) in
-        its all-to-all and R − 1 owner segments (twice as dense) in its ring all-gather."""
-        return round_bytes_out(self.layout, replicas, self.exchange)
 
     @property
     def payload_bytes(self) -> int:
@@ -646,7 +650,7 @@ class OuterState:
         replica. Conservation: what the replicas send plus their ``ef`` is what went in, and the owners' sent
         values plus ``owner_ef`` are the mean of what the replicas sent plus the old ``owner_ef``."""
         lay, R, per, c = self.owner_layout, self._replicas(), self.per, self.layout.c
-        C, S = self.layout.C, self.owner_layout.nbytes
+        C = self.layout.C
         x = self.ef.view(C, c)
         segments = []
         for r in range(R):
@@ -662,10 +666,7 @@ class OuterState:
         send = torch.cat(segments)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.inter)
-        acc = torch.zeros(per * c, dtype=torch.float32, device=send.device)
-        for r in range(R):  # fixed order: the same sum wherever it is computed
-            decode_into(acc, recv[r * S:(r + 1) * S], lay)
-        acc.div_(R).add_(self.owner_ef)
+        acc = sum_packets(recv, lay, per * c).div_(R).add_(self.owner_ef)
         out_lay = self.owner_out_layout
         mine, _ = compress(acc, out_lay, want_sent=False)
         self.owner_ef = acc
@@ -728,11 +729,7 @@ class OuterState:
         return out, work
 
     def _decode(self, gathered: Tensor) -> Tensor:
-        R = gathered.numel() // self.layout.nbytes
-        acc = torch.zeros(self.shard, dtype=torch.float32, device=gathered.device)
-        for r in range(R):  # fixed order: every rank decodes the same sum
-            decode_into(acc, gathered[r * self.layout.nbytes:(r + 1) * self.layout.nbytes], self.layout)
-        return acc.div_(R)
+        return sum_packets(gathered, self.layout, self.shard).div_(gathered.numel() // self.layout.nbytes)
 
     def _apply_pending(self) -> float:
         """Finish a streamed exchange (wait, decode) and apply it; returns the share of its flight hidden."""
