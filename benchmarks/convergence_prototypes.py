@@ -84,13 +84,27 @@ class Sim(C.SimulatedAllgather):
         if k == 0 or not (c and st.config.momentum_correction):
             return super().rank_send(st, g, n) if not P.get("fullk") else self._send_all(st, g, n, k, ks, numels)
         b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
-        score = acc + c * vel
+        lead = c * vel
+        beta, tau = P.get("leadclip"), getattr(st, "_tau", 0.0)
+        if beta and tau is not None:
+            if P.get("leadmode") == 1:  # lead ~ half the entry's sending interval tau/|v|, 0 where sent each step
+                lead = vel.sign() * torch.minimum(lead.abs(), beta * (tau - vel.abs()).clamp_min(0.0))
+            else:
+                lead = lead.clamp(-beta * tau, beta * tau)
+        score = acc + lead
         idx = select(st, score, k, ks, numels)
         values = score.index_select(0, idx)
-        if P.get("tail"):
+        if P.get("tauacc"):  # the threshold of the accumulator alone (no feedback of the lead into tau)
+            st._tau = float(acc.abs().topk(k).values[-1])
+        else:
+            st._tau = float(values.abs().min())
+        if P.get("selonly"):  # the lead only picks the entries; they send what they hold
+            values = acc.index_select(0, idx)
+            acc.index_fill_(0, idx, 0.0)
+        elif P.get("tail"):
             acc.index_fill_(0, idx, 0.0)
         else:
-            acc.index_copy_(0, idx, -c * vel.index_select(0, idx))
+            acc.index_copy_(0, idx, -lead.index_select(0, idx))
         if st.config.momentum_masking:
             vel.index_fill_(0, idx, 0.0)
         return values, idx

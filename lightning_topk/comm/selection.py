@@ -30,10 +30,12 @@ _DENSE_SHARE = 0.2       # k above this share of n: torch.topk
 _SAMPLE = 1 << 16        # sample size for the threshold estimate
 _MSTOPK_ROUNDS = 24      # binary-search rounds of MSTopK (on the sample)
 
-# Intra-op threads of topk_select's CPU work (None: torch's setting). One: torch.topk on a 1-D tensor
-# runs on one thread anyway, and on a shared or oversubscribed CPU every multi-threaded op of the
-# selection waits for a second core to be scheduled (measured: benchmarks/bench_select.py, BENCHMARKS.md).
-CPU_THREADS: Optional[int] = 1
+# Intra-op threads of topk_select's CPU work (None: torch's setting, i.e. what the launcher or
+# ``run.threads`` gave every other op of the process; torchrun and the test helpers give 1 per process).
+# 1 was the default until 2026-11-27: on a quiet 2-core Xeon it made exact selection at 25M entries 1.6x
+# slower than torch's 2 threads (8.5x against 13-15x torch.topk); on an oversubscribed CPU 1 is faster,
+# as it is for every other op there (BENCHMARKS.md, "Top-k selection").
+CPU_THREADS: Optional[int] = None
 
 # "auto": MSTopK (both entry points) uses the CuPy kernels (multi-threshold count + compaction) for
 # CUDA tensors when CuPy sees a device; "always": that code path everywhere (off CUDA the kernels'

@@ -8,6 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.exchanges import kit
 from lightning_topk.comm.exchanges.kit import rebuild
 from lightning_topk.comm.wire import IndexCode, index_code, index_dtype_for, pack, packed_nbytes, unpack
 from tests.helpers.dist import run_distributed
@@ -204,6 +205,10 @@ def test_block_index_code_roundtrips_every_rank_and_halves_index_bytes(n, k):
         ranks.append((torch.randn(k, generator=g).to(torch.bfloat16), idx))
     buf = torch.cat([pack(v, i, code) for v, i in ranks])
     assert buf.numel() == 3 * packed_nbytes(k, torch.bfloat16, code)
+    for v, i in ranks:  # host_reads skips the sort of ascending indices only; the bytes are the same
+        order = i.argsort()
+        assert torch.equal(pack(v, i, code, host_reads=True), pack(v, i, code))
+        assert torch.equal(pack(v[order], i[order], code, host_reads=True), pack(v, i, code))
     vals, idx = unpack(buf, k, torch.bfloat16, 3, code)
     assert idx.dtype == torch.int32
     for r, (v, i) in enumerate(ranks):  # the same pairs; sorted by index inside a rank's packet
@@ -214,6 +219,17 @@ def test_block_index_code_roundtrips_every_rank_and_halves_index_bytes(n, k):
     ref = torch.cat([pack(v, i) for v, i in ranks])
     rv, ri = unpack(ref, k, torch.bfloat16, 3)
     assert torch.equal(rebuild(torch.zeros(n), vals, idx), rebuild(torch.zeros(n), rv, ri))
+
+
+def test_the_result_check_over_the_touched_entries_sees_a_nonfinite_value_and_an_overflowing_sum():
+    st = TopKState(TopKConfig(density=0.01))
+    big = torch.finfo(torch.float32).max
+    for values, bad in (([1.0, 2.0], False), ([float("nan"), 1.0], True), ([big, big], True)):
+        grad = torch.zeros(100)
+        out = rebuild(kit.fp32_view(grad), torch.tensor(values), torch.tensor([7, 7]))
+        kit.deliver(st, grad, out, touched=torch.tensor([7, 7]))
+        assert bool(st.flags.result) == bad
+        st.flags.clear()
 
 
 def test_small_k_keeps_int32_indices():

@@ -122,6 +122,39 @@ def test_a_sparse_step_with_lookahead_sends_c_steps_of_momentum_ahead_and_keeps_
     assert torch.allclose(st.residuals()["p"], before + (m * v + gs[0]))
 
 
+@pytest.mark.parametrize("mc", [False, True])
+def test_the_chunked_cpu_accumulate_is_bit_identical_and_flags_a_nan_in_any_chunk(mc):
+    """A CPU bucket larger than one chunk is accumulated chunk by chunk (cache reuse): the residual, the
+    velocity and the non-finite flag are those of the whole-bucket ops, bit for bit."""
+    n = 3 * kit._CPU_CHUNK + 123
+    cfg = TopKConfig(density=0.01, momentum_correction=mc, momentum=0.9 if mc else 0.0, momentum_masking=False,
+                     momentum_lookahead=0.9 if mc else 0.0, min_sparse_numel=0, exchange="allgather", recipe="none")
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp() for _ in range(3)]
+    st, ref = TopKState(cfg), TopKState(cfg)
+    p = nn.Parameter(torch.zeros(n))
+    st.bind([("p", p)])
+    ref.bind([("p", p)])
+    for i, g in enumerate(grads):
+        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+        b = ref.buffers([p], torch.device("cpu"))
+        racc, rvel = kit.accumulate(ref, b, g.clone(), lookahead=True)
+        assert torch.equal(acc, racc[:n])
+        if mc:
+            assert torch.equal(vel, rvel)
+        assert not bool(st.flags.inputs[("p",)])
+        idx = torch.arange(i, n, 97)  # send something so that the lookahead's debt is exercised
+        kit.send_values(st, acc, idx, vel)
+        kit.send_values(ref, racc[:n], idx, rvel)
+        st.end_exchange()
+        ref.end_exchange()
+        st.flags.clear()
+    bad = grads[0].clone()
+    bad[2 * kit._CPU_CHUNK + 5] = float("nan")
+    kit.take_bucket(st, [p], ("p",), bad)
+    assert bool(st.flags.inputs[("p",)])
+
+
 @pytest.mark.parametrize("make, why", [
     (lambda p: torch.optim.AdamW(p, lr=1e-3), "AdamW is not torch.optim.SGD"),
     (lambda p: torch.optim.Adam(p, lr=1e-3), "Adam is not torch.optim.SGD"),

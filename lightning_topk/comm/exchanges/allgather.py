@@ -55,7 +55,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         sent.index_copy_(0, idx, wire.float())
         kit.record_sent(state, names, [p.numel() for p in params], sent)
     code = index_code(n, k)
-    packed = pack(wire, idx, code)
+    packed = pack(wire, idx, code, host_reads=not kit.sync_free_enabled(device))
     out = torch.empty(world * packed.numel(), dtype=torch.uint8, device=device)
     state.add_stats(stats, "allgather", numel_sent=k, bytes_sent=packed.numel(), **kit._link(state, packed.numel()),
                     bytes_wire=ring_allgather_wire(packed.numel(), world))
@@ -69,7 +69,7 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
         # On gloo the future's value is not the gathered tensor: read `out`.
         state.add_time(stats, "comm_time_s", t_launch)
         values, indices = unpack(out, k, wire_dtype, world, code)
-        return kit.deliver(state, grad, kit.rebuild(kit.fp32_view(grad), values.mul_(f), indices))
+        return kit.deliver(state, grad, kit.rebuild(kit.fp32_view(grad), values.mul_(f), indices), touched=indices)
 
     if bucket.is_last():
         state.end_exchange()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers
+from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers, nonfinite
 from lightning_topk.comm.wire import (
     INT32,
     IndexCode,
@@ -97,9 +97,9 @@ def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ..
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, grad.device) if state.config.error_feedback else None
-    acc, vel = accumulate(state, b, grad, lookahead)
+    acc, vel, bad = accumulate_checked(state, b, grad, lookahead)
     acc = acc[:grad.numel()]
-    state.flags.note_input(names, acc)
+    state.flags.note_input(names, acc, bad=bad)
     return b, acc, vel
 
 
@@ -142,17 +142,49 @@ def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor,
         return acc, None
     state.undo.save(b)
     n = grad.numel()
-    if b.velocity is not None:
-        vel = b.velocity[:n]
+    vel = None if b.velocity is None else b.velocity[:n]
+    _accumulate_into(state, b.residual[:n], vel, grad, lookahead)
+    return b.residual, vel
+
+
+def _accumulate_into(state: TopKState, res: Tensor, vel: Optional[Tensor], grad: Tensor, lookahead: bool) -> None:
+    """:func:`accumulate`'s arithmetic on aligned slices of the residual, velocity and gradient."""
+    scale = state.grad_scale
+    if vel is not None:
         c = state.config.momentum_lookahead if lookahead else 0.0
         if c:
-            b.residual[:n].add_(vel, alpha=-c)  # the lead of the last sparse step, c * old velocity
+            res.add_(vel, alpha=-c)  # the lead of the last sparse step, c * old velocity
         vel.mul_(state.config.momentum)
         _add_scaled_(vel, grad, scale)
-        b.residual[:n].add_(vel, alpha=1.0 + c)
-        return b.residual, vel
-    _add_scaled_(b.residual[:n], grad, scale)
-    return b.residual, None
+        res.add_(vel, alpha=1.0 + c)
+        return
+    _add_scaled_(res, grad, scale)
+
+
+_CPU_CHUNK = 1 << 16   # entries per chunk of the CPU accumulate: its residual, velocity and gradient stay in L2
+
+
+def accumulate_checked(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor,
+                       lookahead: bool = False) -> Tuple[Tensor, Optional[Tensor], Tensor]:
+    """:func:`accumulate` and the non-finite flag of the accumulator's first ``grad.numel()`` entries
+    (:func:`~lightning_topk.comm.state.nonfinite`). On CPU, with error feedback, both run chunk by chunk,
+    so each entry's residual, velocity and gradient are read from memory once instead of once per op (the
+    same ops on the same values: bit-identical to the whole-bucket ops). Returns (acc, velocity, flag)."""
+    n = grad.numel()
+    if b is None or grad.device.type != "cpu" or n <= _CPU_CHUNK:
+        acc, vel = accumulate(state, b, grad, lookahead)
+        return acc, vel, nonfinite(acc[:n])
+    state.undo.save(b)
+    lows, highs = [], []
+    for s in range(0, n, _CPU_CHUNK):
+        e = min(n, s + _CPU_CHUNK)
+        _accumulate_into(state, b.residual[s:e], None if b.velocity is None else b.velocity[s:e], grad[s:e],
+                         lookahead)
+        lo, hi = torch.aminmax(b.residual[s:e])
+        lows.append(lo)
+        highs.append(hi)
+    bad = torch.isfinite(torch.stack(lows + highs)).all().logical_not()
+    return b.residual, b.velocity[:n] if b.velocity is not None else None, bad
 
 
 def select(state: TopKState, acc: Tensor, k: int, ks: Optional[Sequence[int]] = None,
@@ -219,12 +251,17 @@ def fp32_view(grad: Tensor) -> Tensor:
     return grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
 
 
-def deliver(state: TopKState, grad: Tensor, result: Tensor) -> Tensor:
+def deliver(state: TopKState, grad: Tensor, result: Tensor, touched: Optional[Tensor] = None) -> Tensor:
     """Put the bucket's result into its buffer (DDP's own allreduce hook returns that buffer too) and flag
-    non-finite values in the whole result."""
+    non-finite values in the whole result.
+
+    ``touched``: the only entries of ``result`` that :func:`rebuild` did not leave at zero (its indices).
+    When the result is the buffer itself (no cast that could overflow), only they are checked: O(world * k)
+    instead of a pass over the bucket, on the critical path after the last bucket's exchange."""
     if result.data_ptr() != grad.data_ptr():
         grad.copy_(result[:grad.numel()])
-    state.flags.note_result(grad)
+        touched = None
+    state.flags.note_result(grad if touched is None else grad.index_select(0, touched))
     return grad
 
 
