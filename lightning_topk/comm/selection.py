@@ -30,11 +30,13 @@ _DENSE_SHARE = 0.2       # k above this share of n: torch.topk
 _SAMPLE = 1 << 16        # sample size for the threshold estimate
 _MSTOPK_ROUNDS = 24      # binary-search rounds of MSTopK (on the sample)
 
-# Intra-op threads of topk_select's CPU work (None: torch's setting, i.e. what the launcher or
-# ``run.threads`` gave every other op of the process; torchrun and the test helpers give 1 per process).
+# Intra-op threads of topk_select's CPU work. None: torch's setting (what the launcher or ``run.threads``
+# gave every other op of the process; torchrun and the test helpers give 1 per process), capped at this
+# process's share of the usable cores (cores / LOCAL_WORLD_SIZE), so that several processes on one host
+# that kept torch's default of one thread per core do not oversubscribe it in selection.
 # 1 was the default until 2026-11-27: on a quiet 2-core Xeon it made exact selection at 25M entries 1.6x
-# slower than torch's 2 threads (8.5x against 13-15x torch.topk); on an oversubscribed CPU 1 is faster,
-# as it is for every other op there (BENCHMARKS.md, "Top-k selection").
+# slower than torch's 2 threads (8.5x against 13-15x torch.topk); on an oversubscribed CPU 1 is faster
+# (BENCHMARKS.md, "Top-k selection on another host").
 CPU_THREADS: Optional[int] = None
 
 # "auto": MSTopK (both entry points) uses the CuPy kernels (multi-threshold count + compaction) for
@@ -174,10 +176,13 @@ def topk_select(x: Tensor, k: int, method: str = "exact",
 
 @contextlib.contextmanager
 def _cpu_threads(x: Tensor) -> Iterator[None]:
-    """Run the CPU selection on ``CPU_THREADS`` intra-op threads (None: torch's setting)."""
-    want = CPU_THREADS if x.device.type == "cpu" else None
+    """Run the CPU selection on ``CPU_THREADS`` intra-op threads (None: :func:`cpu_share`)."""
+    if x.device.type != "cpu":
+        yield
+        return
     have = torch.get_num_threads()
-    if want is None or want == have:
+    want = CPU_THREADS if CPU_THREADS is not None else cpu_share(have)
+    if want == have:
         yield
         return
     torch.set_num_threads(want)
@@ -185,6 +190,22 @@ def _cpu_threads(x: Tensor) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(have)
+
+
+def cpu_share(threads: int) -> int:
+    """``threads``, capped at this process's share of the cores it may run on: their count divided by
+    ``LOCAL_WORLD_SIZE`` (set by torchrun and Lightning; 1 when unset), at least 1."""
+    import os
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return max(1, min(threads, cores // local))
 
 
 def _torch_topk(x: Tensor, k: int) -> Tuple[Tensor, Tensor]:

@@ -214,6 +214,27 @@ def test_mstopk_search_on_the_top_of_the_sample_matches_the_full_sort():
         assert t2 == pytest.approx(min(r2, float(s[m - margin])), rel=1e-5)
 
 
+def test_selection_threads_follow_torch_capped_at_the_process_share_of_the_cores(monkeypatch):
+    import os
+
+    import lightning_topk.comm.selection as sel
+
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert sel.cpu_share(1) == 1 and sel.cpu_share(cores) == cores and sel.cpu_share(cores + 7) == cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(2 * cores))  # more processes than cores: one thread each
+    assert sel.cpu_share(cores) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "junk")
+    assert sel.cpu_share(cores) == cores
+    seen = []
+    monkeypatch.setattr(sel, "CPU_THREADS", None)
+    monkeypatch.setattr(sel, "cpu_share", lambda t: seen.append(torch.get_num_threads()) or 1)
+    x = _gradient_like(200_000, 8)
+    before = torch.get_num_threads()
+    topk_select(x, 2_000, "exact")
+    assert seen == [before] and torch.get_num_threads() == before
+
+
 @pytest.mark.parametrize("threads", [None, 1, 2])
 def test_cpu_threads_setting_is_restored(monkeypatch, threads):
     import lightning_topk.comm.selection as sel
