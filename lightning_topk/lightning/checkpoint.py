@@ -319,7 +319,9 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
 
 def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
     """Sparse local SGD saved and resumed, in another layout (world size, nodes, processes per node) or with
-    another ``outer_chunk`` or ``outer_exchange``: the outer state is resharded
+    another ``outer_chunk`` or ``outer_exchange``, or another option that ``outer_exchange="auto"`` decides from
+    (``outer_value_bits``, ``outer_density``, ``outer_streaming``: the saved run may have taken the scale-free
+    exchange and this one not, or the other way round): the outer state is resharded
     (:func:`lightning_topk.comm.outer.reshard`; it folds the scale-free exchange's owner buffers into ``ef``)."""
     saved = meta.get("config") or {}
     if cfg.local_steps <= 0 or int(saved.get("local_steps", 0) or 0) <= 0:
@@ -328,7 +330,12 @@ def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
             or int(meta.get("num_nodes", 0)) != int(strategy.num_nodes)
             or int(meta.get("local_world_size", 0)) != int(strategy.num_processes)
             or saved.get("outer_chunk") != cfg.outer_chunk
-            or saved.get("outer_exchange", "auto") != cfg.outer_exchange)
+            or saved.get("outer_exchange", "auto") != cfg.outer_exchange
+            or any(f in saved and saved[f] != getattr(cfg, f) for f in _AUTO_OUTER_INPUTS))
+
+
+# The options besides the layout and outer_exchange that comm.outer.outer_exchange_for decides from.
+_AUTO_OUTER_INPUTS = ("outer_value_bits", "outer_density", "outer_streaming")
 
 
 def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any]:

@@ -51,6 +51,12 @@ def test_four_nodes_take_the_scale_free_outer_exchange_and_resume_bit_exactly(tm
     switched = _run(tmp_path, "switched", *common, "--resume", ckpt, "--outer-exchange", "allgather", world=4, nodes=4)
     assert all(s["outer_exchange"] == "allgather" and s["steps"] == 12 for s in switched)
     assert all(torch.equal(s["flat"], switched[0]["flat"]) for s in switched)  # replicas agree after the last round
+    # The same option string ("auto"), but 2-bit values: auto now takes the all-gather. Resharded too (it used to
+    # be refused: the loader compared only the option strings).
+    two_bit = [a if a != "4" or common[i - 1] != "--bits" else "2" for i, a in enumerate(common)]
+    rebit = _run(tmp_path, "rebit", *two_bit, "--resume", ckpt, world=4, nodes=4)
+    assert all(s["outer_exchange"] == "allgather" and s["steps"] == 12 for s in rebit)
+    assert all(torch.equal(s["flat"], rebit[0]["flat"]) for s in rebit)
 
 
 def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
