@@ -91,6 +91,8 @@ class Sim(C.SimulatedAllgather):
                 lead = vel.sign() * torch.minimum(lead.abs(), beta * (tau - vel.abs()).clamp_min(0.0))
             else:
                 lead = lead.clamp(-beta * tau, beta * tau)
+        if P.get("agree"):  # lead only where this step's gradient pushes the way the momentum goes
+            lead = torch.where(torch.sign(g[:vel.numel()]) == torch.sign(vel), lead, torch.zeros_like(lead))
         score = acc + lead
         idx = select(st, score, k, ks, numels)
         values = score.index_select(0, idx)
