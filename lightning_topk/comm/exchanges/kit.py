@@ -232,10 +232,11 @@ def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor
     return wire
 
 
-def rebuild(out: Tensor, values: Tensor, indices: Tensor) -> Tensor:
+def rebuild(out: Tensor, values: Tensor, indices: Tensor, zeroed: bool = False) -> Tensor:
     """``out`` (fp32) := dense sum of gathered sparse entries; duplicates add (``index_add_``, never
-    ``scatter_``)."""
-    out.zero_()
+    ``scatter_``). ``zeroed``: the caller already zeroed ``out`` (off the critical path)."""
+    if not zeroed:
+        out.zero_()
     if out.is_cuda and indices.dtype == torch.int32:
         from lightning_topk.ops import cuda as cuda_ops
 
