@@ -480,14 +480,17 @@ def _flush(state: TopKState, p: Optional["_Pending"]) -> None:
     t0 = clock(p.grad.device)
     g = scatter_forward(state, p.job)
     state.add_time(p.stats, "select_time_s", t0)
+    # The bucket's gradient is spent (in the residual and the packets): zero the result buffer while the
+    # all-gather is on the link, so that the rebuild only adds (as the flat all-gather does).
+    out = fp32_view(p.grad).zero_()
 
     def done(fut: torch.futures.Future) -> None:
         try:
             fut.wait()  # a failed exchange raises its own error, before its buffers are read
             values, indices = g.entries()
-            dense = rebuild(fp32_view(p.grad), values.mul_(p.factor), indices)
+            dense = rebuild(out, values.mul_(p.factor), indices, zeroed=True)
             state.add_time(p.stats, "comm_time_s", p.t_launch)
-            p.result.set_result(deliver(state, p.grad, dense))
+            p.result.set_result(deliver(state, p.grad, dense, touched=indices))
         except Exception as e:  # surface comm errors to DDP rather than hanging
             p.result.set_exception(e)
 
