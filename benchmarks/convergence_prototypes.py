@@ -85,6 +85,12 @@ class Sim(C.SimulatedAllgather):
             return super().rank_send(st, g, n) if not P.get("fullk") else self._send_all(st, g, n, k, ks, numels)
         b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
         lead = c * vel
+        if P.get("agelead"):  # c per entry: half the steps since the entry was last sent, at most C
+            age = getattr(st, "_age", None)
+            if age is None:
+                age = st._age = torch.zeros_like(vel)
+            age.add_(1.0)
+            lead = (age * P["agelead"]).clamp_(max=c) * vel
         beta, tau = P.get("leadclip"), getattr(st, "_tau", 0.0)
         if beta and tau is not None:
             if P.get("leadmode") == 1:  # lead ~ half the entry's sending interval tau/|v|, 0 where sent each step
@@ -100,6 +106,8 @@ class Sim(C.SimulatedAllgather):
             st._tau = float(acc.abs().topk(k).values[-1])
         else:
             st._tau = float(values.abs().min())
+        if P.get("agelead"):
+            st._age.index_fill_(0, idx, 0.0)
         if P.get("selonly"):  # the lead only picks the entries; they send what they hold
             values = acc.index_select(0, idx)
             acc.index_fill_(0, idx, 0.0)
