@@ -31,7 +31,8 @@ _SAMPLE = 1 << 16        # sample size for the threshold estimate
 _MSTOPK_ROUNDS = 24      # binary-search rounds of MSTopK (on the sample)
 
 # Intra-op threads of topk_select's CPU work. None: torch's setting (what the launcher or ``run.threads``
-# gave every other op of the process; torchrun and the test helpers give 1 per process), capped at this
+# gave every other op of the process: Lightning's launcher sets OMP_NUM_THREADS to cores / processes, torchrun
+# and the test helpers to 1), capped at this
 # process's share of the usable cores (cores / LOCAL_WORLD_SIZE), so that several processes on one host
 # that kept torch's default of one thread per core do not oversubscribe it in selection.
 # 1 was the default until 2026-11-27: on a quiet 2-core Xeon it made exact selection at 25M entries 1.6x
