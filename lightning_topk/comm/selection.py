@@ -32,9 +32,8 @@ _MSTOPK_ROUNDS = 24      # binary-search rounds of MSTopK (on the sample)
 
 # Intra-op threads of topk_select's CPU work. None: torch's setting (what the launcher or ``run.threads``
 # gave every other op of the process: Lightning's launcher sets OMP_NUM_THREADS to cores / processes, torchrun
-# and the test helpers to 1), capped at this
-# process's share of the usable cores (cores / LOCAL_WORLD_SIZE), so that several processes on one host
-# that kept torch's default of one thread per core do not oversubscribe it in selection.
+# and the test helpers to 1), capped at this process's share of the usable cores (cores / LOCAL_WORLD_SIZE),
+# so that several processes on one host that kept one thread per core do not oversubscribe it in selection.
 # 1 was the default until 2026-11-27: on a quiet 2-core Xeon it made exact selection at 25M entries 1.6x
 # slower than torch's 2 threads (8.5x against 13-15x torch.topk); on an oversubscribed CPU 1 is faster
 # (BENCHMARKS.md, "Top-k selection on another host").
@@ -195,7 +194,7 @@ def _cpu_threads(x: Tensor) -> Iterator[None]:
 
 def cpu_share(threads: int) -> int:
     """``threads``, capped at this process's share of the cores it may run on: their count divided by
-    ``LOCAL_WORLD_SIZE`` (set by torchrun and Lightning; 1 when unset), at least 1."""
+    ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when unset), at least 1."""
     import os
 
     try:
