@@ -362,6 +362,11 @@ SCATTER_MAX_BYTE_SHARE = 0.6
 SCATTER_MIN_BITS = 4
 
 
+# The options besides the layout (outer_chunk) and outer_exchange itself that outer_exchange_for reads: a resume
+# under another value of one of them may resolve "auto" differently (the checkpoint loader then reshards).
+AUTO_EXCHANGE_INPUTS = ("outer_value_bits", "outer_density", "outer_streaming")
+
+
 def outer_exchange_for(config: TopKConfig, replicas: int, layout: PacketLayout) -> str:
     """``"allgather"`` or ``"scatter"``: what ``config.outer_exchange`` means among ``replicas`` replicas for a
     shard of packet layout ``layout``. Decided from the option, the number of replicas and the layout alone (the

@@ -18,6 +18,7 @@ The hint only saves time: results are the same with or without it, whatever it h
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Dict, Iterator, Optional, Tuple
 
 import torch
@@ -195,8 +196,6 @@ def _cpu_threads(x: Tensor) -> Iterator[None]:
 def cpu_share(threads: int) -> int:
     """``threads``, capped at this process's share of the cores it may run on: their count divided by
     ``LOCAL_WORLD_SIZE`` (set by torchrun; 1 when unset), at least 1."""
-    import os
-
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):   # not on Linux
@@ -532,8 +531,6 @@ def _mstopk_kernels(x: Tensor, k: int) -> Optional[Tuple[Tensor, Tensor]]:
 def sync_free_enabled(device: torch.device) -> bool:
     """The sync-free path is the default on CUDA; ``LIGHTNING_TOPK_SYNC_FREE=1`` forces it anywhere
     (``=0`` turns it off everywhere)."""
-    import os
-
     env = os.environ.get("LIGHTNING_TOPK_SYNC_FREE", "").strip()
     if env in ("1", "true", "yes"):
         return True

@@ -476,8 +476,12 @@ class _BucketBuffers:
 def nonfinite(x: Tensor) -> Tensor:
     """A 0-dim bool tensor on x's device: does x hold a NaN or inf? One read pass, no host sync
     (aminmax propagates NaN; ``isfinite(x).all()`` would allocate n bools and is ~20x slower on CPU)."""
-    lo, hi = torch.aminmax(x)
-    return torch.isfinite(torch.stack((lo, hi))).all().logical_not()
+    return bounds_nonfinite(torch.aminmax(x))
+
+
+def bounds_nonfinite(bounds: Sequence[Tensor]) -> Tensor:
+    """:func:`nonfinite` of a tensor from the (min, max) pairs of its parts, as 0-dim tensors in any order."""
+    return torch.isfinite(torch.stack(tuple(bounds))).all().logical_not()
 
 
 def _grown(t: Tensor, n: int) -> Tensor:

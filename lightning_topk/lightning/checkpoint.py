@@ -64,6 +64,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from lightning_topk.comm.outer import AUTO_EXCHANGE_INPUTS
 from lightning_topk.comm.state import upgrade_sections
 from lightning_topk.files import atomic_torch_save, is_url, isdir, isfile, join, local_path, open_read, remove
 
@@ -331,11 +332,7 @@ def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
             or int(meta.get("local_world_size", 0)) != int(strategy.num_processes)
             or saved.get("outer_chunk") != cfg.outer_chunk
             or saved.get("outer_exchange", "auto") != cfg.outer_exchange
-            or any(f in saved and saved[f] != getattr(cfg, f) for f in _AUTO_OUTER_INPUTS))
-
-
-# The options besides the layout and outer_exchange that comm.outer.outer_exchange_for decides from.
-_AUTO_OUTER_INPUTS = ("outer_value_bits", "outer_density", "outer_streaming")
+            or any(f in saved and saved[f] != getattr(cfg, f) for f in AUTO_EXCHANGE_INPUTS))
 
 
 def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any]:

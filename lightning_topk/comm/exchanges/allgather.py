@@ -63,16 +63,14 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     t_launch = clock(device)
     fut = kit._all_gather(out, packed, group=group, async_op=True).get_future()
     wire_dtype = cfg.wire_dtype
-    # The bucket's gradient is spent (accumulated and packed): zero the result buffer while the packets are on
-    # the link, so that the rebuild after the last bucket's all-gather only adds the gathered entries.
-    result = kit.fp32_view(grad).zero_()
+    result = kit.zeroed_result(grad)  # while the packets are on the link
 
     def finish(done: torch.futures.Future) -> Tensor:
         done.wait()  # a failed or timed-out all-gather raises its own error here, before `out` is read
         # On gloo the future's value is not the gathered tensor: read `out`.
         state.add_time(stats, "comm_time_s", t_launch)
         values, indices = unpack(out, k, wire_dtype, world, code)
-        return kit.deliver(state, grad, kit.rebuild(result, values.mul_(f), indices, zeroed=True), touched=indices)
+        return kit.deliver_sum(state, grad, result, values.mul_(f), indices)
 
     if bucket.is_last():
         state.end_exchange()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers, nonfinite
+from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers, bounds_nonfinite, nonfinite
 from lightning_topk.comm.wire import (
     INT32,
     IndexCode,
@@ -175,16 +175,13 @@ def accumulate_checked(state: TopKState, b: Optional[_BucketBuffers], grad: Tens
         acc, vel = accumulate(state, b, grad, lookahead)
         return acc, vel, nonfinite(acc[:n])
     state.undo.save(b)
-    lows, highs = [], []
+    vel = None if b.velocity is None else b.velocity[:n]
+    bounds: List[Tensor] = []
     for s in range(0, n, _CPU_CHUNK):
         e = min(n, s + _CPU_CHUNK)
-        _accumulate_into(state, b.residual[s:e], None if b.velocity is None else b.velocity[s:e], grad[s:e],
-                         lookahead)
-        lo, hi = torch.aminmax(b.residual[s:e])
-        lows.append(lo)
-        highs.append(hi)
-    bad = torch.isfinite(torch.stack(lows + highs)).all().logical_not()
-    return b.residual, b.velocity[:n] if b.velocity is not None else None, bad
+        _accumulate_into(state, b.residual[s:e], None if vel is None else vel[s:e], grad[s:e], lookahead)
+        bounds.extend(torch.aminmax(b.residual[s:e]))
+    return b.residual, vel, bounds_nonfinite(bounds)
 
 
 def select(state: TopKState, acc: Tensor, k: int, ks: Optional[Sequence[int]] = None,
@@ -234,7 +231,7 @@ def send_values(state: TopKState, acc: Tensor, idx: Tensor, vel: Optional[Tensor
 
 def rebuild(out: Tensor, values: Tensor, indices: Tensor, zeroed: bool = False) -> Tensor:
     """``out`` (fp32) := dense sum of gathered sparse entries; duplicates add (``index_add_``, never
-    ``scatter_``). ``zeroed``: the caller already zeroed ``out`` (off the critical path)."""
+    ``scatter_``). ``zeroed``: ``out`` is already zero (:func:`zeroed_result`)."""
     if not zeroed:
         out.zero_()
     if out.is_cuda and indices.dtype == torch.int32:
@@ -250,6 +247,19 @@ def fp32_view(grad: Tensor) -> Tensor:
     """Where to build a bucket's fp32 result: the bucket buffer itself when it is fp32 (no extra memory),
     else a transient fp32 buffer copied back by :func:`deliver`."""
     return grad if grad.dtype == torch.float32 else torch.empty(grad.numel(), dtype=torch.float32, device=grad.device)
+
+
+def zeroed_result(grad: Tensor) -> Tensor:
+    """The bucket's fp32 result buffer (:func:`fp32_view`), zeroed now. A sparse exchange calls it once the
+    bucket's gradient is spent (accumulated and packed) and its packets are on the link, so that what follows
+    the last bucket's collective (:func:`deliver_sum`) only adds the gathered entries."""
+    return fp32_view(grad).zero_()
+
+
+def deliver_sum(state: TopKState, grad: Tensor, out: Tensor, values: Tensor, indices: Tensor) -> Tensor:
+    """:func:`rebuild` the gathered entries into ``out`` (from :func:`zeroed_result`) and :func:`deliver` it,
+    checking only the entries it touched."""
+    return deliver(state, grad, rebuild(out, values, indices, zeroed=True), touched=indices)
 
 
 def deliver(state: TopKState, grad: Tensor, result: Tensor, touched: Optional[Tensor] = None) -> Tensor:

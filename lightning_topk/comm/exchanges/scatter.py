@@ -58,19 +58,18 @@ from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (
     Gather,
     _link,
-    deliver,
+    deliver_sum,
     factor,
     flat_group,
-    fp32_view,
     future_on,
     gather_entries,
     open_bucket,
-    rebuild,
     record_sent,
     select,
     send_values,
     sparse_k,
     take_bucket,
+    zeroed_result,
 )
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.state import Scale, StepStats, TopKState, clock, owner_undo_key
@@ -480,17 +479,14 @@ def _flush(state: TopKState, p: Optional["_Pending"]) -> None:
     t0 = clock(p.grad.device)
     g = scatter_forward(state, p.job)
     state.add_time(p.stats, "select_time_s", t0)
-    # The bucket's gradient is spent (in the residual and the packets): zero the result buffer while the
-    # all-gather is on the link, so that the rebuild only adds (as the flat all-gather does).
-    out = fp32_view(p.grad).zero_()
+    out = zeroed_result(p.grad)  # while the all-gather is on the link
 
     def done(fut: torch.futures.Future) -> None:
         try:
             fut.wait()  # a failed exchange raises its own error, before its buffers are read
             values, indices = g.entries()
-            dense = rebuild(out, values.mul_(p.factor), indices, zeroed=True)
             state.add_time(p.stats, "comm_time_s", p.t_launch)
-            p.result.set_result(deliver(state, p.grad, dense, touched=indices))
+            p.result.set_result(deliver_sum(state, p.grad, out, values.mul_(p.factor), indices))
         except Exception as e:  # surface comm errors to DDP rather than hanging
             p.result.set_exception(e)
 
