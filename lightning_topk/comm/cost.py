@@ -279,7 +279,7 @@ def _compute_times(density: float, selector: str, device: torch.device) -> List[
         x = torch.randn(n, generator=g).to(device).mul_(scale)
         k = max(1, math.ceil(density * n))
         out.append(_select_time(x, scale, k, selector, device, g))
-    x = torch.randn(_PROBE_NUMELS[1], device=device)
+    x = torch.randn(_PROBE_NUMELS[1], generator=g).to(device)  # never the user's RNG streams
     y = torch.empty_like(x)
     out.append(_timed(lambda: torch.add(x, x, alpha=0.5, out=y), device) / _PROBE_NUMELS[1])
     m = _PROBE_NUMELS[0]

@@ -10,11 +10,20 @@ with momentum's steps. With the lookahead, momentum-factor masking no longer pay
 density warm-up helps at 0.001, but its length depends on the run). So ``recipe="auto"`` does:
 
 * ``torch.optim.SGD`` with momentum > 0, dampening 0 and no Nesterov in every parameter group, one momentum
-  value for all groups: turns ``momentum_correction`` on with that momentum, without masking and with
-  ``momentum_lookahead`` = that momentum (Nesterov's update through error feedback), and sets the
-  optimizer's momentum to 0 (the velocity lives in the hook's state: checkpointed per rank, rolled back by
-  a skipped step). Only while sparse steps can happen (``density < 1``) and the exchange supports momentum
-  correction (the flat ones: ``auto`` then chooses among them alone, ``allgather``, ``dense``).
+  value for all groups: momentum correction with that momentum, without masking and with
+  ``momentum_lookahead`` = that momentum (Nesterov's update through error feedback). Only where sparse steps
+  can happen (``density < 1``) and the exchange supports momentum correction (the flat ones: ``auto`` then
+  chooses among them alone, ``allgather``, ``dense``).
+
+  In a run it is :class:`LiveRecipe`: **dormant until the first step that sent a bucket sparse**, so
+  while every bucket goes dense (density 1, an ``auto`` plan that sends all dense, ``dense_steps``) the
+  hook sends the raw gradient and the optimizer is DDP's, untouched. From the next step on the velocity
+  lives in the hook (seeded with the optimizer's momentum buffers; checkpointed per rank, rolled back by a
+  skipped step); the optimizer's ``momentum`` and ``weight_decay`` are set to 0 only *during* its step and
+  restored after it, so schedulers (``OneCycleLR(cycle_momentum=True)``), callbacks and checkpoints see the
+  user's values, and the hook follows the momentum they write at every step. Weight decay keeps its
+  meaning: its share of SGD's momentum (``b = m b + wd p``, linear in the gradient) is kept per parameter
+  in the optimizer's state (``topk_wd_momentum``, so it is checkpointed) and applied after the step.
 * With ``local_steps`` > 0 (sparse local SGD) there is no per-step top-k: nothing, the optimizer untouched.
 * Anything else (Adam, AdamW, the repo's LARS, whose trust ratio is taken on the raw gradient, Nesterov,
   dampening, several optimizers): plain error feedback, the optimizer untouched.
@@ -24,13 +33,16 @@ Layer 1: torch only; the optimizer is duck-typed by its class and ``param_groups
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+from torch import Tensor
 
-from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig
+from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig, TopKState
 
-__all__ = ["RECIPE_CHOICES", "apply_recipe", "recipe_for"]
+__all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "recipe_for", "WD_MOMENTUM"]
+
+WD_MOMENTUM = "topk_wd_momentum"  # the optimizer-state key of weight decay's share of SGD's momentum
 
 # recipe="auto" sets momentum_lookahead to the optimizer's momentum m: the residual then accumulates
 # u = v + m (v - v_prev) = g + m v, PyTorch's Nesterov update, and every entry sent each step would be exactly
@@ -66,7 +78,15 @@ def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str
         return False, f"SGD momentum {sorted(moms)} (needs one value in (0, 1))"
     if any(g.get("nesterov", False) or g.get("dampening", 0.0) != 0.0 for g in opt.param_groups):
         return False, "SGD with Nesterov or dampening"
+    if any(g.get("maximize", False) for g in opt.param_groups):
+        return False, "SGD with maximize=True"
     return True, f"SGD momentum {next(iter(moms))} moved into the hook"
+
+
+def target_config(config: TopKConfig, momentum: float) -> TopKConfig:
+    """The options momentum correction runs with under ``recipe="auto"`` at SGD momentum ``momentum``."""
+    return replace(config, momentum_correction=True, momentum=momentum, momentum_masking=False,
+                   momentum_lookahead=momentum)
 
 
 def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKConfig, str]:
@@ -79,6 +99,100 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
     m = float(opt.param_groups[0]["momentum"])
     for g in opt.param_groups:
         g["momentum"] = 0.0
-    return (replace(config, momentum_correction=True, momentum=m, momentum_masking=False, momentum_lookahead=m),
+    return (target_config(config, m),
             f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov) ({why}; "
             f"density {config.density:g})")
+
+
+class LiveRecipe:
+    """``recipe="auto"``'s momentum correction on the user's live SGD (see the module docstring).
+
+    ``begin_step`` before each backward, ``before_step``/``after_step`` around each optimizer step; the
+    state's ``config`` is the dormant one (no momentum correction) until :meth:`engage`."""
+
+    def __init__(self, optimizer: Any, dormant: TopKConfig) -> None:
+        self.optimizer = optimizer
+        self.dormant = dormant
+        self.engaged = False
+        self._stepping: Optional[float] = None  # the user's momentum while before_step has zeroed the groups'
+
+    def momentum(self) -> float:
+        """The one momentum of the optimizer's groups now (a scheduler or callback may have written it); inside
+        the optimizer step (automatic optimization runs the backward there), the value before it was zeroed."""
+        if self._stepping is not None:
+            return self._stepping
+        moms = sorted({float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups})
+        if len(moms) != 1 or not 0.0 <= moms[0] < 1.0:
+            raise ValueError(f"topk_ddp: recipe='auto' runs SGD's momentum in the hook and needs one momentum in "
+                             f"[0, 1) for every parameter group; the groups now hold {moms} (written after setup "
+                             "by a scheduler, a callback or add_param_group). Set recipe='none' to keep the "
+                             "momentum in the optimizer (plain error feedback)")
+        return moms[0]
+
+    def begin_step(self, state: TopKState) -> None:
+        """Before a backward: engage after a step that sent a bucket sparse; then follow the momentum."""
+        if not self.engaged:
+            last = state.last
+            if last.numel_sent < last.numel:
+                self.engage(state)
+            return
+        m = self.momentum()
+        if m != state.config.momentum:
+            state.config = target_config(state.config, m)
+
+    def engage(self, state: TopKState, seed: bool = True) -> None:
+        """Move the momentum into the hook: the velocity starts from the optimizer's momentum buffers
+        (``seed``; a checkpoint's velocities otherwise), which the optimizer then no longer keeps."""
+        seeds: Dict[str, Tensor] = {}
+        by_id = {i: n for n, i in state.named_bound()}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                st = self.optimizer.state.get(p)
+                buf = None if st is None else st.pop("momentum_buffer", None)
+                if seed and buf is not None and id(p) in by_id:
+                    seeds[by_id[id(p)]] = buf.detach().float()
+        state.start_velocity(target_config(self.dormant, self.momentum()), seeds)
+        self.engaged = True
+
+    def before_step(self, optimizer: Any) -> Optional[List[Tuple[Dict[str, Any], float, float, List[Any]]]]:
+        """Zero the optimizer's momentum and weight decay for its step; weight decay's share of the momentum
+        for the parameters, computed from their values before the step. None while dormant."""
+        if not self.engaged or optimizer is not self.optimizer:
+            return None
+        m = self.momentum()
+        saved = []
+        for g in optimizer.param_groups:
+            wd = float(g.get("weight_decay", 0.0))
+            pending = []
+            if wd:
+                for p in g["params"]:
+                    old = optimizer.state[p].get(WD_MOMENTUM)
+                    new = p.detach().float().mul(wd)
+                    if old is not None:
+                        new.add_(old, alpha=m)
+                    pending.append((p, new))
+            saved.append((g, g["momentum"], g.get("weight_decay", 0.0), pending))
+            g["momentum"] = 0.0
+            if "weight_decay" in g:
+                g["weight_decay"] = 0.0
+        self._stepping = m
+        return [(g, mom, wd, pending) for g, mom, wd, pending in saved]
+
+    def after_step(self, optimizer: Any, saved: Optional[List[Any]], committed: bool) -> None:
+        """Restore the groups' values; on a committed step, apply and keep weight decay's momentum share
+        for the parameters that stepped (those with a gradient, as SGD does)."""
+        if saved is None:
+            return
+        self._stepping = None
+        for g, mom, wd, pending in saved:
+            g["momentum"] = mom
+            if "weight_decay" in g:
+                g["weight_decay"] = wd
+            if not committed:
+                continue
+            for p, buf in pending:
+                if p.grad is None:
+                    continue
+                with torch.no_grad():
+                    p.sub_(buf.to(p.dtype), alpha=float(g["lr"]))
+                optimizer.state[p][WD_MOMENTUM] = buf

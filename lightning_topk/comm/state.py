@@ -55,7 +55,7 @@ class TopKConfig:
             (indices: :mod:`~lightning_topk.comm.wire`'s 16-bit block code). Finite values beyond the
             dtype's range are clamped to it; the clipped part and the rounding error stay in the residual,
             so bf16 costs no convergence (MNIST-5k, BENCHMARKS.md). Dense steps, small buckets and
-            density 1 send fp32; ``exchange="dense"`` pinned sends this dtype.
+            density 1 send fp32; ``exchange="dense"`` pinned sends this dtype below density 1.
         error_feedback: keep what was not sent and add it to the next step's gradient.
         momentum_correction: DGC momentum correction: accumulate velocity locally and select from it,
             with momentum-factor masking if ``momentum_masking`` (the velocity is zeroed where entries were
@@ -685,6 +685,11 @@ class TopKState:
         """Tell the state the names of the model's parameters (keys of residuals in checkpoints)."""
         self._names = {id(p): n for n, p in named_parameters}
 
+    def named_bound(self) -> List[Tuple[str, int]]:
+        """(name, ``id`` of the parameter) of every bound parameter, as :meth:`bind` got them (ids only: the
+        state holds no reference to the model)."""
+        return [(n, i) for i, n in self._names.items()]
+
     def name_of(self, p: Tensor) -> str:
         """The bound name; an unbound parameter gets ``param<i>``, i in the order parameters are first seen
         (unique per parameter, and the same in every run of the same model)."""
@@ -742,6 +747,27 @@ class TopKState:
         buf = _BucketBuffers(names, numels, residual, velocity, set(names))
         self._buckets[names] = buf
         return buf
+
+    def start_velocity(self, config: TopKConfig, seeds: Dict[str, Tensor]) -> None:
+        """Turn momentum correction on mid-run (``recipe="auto"`` engaging, :mod:`~lightning_topk.comm.recipe`):
+        run with ``config`` from now on, every bucket that has buffers gets a velocity, started from ``seeds``
+        (per parameter name; zero where none), and buckets made later take theirs from ``seeds`` too."""
+        self.config = config
+        seeds = dict(seeds)
+        for b in self._buckets.values():
+            if b.velocity is None:
+                b.velocity = torch.zeros_like(b.residual)
+                off = 0
+                for name, n in zip(b.names, b.numels):
+                    t = seeds.pop(name, None)
+                    if t is not None:
+                        b.velocity[off:off + n].copy_(t.reshape(-1))
+                    off += n
+        if seeds:
+            pending = self._pending_load if self._pending_load is not None else {}
+            for name, t in seeds.items():
+                pending[("velocity", name)] = t
+            self._pending_load = pending
 
     def holds_state(self, params: Sequence[Tensor]) -> bool:
         """Whether any of these parameters has a residual or velocity (live, or pending from a checkpoint).

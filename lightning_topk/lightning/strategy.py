@@ -45,6 +45,7 @@ class TopKStrategyMixin:
         self._topk_heartbeat: Optional[Heartbeat] = None
         self._topk_failed = False  # an exception ended the run: teardown waits for no collective
         self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
+        self.topk_live_recipe: Optional[Any] = None  # recipe="auto"'s LiveRecipe, once resolved
         self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
         self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
         if "bucket_cap_mb" in kwargs and kwargs["bucket_cap_mb"] is None:
@@ -139,14 +140,30 @@ class TopKStrategyMixin:
         super().setup_optimizers(trainer)
 
     def _resolve_recipe(self) -> None:
-        """``recipe="auto"``: momentum correction for SGD with momentum (see :mod:`lightning_topk.comm.recipe`);
-        velocities of a checkpoint are dropped when the resolved recipe has none."""
-        from lightning_topk.comm.recipe import apply_recipe
+        """``recipe="auto"``: momentum correction for SGD with momentum, as a dormant
+        :class:`~lightning_topk.comm.recipe.LiveRecipe` (the exchange is built for it; the optimizer is
+        untouched until a step sends sparse); velocities of a checkpoint are dropped when the resolved
+        recipe has none."""
+        from lightning_topk.comm.recipe import LiveRecipe, recipe_for, target_config
 
+        # each fit resolves from the options as given (an earlier fit's resolution is not an option)
+        if self.topk_config is getattr(self, "_topk_resolved", None):
+            self.topk_config = self._topk_base_config
+        self.topk_live_recipe = None
         if self.topk_config.recipe == "auto" and not self.topk_config.momentum_correction:
             opts = self._topk_optimizers()
             if opts is not None:
-                self.topk_config, self.topk_recipe = apply_recipe(self.topk_config, opts)
+                use, why = recipe_for(self.topk_config, opts)
+                if use:
+                    dormant = self.topk_config
+                    self.topk_live_recipe = LiveRecipe(opts[0], dormant)
+                    self.topk_config = target_config(dormant, self.topk_live_recipe.momentum())
+                    self._topk_base_config, self._topk_resolved = dormant, self.topk_config
+                    self.topk_recipe = (f"recipe=auto -> momentum_correction without masking, momentum_lookahead = "
+                                        f"momentum (Nesterov) from the first step that sends sparse ({why}; "
+                                        f"density {dormant.density:g})")
+                else:
+                    self.topk_recipe = f"recipe=auto -> error_feedback ({why})"
                 if self.global_rank == 0:
                     log.info("topk_ddp %s", self.topk_recipe)
         pending = self._pending_topk_state
@@ -163,6 +180,13 @@ class TopKStrategyMixin:
         self._resolve_recipe()
         state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
+        live = self.topk_live_recipe
+        if live is not None:  # dormant: the hooks send the raw gradient until a step sends sparse
+            state.config = live.dormant
+            saved = self._pending_topk_state if self._pending_topk_state is not None else (
+                self.topk_state.state_dict() if self.topk_state is not None else None)
+            if saved is not None and saved.get("velocity"):
+                live.engage(state, seed=False)  # the checkpoint's velocities (loaded below) are the momentum
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
@@ -254,10 +278,29 @@ class TopKStrategyMixin:
             scaler = _scaler_of(self.precision_plugin)
             scale = 1.0 if scaler is None else scaler.scale(torch.ones((), device=closure_loss.device))
             self.topk_controller.begin_step(grad_scale=scale, scaler=scaler is not None)
+            if self.topk_live_recipe is not None and self.topk_state is not None:
+                self.topk_live_recipe.begin_step(self.topk_state)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         ctl = self.topk_controller
+        live = getattr(self, "topk_live_recipe", None)
+        if live is not None and self.topk_state is not None:
+            live.begin_step(self.topk_state)  # automatic optimization: before the closure's backward
+        recipe_saved = live.before_step(optimizer) if live is not None else None
+        try:
+            out = self._topk_optimizer_step(ctl, optimizer, closure, model, **kwargs)
+        finally:
+            if live is not None:
+                live.after_step(optimizer, recipe_saved,
+                                committed=ctl is None or ctl.last_decision is not Decision.SKIP)
+        if ctl is not None:
+            ctl.last_decision = None
+        self._log_topk()
+        return out
+
+    def _topk_optimizer_step(self, ctl: Optional[StepController], optimizer: Any, closure: Callable[[], Any],
+                             model: Any, **kwargs: Any) -> Any:
         if ctl is None or getattr(self.precision_plugin, "finishes_topk_step", False):
             # No exchange yet, or a plugin that decides after unscaling (TopKPrecision with fp16).
             if ctl is not None:
@@ -279,7 +322,6 @@ class TopKStrategyMixin:
                 ctl.last_decision = None
             out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
         self._after_step()
-        self._log_topk()
         return out
 
     def _after_step(self) -> None:
@@ -290,8 +332,6 @@ class TopKStrategyMixin:
         if ctl is not None and state is not None and state.exchange is not None:
             state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
             self._sync_reducer()
-        if ctl is not None:
-            ctl.last_decision = None
 
     @property
     def _topk_exchange(self) -> Any:

@@ -16,7 +16,8 @@ def _params():
     return [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
 
 
-def test_sgd_with_momentum_gets_momentum_correction_and_loses_its_own_momentum():
+def test_apply_recipe_moves_sgd_momentum_into_the_config_at_once():
+    """The static form (the convergence harness's); a Trainer runs the live one (LiveRecipe, below)."""
     opt = torch.optim.SGD(_params(), lr=0.1, momentum=0.8, weight_decay=1e-4)
     cfg, note = apply_recipe(TopKConfig(density=0.001), [opt])
     assert cfg.momentum_correction and cfg.momentum == 0.8 and "-> momentum_correction" in note
@@ -235,3 +236,73 @@ def test_momentum_in_the_hook_at_density_one_is_sgd_momentum_with_plain_ddp():
             assert vel and all(v.abs().sum() > 0 for v in vel.values())  # the velocity lives in the hook
             for k in ref:
                 assert torch.allclose(ref[k], got[k], atol=1e-6, rtol=1e-5), k
+
+
+def _live(rank, world, live, engage_at=0):
+    """SGD(momentum, weight decay) under OneCycleLR(cycle_momentum=True), which writes the optimizer's momentum
+    every step: plain DDP, or the hook with recipe="auto"'s LiveRecipe engaged from step ``engage_at``
+    (the hook at density 1 with momentum correction sends the dense velocity: heavy-ball in the hook)."""
+    from lightning_topk.comm.recipe import LiveRecipe
+
+    m = _model()
+    ddp = DDP(m, bucket_cap_mb=0.01)
+    opt = torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10, base_momentum=0.7,
+                                                max_momentum=0.95)
+    if live:
+        dormant = TopKConfig(density=1.0, exchange="allgather", recipe="none")
+        st = TopKState(dormant)
+        st.bind(m.named_parameters())
+        st.exchange = st.exchange_for("allgather")
+        ddp.register_comm_hook(st, exchange_hook)
+        rec = LiveRecipe(opt, dormant)
+    g = torch.Generator().manual_seed(10 + rank)
+    seen = []
+    for step in range(10):
+        x, y = torch.randn(16, 32, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        if live:
+            if step == engage_at:
+                rec.engage(st)
+            rec.begin_step(st)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        saved = rec.before_step(opt) if live else None
+        opt.step()
+        if live:
+            rec.after_step(opt, saved, committed=True)
+            if rec.engaged:
+                seen.append((opt.param_groups[0]["momentum"], st.config.momentum, opt.param_groups[0]["weight_decay"]))
+        sched.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}, seen, sorted(
+        {k for s in opt.state.values() for k in s})
+
+
+def _live_both(rank, world):
+    return _live(rank, world, False), _live(rank, world, True, 0), _live(rank, world, True, 3)
+
+
+def test_live_recipe_keeps_weight_decay_through_the_momentum_and_follows_the_scheduler():
+    """With the velocity in the hook, SGD's weight decay still passes through the momentum (its share is kept per
+    parameter: ``topk_wd_momentum``), the hook takes the momentum OneCycleLR writes each step, and the optimizer
+    shows the user's values between steps. Engaged from the start or mid-run (the velocity then starts from the
+    optimizer's momentum buffers), it trains as torch's DDP + SGD(momentum, weight_decay): the recipe changes
+    where the momentum lives, not the update (the old recipe ended 0.32x the update away with weight decay)."""
+    for (ref, _, _), *lives in run_distributed(_live_both, 2):
+        for got, seen, keys in lives:
+            for k in ref:
+                assert torch.allclose(ref[k], got[k], atol=2e-6, rtol=1e-5), k
+            assert all(user == hook and user > 0 and wd == 0.05 for user, hook, wd in seen)
+            assert len(seen) >= 7 and len({user for user, _, _ in seen}) > 3  # OneCycleLR moved it
+            assert keys == ["topk_wd_momentum"]  # the optimizer no longer keeps a momentum buffer
+
+
+def test_live_recipe_refuses_groups_that_a_callback_gives_different_momenta():
+    from lightning_topk.comm.recipe import LiveRecipe
+
+    a, b = _params()
+    opt = torch.optim.SGD([{"params": [a]}, {"params": [b]}], lr=0.1, momentum=0.9)
+    rec = LiveRecipe(opt, TopKConfig(recipe="auto"))
+    assert rec.momentum() == 0.9
+    opt.param_groups[1]["momentum"] = 0.5
+    with pytest.raises(ValueError, match="recipe='auto' .* needs one momentum .* recipe='none'"):
+        rec.momentum()

@@ -90,8 +90,10 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
 
 
 def dense_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP comm hook for ``exchange="dense"``: every bucket all-reduced in ``value_dtype``."""
-    return dense_hook(state, bucket, state.config.wire_dtype)
+    """DDP comm hook for ``exchange="dense"``: every bucket all-reduced in ``value_dtype``, or in fp32 while the
+    density is 1 (density 1 is DDP: see :class:`~lightning_topk.comm.state.TopKConfig`)."""
+    dtype = torch.float32 if state.density_now() >= 1.0 else state.config.wire_dtype
+    return dense_hook(state, bucket, dtype)
 
 
 @register("dense")
@@ -109,8 +111,8 @@ class DenseExchange(Exchange):
             self.dtype = dtype
 
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if self.dtype is None:  # pinned: value_dtype's wire, counted as dense or dense_bf16
-            return dense_hook(state, bucket, state.config.wire_dtype)
+        if self.dtype is None:  # pinned: value_dtype's wire (fp32 at density 1), counted as dense or dense_bf16
+            return dense_topk_hook(state, bucket)
         return dense_hook(state, bucket, self.dtype, via=self.name)
 
     @classmethod

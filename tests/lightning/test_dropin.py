@@ -1,0 +1,90 @@
+"""Drop-in trust: the Lightning feature matrix (tests/scripts/matrix_probe.py) against Lightning's own ``ddp``.
+
+Where the exchange sends dense (the defaults on one node, where ``exchange="auto"`` sends this small model's
+buckets dense; density 1) ``topk_ddp`` must be DDP bit for bit, with the user's optimizer, schedulers and RNG
+streams untouched; where it sends sparse, the recipe may move SGD's momentum into the hook but must follow
+what the user's scheduler writes and keep weight decay's meaning. docs/compatibility.md is this table.
+"""
+import pytest
+import torch
+
+from tests.helpers.procs import SCRIPTS, run_script
+
+PROBE = SCRIPTS / "matrix_probe.py"
+ALL = ("plain", "onecycle", "sgd_wd", "dropout", "accumulate", "clip", "adamw", "manual", "bf16")
+RUNS = {
+    "ddp": ALL,
+    "topk_default": ALL,
+    "topk_dense": ("plain", "onecycle"),
+    "topk_sparse": ("onecycle", "sgd_wd"),
+    "topk_probe": ("dropout",),
+}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    base = tmp_path_factory.mktemp("matrix")
+    out = {}
+    for name, features in RUNS.items():
+        d = base / name
+        run_script([PROBE, "--strategy", name, "--features", ",".join(features), "--steps", "8", "--out", d])
+        out[name] = {f: [torch.load(d / f"{f}_rank{r}.pt", weights_only=False) for r in range(2)] for f in features}
+    return out
+
+
+def _same_params(a, b):
+    return all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def _same_rng(a, b):
+    return all(torch.equal(torch.as_tensor(a["rng"][k]), torch.as_tensor(b["rng"][k])) for k in a["rng"])
+
+
+@pytest.mark.parametrize("feature", ALL)
+def test_the_defaults_are_ddp_bit_for_bit(matrix, feature):
+    """OneCycleLR(cycle_momentum=True) ended 2.5x DDP's whole update away and SGD + weight decay 0.32x when
+    recipe="auto" moved the momentum into the hook with every bucket dense; now nothing moves until a
+    bucket goes sparse."""
+    for ddp, topk in zip(matrix["ddp"][feature], matrix["topk_default"][feature]):
+        assert set(topk["hook"]["buckets_by"]) == {"dense"}  # the premise: auto sends this model dense
+        assert _same_params(ddp, topk), feature
+        assert _same_rng(ddp, topk)
+        assert [s["momentum"] for s in topk["seen"]] == [s["momentum"] for s in ddp["seen"]]
+        assert [s["lr"] for s in topk["seen"]] == [s["lr"] for s in ddp["seen"]]
+        assert topk["optimizer_state_keys"] == ddp["optimizer_state_keys"]
+        assert topk["hook"]["momentum_correction"] is False
+
+
+@pytest.mark.parametrize("feature", RUNS["topk_dense"])
+def test_exchange_dense_at_density_one_sends_fp32_and_is_ddp(matrix, feature):
+    """exchange="dense" pinned used to send value_dtype (bf16) at density 1, where the options table says fp32."""
+    for ddp, topk in zip(matrix["ddp"][feature], matrix["topk_dense"][feature]):
+        assert set(topk["hook"]["buckets_by"]) == {"dense"}
+        assert _same_params(ddp, topk)
+
+
+def test_the_setup_probe_draws_nothing_from_the_users_rng(matrix):
+    """exchange="auto" with a timed probe (not deterministic): the user's torch, numpy and Python streams after
+    the fit are DDP's (the probe drew an unseeded torch.randn: a model with dropout then differed from DDP)."""
+    for ddp, topk in zip(matrix["ddp"]["dropout"], matrix["topk_probe"]["dropout"]):
+        assert _same_rng(ddp, topk)
+        if set(topk["hook"]["buckets_by"]) == {"dense"}:  # the probe's plan depends on timing
+            assert _same_params(ddp, topk)
+
+
+@pytest.mark.parametrize("feature", RUNS["topk_sparse"])
+def test_a_sparse_recipe_follows_the_users_momentum_and_keeps_the_optimizer_visible(matrix, feature):
+    """Sparse: the recipe moves SGD's momentum into the hook from the step after the first sparse one; the
+    user's code still sees the scheduler's momentum and weight decay, the hook uses that momentum, and weight
+    decay's share of the momentum is kept in the optimizer's state."""
+    for ddp, topk in zip(matrix["ddp"][feature], matrix["topk_sparse"][feature]):
+        assert set(topk["hook"]["buckets_by"]) == {"allgather"}
+        assert "from the first step that sends sparse" in topk["hook"]["recipe"]
+        assert [s["momentum"] for s in topk["seen"]] == [s["momentum"] for s in ddp["seen"]]
+        assert [s["weight_decay"] for s in topk["seen"]] == [s["weight_decay"] for s in ddp["seen"]] != [0.0] * 8
+        # the hook's momentum in step i is what the optimizer held when step i began (the scheduler writes the
+        # next step's at the end of this one, before the callback looks)
+        seen = topk["seen"]
+        engaged = [(prev, now) for prev, now in zip(seen, seen[1:]) if now["hook_momentum"] is not None]
+        assert len(engaged) >= 6 and all(now["hook_momentum"] == prev["momentum"] for prev, now in engaged)
+        assert topk["optimizer_state_keys"] == ["topk_wd_momentum"]
