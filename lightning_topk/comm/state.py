@@ -76,12 +76,15 @@ class TopKConfig:
             learning rate (about ``2(1+m)/(1+2c)`` times the inverse curvature against ``2(1+m)`` for heavy
             ball). Dense steps accumulate ``v`` as before, so at density 1 nothing changes. 0 (default): off.
             Needs ``momentum_correction``; ``recipe="auto"`` sets it to ``momentum``.
-        recipe: ``"auto"``: at setup, the convergence recipe measured best for the user's optimizer
+        recipe: ``"auto"``: the convergence recipe measured best for the user's optimizer
             (:mod:`lightning_topk.comm.recipe`, ``docs/convergence.md``): for ``torch.optim.SGD`` with
             momentum (no Nesterov, no dampening) and ``density < 1`` on a flat exchange, momentum correction
             with the optimizer's momentum, without masking and with ``momentum_lookahead`` = that momentum
-            (Nesterov's update), whose momentum is then set to 0; for anything else (AdamW, Adam, LARS)
-            plain error feedback. ``"none"``: the options as given.
+            (Nesterov's update), from the step after the first one that sends a bucket sparse (until then,
+            and wherever every bucket goes dense, the optimizer is untouched: DDP); the momentum the
+            optimizer's groups hold (schedulers may write it) is followed every step, and weight decay still
+            passes through the momentum; for anything else (AdamW, Adam, LARS) plain error feedback.
+            ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way. With
             ``local_steps`` > 0 (post-local SGD): the first ``dense_steps`` optimizer-step attempts are

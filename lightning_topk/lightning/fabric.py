@@ -70,6 +70,8 @@ class _FabricTopKMixin(TopKStrategyMixin):
             scaler = _scaler_of(self.precision)
             scale = 1.0 if scaler is None else scaler.scale(torch.ones((), device=tensor.device))
             ctl.begin_step(grad_scale=scale, scaler=scaler is not None)
+            if self.topk_live_recipe is not None and self.topk_state is not None:
+                self.topk_live_recipe.begin_step(self.topk_state)
         super().backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
@@ -81,7 +83,13 @@ class _FabricTopKMixin(TopKStrategyMixin):
                 _poison_for_scaler(optimizer)  # the scaler skips and backs off on every rank alike
             else:
                 _drop_grads(self._topk_module, optimizer)
-        out = fabric_step(optimizer, **kwargs)
+        live = self.topk_live_recipe
+        saved = live.before_step(optimizer) if live is not None else None
+        try:
+            out = fabric_step(optimizer, **kwargs)
+        finally:
+            if live is not None:
+                live.after_step(optimizer, saved, committed=not skip)
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
             self._sync_reducer()

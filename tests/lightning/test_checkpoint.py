@@ -75,15 +75,31 @@ def test_resume_with_defaults_under_deterministic_is_bit_exact(tmp_path):
         assert straight["residuals"].keys() == resumed["residuals"].keys()
         for k in straight["residuals"]:
             assert torch.equal(straight["residuals"][k], resumed["residuals"][k]), k
-        # SGD with momentum: recipe="auto" keeps the momentum in the hook (unmasked, with the Nesterov lookahead,
-        # whose lead lives in the residual); its velocities resume bit-exactly
+        # exchange="auto" sends this model dense on one node, so recipe="auto" stays dormant: the momentum
+        # stays in the user's SGD (Lightning checkpoints it), nothing in the hook
+        assert straight["masking"] is None and resumed["masking"] is None
+        assert straight["velocities"] == {} and resumed["velocities"] == {}
+    assert load(tmp_path, "straight", 0)["auto"] == load(tmp_path, "straight", 1)["auto"]
+
+
+def test_resume_of_an_engaged_sgd_recipe_is_bit_exact(tmp_path):
+    """Sparse from the first step: recipe="auto" engages at step 1 (the momentum moves into the hook) and a
+    resume restores the hook's velocities and the optimizer as they were, bit for bit."""
+    run_script([SCRIPT, "--out", tmp_path, "--phases", "straight,stop,resume", "--defaults", "--exchange", "allgather"])
+    for r in range(2):
+        straight, resumed = load(tmp_path, "straight", r), load(tmp_path, "resume", r)
+        assert straight["global_step"] == resumed["global_step"] and straight["step"] == resumed["step"]
+        for k in straight["params"]:
+            assert torch.equal(straight["params"][k], resumed["params"][k]), k
+        # unmasked, with the Nesterov lookahead (whose lead lives in the residual)
         assert straight["masking"] is False and resumed["masking"] is False
         assert straight["lookahead"] == resumed["lookahead"] == 0.9
         assert straight["velocities"] and straight["velocities"].keys() == resumed["velocities"].keys()
         assert resumed["restored"]["velocity"].keys() == straight["velocities"].keys()  # from the checkpoint
         for k in straight["velocities"]:
             assert torch.equal(straight["velocities"][k], resumed["velocities"][k]), k
-    assert load(tmp_path, "straight", 0)["auto"] == load(tmp_path, "straight", 1)["auto"]
+        for k in straight["residuals"]:
+            assert torch.equal(straight["residuals"][k], resumed["residuals"][k]), k
 
 
 def test_a_lost_shard_does_not_change_the_plan_of_any_rank(tmp_path):

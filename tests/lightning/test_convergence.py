@@ -56,7 +56,8 @@ def test_digits_at_density_0_001_is_within_a_point_of_dense(tmp_path):
                                               min_sparse_numel=0, exchange="allgather"))
     info = [json.loads((sparse_dir / f"topk{r}.json").read_text()) for r in range(2)]
     for i in info:
-        assert "-> momentum_correction" in i["recipe"] and i["velocities"] > 0 and i["momentum"] == 0.0
+        # the momentum moved into the hook; the user's optimizer still shows its own between steps
+        assert "-> momentum_correction" in i["recipe"] and i["velocities"] > 0 and i["momentum"] == 0.9
         assert i["allgather"] > 0 and i["numel_sent"] < 0.002 * i["numel"]  # it really was sparse
     d, s = dense[0]["accuracy"], sparse[0]["accuracy"]
     assert dense[1]["accuracy"] == d and sparse[1]["accuracy"] == s  # the ranks agree

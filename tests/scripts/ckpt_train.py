@@ -19,6 +19,7 @@ later Trainers reuse the process group):
                  it to one more epoch
 
 --defaults: topk_ddp with only density set (exchange="auto"); --auto-model: its auto_model option;
+--exchange E (with --defaults): E pinned and min_sparse_numel 0 (sparse from the first step);
 --local-steps H (with --defaults): sparse local SGD.
 
 The training DataLoader is resumable (Lightning's state_dict/load_state_dict interface for loaders):
@@ -174,12 +175,15 @@ def main():
     ap.add_argument("--scope", default=None)
     ap.add_argument("--defaults", action="store_true")
     ap.add_argument("--auto-model", default=None)
+    ap.add_argument("--exchange", default=None, help="with --defaults: pin this exchange (min_sparse_numel 0)")
     ap.add_argument("--local-steps", type=int, default=None, help="with --defaults: sparse local SGD, H steps per round")
     a = ap.parse_args()
     if a.defaults:
         DEFAULTS.append(True)
     if a.auto_model is not None:
         EXTRA["auto_model"] = a.auto_model
+    if a.exchange is not None:
+        EXTRA.update(exchange=a.exchange, min_sparse_numel=0)
     if a.local_steps is not None:
         EXTRA["local_steps"] = a.local_steps
     if a.bucket_cap_mb is not None:
