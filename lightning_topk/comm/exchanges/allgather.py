@@ -45,11 +45,13 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
                     bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t0 = clock(device)
-    _, acc, vel = kit.take_bucket(state, params, names, grad)
+    _, acc, vel, hold = kit.take_bucket(state, params, names, grad)
     f = kit.factor(state.grad_scale, world)
 
     idx = kit.select(state, acc, k, ks, numels, hint_key=("bucket", *names))
     wire = kit.send_values(state, acc, idx, vel)
+    if hold is not None:  # unused parameters: their residual (and velocity) as before the step
+        hold.restore()
     if state.debug.enabled:
         sent = torch.zeros(n, dtype=torch.float32, device=device)
         sent.index_copy_(0, idx, wire.float())
