@@ -11,7 +11,8 @@ Per bucket: ``residual += grad / scale`` in place; pick k = ceil(density * n) en
 sent in the residual (for fp16/bf16 wire values it keeps their rounding error and any clipped part); pack
 values and indices (16-bit block code, :mod:`..wire`) into one fixed-size buffer and all-gather it; every rank rebuilds the average
 straight into the bucket's buffer with ``index_add_`` (entries picked by several ranks add up), in the
-scaled units the optimizer/GradScaler expect.
+scaled units the optimizer/GradScaler expect. Parameters without a ``.grad`` (unused in this backward) keep
+their residual out of the step (:class:`~lightning_topk.comm.exchanges.kit.Hold`): DDP would drop what they sent.
 
 Nothing here reads a tensor on the host (see :mod:`lightning_topk.comm.exchanges.kit`). The callbacks do
 only device work, so on NCCL (whose futures complete when the collective is enqueued) the backward pass
