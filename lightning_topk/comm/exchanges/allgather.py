@@ -11,7 +11,8 @@ Per bucket: ``residual += grad / scale`` in place; pick k = ceil(density * n) en
 sent in the residual (for fp16/bf16 wire values it keeps their rounding error and any clipped part); pack
 values and indices (16-bit block code, :mod:`..wire`) into one fixed-size buffer and all-gather it; every rank rebuilds the average
 straight into the bucket's buffer with ``index_add_`` (entries picked by several ranks add up), in the
-scaled units the optimizer/GradScaler expect.
+scaled units the optimizer/GradScaler expect. Parameters without a ``.grad`` (unused in this backward) keep
+their residual out of the step (:class:`~lightning_topk.comm.exchanges.kit.Hold`): DDP would drop what they sent.
 
 Nothing here reads a tensor on the host (see :mod:`lightning_topk.comm.exchanges.kit`). The callbacks do
 only device work, so on NCCL (whose futures complete when the collective is enqueued) the backward pass
@@ -45,11 +46,13 @@ def topk_allgather_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futu
     state.add_stats(stats, buckets=1, numel=n, bytes_dense=n * grad.element_size(),
                     bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     t0 = clock(device)
-    _, acc, vel = kit.take_bucket(state, params, names, grad)
+    _, acc, vel, hold = kit.take_bucket(state, params, names, grad)
     f = kit.factor(state.grad_scale, world)
 
     idx = kit.select(state, acc, k, ks, numels, hint_key=("bucket", *names))
     wire = kit.send_values(state, acc, idx, vel)
+    if hold is not None:  # unused parameters: their residual (and velocity) as before the step
+        hold.restore()
     if state.debug.enabled:
         sent = torch.zeros(n, dtype=torch.float32, device=device)
         sent.index_copy_(0, idx, wire.float())

@@ -18,6 +18,7 @@ from lightning_topk.comm.exchanges.kit import (
     factor,
     flat_group,
     fp32_view,
+    hold_unused,
     open_bucket,
     record_grads,
     record_sent,
@@ -33,8 +34,9 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
     added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); with momentum
     correction the velocity is updated, sent and kept; otherwise no buffer is made and the cost is a
-    cast and a copy, as DDP's own compression hooks. The bucket counts under the exchange ``via`` (default:
-    ``"dense"``, or ``"dense_bf16"`` for a low-precision wire)."""
+    cast and a copy, as DDP's own compression hooks. Parameters unused in this backward keep their residual
+    and velocity (:func:`~lightning_topk.comm.exchanges.kit.hold_unused`). The bucket counts under the
+    exchange ``via`` (default: ``"dense"``, or ``"dense_bf16"`` for a low-precision wire)."""
     group, world = flat_group(state)
     grad, n, params, names, device, stats = open_bucket(state, bucket)
     if state.debug.enabled:
@@ -42,8 +44,11 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     # Momentum correction keeps a velocity for every bucket (the optimizer has no momentum of its own).
     mc = state.config.momentum_correction
     b = state.buffers(params, device) if state.config.error_feedback and (mc or state.holds_state(params)) else None
+    hold = hold_unused(params, b)  # parameters unused in this backward keep their residual and velocity
     acc, _ = accumulate(state, b, grad)
     acc = acc[:n]
+    if hold is not None:
+        hold.hide(acc)
     low = wire_dtype != torch.float32
     if low and b is None:
         wire = to_wire(acc.div_(world), wire_dtype)  # acc is the bucket buffer: the result overwrites it
@@ -59,6 +64,8 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
             wire.copy_(acc)
         if b is not None:
             acc.zero_()  # everything is sent
+    if hold is not None:
+        hold.restore()
     # A dense step sends the whole velocity and keeps it (no masking): heavy-ball momentum, as the
     # optimizer's would be. A sparse step masks what it sent (kit.send_values).
     if state.debug.enabled:

@@ -35,9 +35,11 @@ from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (
     Gather,
+    Hold,
     _all_gather,
     accumulate,
     bucket_k,
+    clip_spans,
     deliver,
     factor,
     future_on,
@@ -47,6 +49,7 @@ from lightning_topk.comm.exchanges.kit import (
     record_sent,
     select,
     send_values,
+    unused_spans,
 )
 from lightning_topk.comm.exchanges.registry import register
 from lightning_topk.comm.exchanges.scatter import (
@@ -188,6 +191,12 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     state.add_time(stats, "comm_time_s", t0)
 
     t1 = clock(device)
+    lo = h.local_rank * s
+    # Parameters unused on this rank (the shard's owner) stay in its shard's residual this step.
+    unused = clip_spans(unused_spans(params), lo, s) if b is not None else []
+    hold = Hold(unused, shard) if unused else None
+    if hold is not None:
+        hold.hide(shard)
     idx = select(state, shard, k, hint_key=("shard", *names))
     wire = send_values(state, shard, idx, None)  # shard now holds what this rank did not send
     plan = slot_plan(s, k, N, hx.options) if scatter else None
@@ -198,7 +207,8 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     else:
         packed, fits = pack(wire, idx, index_code(s, k)), None
         inter_payload, inter_wire = packed.numel(), ring_allgather_wire(packed.numel(), N)
-    lo = h.local_rank * s
+    if hold is not None:
+        hold.restore()
     if b is not None:
         b.residual.zero_()  # what this rank held went into the node sum; it now owns only its shard
         b.residual[lo:lo + s].copy_(shard)
@@ -223,7 +233,7 @@ def _hook(state: TopKState, bucket: dist.GradBucket, scatter: bool) -> torch.fut
     t_launch = clock(device)
     f = factor(state.grad_scale, world)
     if plan is not None:
-        job = scatter_launch(packed, plan, h.inter, h.node_rank, key, cfg.wire_dtype, hx.owners)
+        job = scatter_launch(packed, plan, h.inter, h.node_rank, key, cfg.wire_dtype, hx.owners, unused)
         hx.scatter_pending = _Pending(result, job, s, grad, f, stats, t_launch)
     else:
         g = gather_entries(packed, k, N, h.inter, cfg.wire_dtype, index_code(s, k))

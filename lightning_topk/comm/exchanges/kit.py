@@ -88,19 +88,79 @@ def sparse_k(state: TopKState, params: Sequence[Tensor], n: int) -> Tuple[int, O
     return bucket_k(state, n), None, None
 
 
-def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ...],
-                grad: Tensor, lookahead: bool = True) -> Tuple[Optional[_BucketBuffers], Tensor, Optional[Tensor]]:
+def unused_spans(params: Sequence[Tensor]) -> List[Tuple[int, int]]:
+    """(offset, numel) in the bucket of each parameter without a gradient: one DDP marked unused in this
+    backward (``find_unused_parameters=True``, ``static_graph``; Lightning's ``toggle_optimizer`` makes the
+    other optimizers' parameters unused). DDP hands the exchange zeros for it and, when no rank used it,
+    never writes the result into its ``.grad`` (None: the optimizer skips it), so an entry sent from its
+    residual would be lost. Reads no tensor (the hook runs after DDP has set the used parameters' ``.grad``)."""
+    spans, off = [], 0
+    for p in params:
+        n = p.numel()
+        if p.grad is None:
+            spans.append((off, n))
+        off += n
+    return spans
+
+
+class Hold:
+    """Spans of flat buffers that one exchange step leaves as they are (parameters unused in this backward, see
+    :func:`unused_spans`). Made before the step changes them (copies of the spans, O(their entries)); after the
+    accumulation :meth:`hide` zeroes them in the tensor selected from, so the selection passes them by (an entry
+    picked anyway sends 0); :meth:`restore` puts the copies back once the entries are sent. Whether this rank
+    or another used the parameter, nothing sent from its error feedback is lost, and the ranks need not agree:
+    the shapes of the exchange do not change."""
+
+    def __init__(self, spans: Sequence[Tuple[int, int]], *buffers: Optional[Tensor]) -> None:
+        self.spans = list(spans)
+        self._copies = [(t, [t[o:o + n].clone() for o, n in self.spans]) for t in buffers if t is not None]
+
+    def hide(self, acc: Tensor) -> None:
+        for o, n in self.spans:
+            acc[o:o + n].zero_()
+
+    def restore(self) -> None:
+        for t, copies in self._copies:
+            for (o, n), c in zip(self.spans, copies):
+                t[o:o + n].copy_(c)
+
+
+def hold_unused(params: Sequence[Tensor], b: Optional[_BucketBuffers]) -> Optional[Hold]:
+    """A :class:`Hold` of the residual (and velocity) spans of the bucket's unused parameters; None where there
+    is no residual or every parameter has a gradient (the usual step: no tensor work)."""
+    if b is None:
+        return None
+    spans = unused_spans(params)
+    return Hold(spans, b.residual, b.velocity) if spans else None
+
+
+def clip_spans(spans: Sequence[Tuple[int, int]], lo: int, size: int) -> List[Tuple[int, int]]:
+    """``spans`` of a bucket as spans of its slice ``[lo, lo + size)`` (a hierarchical shard)."""
+    out = []
+    for o, n in spans:
+        a, e = max(o, lo), min(o + n, lo + size)
+        if a < e:
+            out.append((a - lo, e - a))
+    return out
+
+
+def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ...], grad: Tensor,
+                lookahead: bool = True) -> Tuple[Optional[_BucketBuffers], Tensor, Optional[Tensor], Optional[Hold]]:
     """A sparse exchange's first steps on a bucket: the debug record of the local gradient, its residual
     buffers (with error feedback), ``acc = residual + grad/scale`` cut to the bucket, and the input check.
-    ``lookahead``: a sparse step, so ``momentum_lookahead`` applies (see :func:`accumulate`).
-    Returns (buffers, acc, velocity)."""
+    ``lookahead``: a sparse step, so ``momentum_lookahead`` applies (see :func:`accumulate`). The spans of
+    parameters unused in this backward are hidden in ``acc``: call the returned :class:`Hold`'s ``restore``
+    once the entries are sent. Returns (buffers, acc, velocity, hold or None)."""
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, grad.device) if state.config.error_feedback else None
+    hold = hold_unused(params, b)
     acc, vel, bad = accumulate_checked(state, b, grad, lookahead)
     acc = acc[:grad.numel()]
     state.flags.note_input(names, acc, bad=bad)
-    return b, acc, vel
+    if hold is not None:
+        hold.hide(acc)
+    return b, acc, vel, hold
 
 
 def factor(scale: Scale, world: int) -> Scale:

@@ -183,21 +183,37 @@ def fill_slots(values: Tensor, idx: Tensor, plan: SlotPlan) -> Tuple[Tensor, Ten
 
 
 def owner_step(state: TopKState, received: Tensor, positions: Tensor, owner_residual: Optional[Tensor],
-               plan: SlotPlan, key: Optional[str] = None) -> Tuple[Tensor, Tensor]:
+               plan: SlotPlan, key: Optional[str] = None, held: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Add what this owner received to its owner residual (in place), pick what it forwards, keep the rest.
 
     Returns (wire values ``[c_out]``, their positions in the region). Without an owner residual (no error
     feedback) the region is summed in a fresh buffer and the rest is dropped, as senders drop what they
-    do not send. ``key``: the owner residual's key (names the selection's threshold hint).
+    do not send. ``key``: the owner residual's key (names the selection's threshold hint). ``held``: bool
+    mask of the region's positions that stay in the owner residual this step (parameters unused on this rank,
+    :func:`~lightning_topk.comm.exchanges.kit.unused_spans`); picked anyway, they send 0.
     """
     region = torch.zeros(plan.region, dtype=torch.float32, device=received.device) if owner_residual is None \
         else owner_residual
     region.index_add_(0, positions.long(), received.float())
+    kept = None
+    if held is not None and owner_residual is not None:
+        kept = torch.where(held, region, 0.0)
+        region.masked_fill_(held, 0.0)
     q = select(state, region, plan.out, hint_key=None if key is None else ("owner", key))
     values = region.index_select(0, q)
     wire = to_wire(values, state.config.wire_dtype)
     region.index_copy_(0, q, values - wire.float())  # fp32: zero; fp16/bf16: the rounding error stays
+    if kept is not None:
+        region.add_(kept)  # held positions are 0 here: exactly what they held
     return wire, q
+
+
+def held_positions(spans: Sequence[Tuple[int, int]], rank: int, plan: SlotPlan, device: torch.device) -> Tensor:
+    """Bool mask of region ``rank``'s positions that fall in ``spans`` of the flat tensor (no host read)."""
+    flat = torch.zeros(plan.n, dtype=torch.bool, device=device)
+    for o, n in spans:
+        flat[o:o + n] = True
+    return flat.index_select(0, global_index(rank, torch.arange(plan.region, device=device), plan))
 
 
 def bucket_key(world: int, rank: int, names: Sequence[str], numels: Sequence[int], shard: int = 0,
@@ -383,14 +399,17 @@ class ScatterJob:
     work: Any
     recv: Tensor
     owners: Optional[OwnerResiduals] = None
+    unused: Sequence[Tuple[int, int]] = ()  # spans of the flat tensor the owner step holds back
 
 
 def scatter_launch(packed: Tensor, plan: SlotPlan, group: Any, rank: int, key: Optional[str],
-                   wire_dtype: torch.dtype, owners: Optional[OwnerResiduals] = None) -> ScatterJob:
-    """Launch the all-to-all of the packed slots (stage 1); ``owners`` holds the owner residual ``key``."""
+                   wire_dtype: torch.dtype, owners: Optional[OwnerResiduals] = None,
+                   unused: Sequence[Tuple[int, int]] = ()) -> ScatterJob:
+    """Launch the all-to-all of the packed slots (stage 1); ``owners`` holds the owner residual ``key``;
+    ``unused``: spans of the flat tensor (parameters unused on this rank) that the owner step holds back."""
     recv = torch.empty_like(packed)
     work = dist.all_to_all_single(recv, packed, group=group, async_op=True)
-    return ScatterJob(plan, group, rank, key, wire_dtype, work, recv, owners)
+    return ScatterJob(plan, group, rank, key, wire_dtype, work, recv, owners, list(unused))
 
 
 def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
@@ -403,7 +422,8 @@ def scatter_forward(state: TopKState, job: ScatterJob) -> Gather:
         ores = job.owners.live.get(job.key)
         if ores is not None:
             state.undo.save_tensor(owner_undo_key(job.key), ores)
-    wire, q = owner_step(state, vals, pos, ores, plan, job.key)
+    held = held_positions(job.unused, job.rank, plan, vals.device) if job.unused and ores is not None else None
+    wire, q = owner_step(state, vals, pos, ores, plan, job.key, held)
     return gather_entries(pack(wire, global_index(job.rank, q, plan)), plan.out, plan.world, job.group,
                           job.wire_dtype)
 
@@ -435,10 +455,12 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     plan = slot_plan(n, k, world, ex.options)
     state.add_stats(stats, "scatter", buckets=1, numel=n, bytes_dense=n * grad.element_size())
     t0 = clock(device)
-    b, acc, _ = take_bucket(state, params, names, grad)
+    b, acc, _, hold = take_bucket(state, params, names, grad)
     idx = select(state, acc, k, ks, numels, hint_key=("bucket", *names))
     wire = send_values(state, acc, idx, None)
     packed, fits = scatter_send(state, acc, idx, wire, plan)
+    if hold is not None:  # unused parameters: their residual as before the step, and the owner holds them too
+        hold.restore()
     if state.debug.enabled:
         sent = torch.zeros(n, dtype=torch.float32, device=device)
         sent.index_copy_(0, idx, wire.float() * fits)
@@ -455,7 +477,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     ex.flush(state)
     result = future_on(device)
     t_launch = clock(device)
-    job = scatter_launch(packed, plan, group, rank, key, cfg.wire_dtype, ex.owners)
+    job = scatter_launch(packed, plan, group, rank, key, cfg.wire_dtype, ex.owners, hold.spans if hold else ())
     ex.pending = _Pending(result, job, grad, factor(state.grad_scale, world), stats, t_launch)
     if bucket.is_last():
         ex.flush(state)
