@@ -145,7 +145,7 @@ class SimulatedAllgather:
     def rank_send(self, st: TopKState, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
         """One rank's (values, indices) of a step, as the all-gather hook puts them on the wire."""
         k, ks, numels = sparse_k(st, self.params, n)
-        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
+        b, acc, vel, _ = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
         if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
             values = acc.clone()
             if b is not None:

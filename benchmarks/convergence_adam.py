@@ -127,7 +127,7 @@ class AdamInHook(C.SimulatedAllgather):
         k, ks, numels = sparse_k(st, self.params, n)
         if k == 0:
             return super().rank_send(st, g, n)
-        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+        b, acc, vel, _ = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
         score = acc * self.den[self.states.index(st)].pow(p)
         idx = select(st, score, k, ks, numels)
         return send_values(st, acc, idx, vel).float(), idx

@@ -83,7 +83,7 @@ class Sim(C.SimulatedAllgather):
             st.buffers(self.params, g.device).residual.mul_(decay)
         if k == 0 or not (c and st.config.momentum_correction):
             return super().rank_send(st, g, n) if not P.get("fullk") else self._send_all(st, g, n, k, ks, numels)
-        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+        b, acc, vel, _ = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
         lead = c * vel
         if P.get("agelead"):  # c per entry: half the steps since the entry was last sent, at most C
             age = getattr(st, "_age", None)
@@ -133,7 +133,7 @@ class Sim(C.SimulatedAllgather):
             k = max(1, int(round(k * P.get("kmul", 1.0))))
             if beta != 1.0:
                 olds.append(st.buffers(self.params, g.device).residual[:n].clone())
-            _, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+            _, acc, vel, _ = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
             accs.append(acc)
             vels.append(vel)
         own = None
@@ -164,7 +164,7 @@ class Sim(C.SimulatedAllgather):
         return out.div_(world)
 
     def _send_all(self, st, g, n, k, ks, numels):
-        b, acc, vel = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
+        b, acc, vel, _ = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=True)
         idx = select(st, acc, k, ks, numels)
         return send_values(st, acc, idx, vel).float(), idx
 

@@ -57,10 +57,11 @@ def test_a_sparse_step_zeroes_the_velocity_where_it_sent_only_with_masking(maski
                      min_sparse_numel=0, exchange="allgather", recipe="none")
     st = TopKState(cfg)
     p = nn.Parameter(torch.zeros(8))
+    p.grad = torch.zeros(8)  # used in the backward, as DDP leaves it (a parameter without .grad is held back)
     st.bind([("p", p)])
     g = torch.tensor([1.0, -8.0, 2.0, 0.5, 7.0, -1.0, 0.0, 3.0])
     for _ in range(2):
-        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+        _b, acc, vel, _hold = kit.take_bucket(st, [p], ("p",), g.clone())
         idx = kit.select(st, acc, kit.bucket_k(st, 8))
         sent = kit.send_values(st, acc, idx, vel)
         st.end_exchange()
@@ -92,6 +93,7 @@ def test_a_sparse_step_with_lookahead_sends_c_steps_of_momentum_ahead_and_keeps_
     assert cfg.recipe_in_use == ("momentum_correction" if masking else "momentum_lookahead")
     st = TopKState(cfg)
     p = nn.Parameter(torch.zeros(8))
+    p.grad = torch.zeros(8)  # used in the backward, as DDP leaves it (a parameter without .grad is held back)
     st.bind([("p", p)])
     gs = [torch.tensor([1.0, -8.0, 2.0, 0.5, 7.0, -1.0, 0.0, 3.0]),
           torch.tensor([-2.0, 1.0, 6.0, 0.5, -1.0, 4.0, 0.0, -3.0]),
@@ -99,7 +101,7 @@ def test_a_sparse_step_with_lookahead_sends_c_steps_of_momentum_ahead_and_keeps_
     v, r, v_prev = torch.zeros(8), torch.zeros(8), torch.zeros(8)  # the reference: velocity, residual u-sum
     total_sent, total_v = torch.zeros(8), torch.zeros(8)
     for g in gs:
-        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+        _b, acc, vel, _hold = kit.take_bucket(st, [p], ("p",), g.clone())
         idx = kit.select(st, acc, kit.bucket_k(st, 8))
         sent = kit.send_values(st, acc, idx, vel)
         st.end_exchange()
@@ -134,10 +136,11 @@ def test_the_chunked_cpu_accumulate_is_bit_identical_and_flags_a_nan_in_any_chun
     grads = [torch.randn(n, generator=gen) * torch.randn(n, generator=gen).exp() for _ in range(3)]
     st, ref = TopKState(cfg), TopKState(cfg)
     p = nn.Parameter(torch.zeros(n))
+    p.grad = torch.zeros(n)  # used in the backward (a parameter without .grad is held back)
     st.bind([("p", p)])
     ref.bind([("p", p)])
     for i, g in enumerate(grads):
-        _b, acc, vel = kit.take_bucket(st, [p], ("p",), g.clone())
+        _b, acc, vel, _hold = kit.take_bucket(st, [p], ("p",), g.clone())
         b = ref.buffers([p], torch.device("cpu"))
         racc, rvel = kit.accumulate(ref, b, g.clone(), lookahead=True)
         assert torch.equal(acc, racc[:n])
