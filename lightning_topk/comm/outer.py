@@ -415,6 +415,84 @@ def round_bytes_out(lay: PacketLayout, replicas: int, exchange: str) -> int:
     return (replicas - 1) * lay.nbytes
 
 
+# ---- which outer step (outer_recipe) -------------------------------------------------------------------
+# outer_recipe="auto": (outer_lr, outer_momentum, outer_nesterov) per kind of inner optimizer, measured on
+# scikit-learn digits (benchmarks/outer_recipe.py, docs/local_sgd.md "Which outer step"). DiLoCo's (0.7, 0.9
+# Nesterov) was tuned with AdamW inner steps; with heavy-ball SGD inner steps it amplifies their momentum and
+# diverged (issue 31); plain averaging (post-local SGD, torch's PeriodicModelAverager) is right for them.
+OUTER_RECIPE_TABLE: Dict[str, Tuple[float, float, bool]] = {
+    "sgd": (1.0, 0.0, False),
+    "sgd_momentum": (1.0, 0.0, False),
+    "sgd_nesterov": (1.0, 0.0, False),
+    "lars": (1.0, 0.0, False),
+    "adam": (1.0, 0.0, False),
+    "adamw": (1.0, 0.0, False),
+}
+NAMED_RECIPES: Dict[str, Tuple[float, float, bool]] = {"diloco": (0.7, 0.9, True), "average": (1.0, 0.0, False)}
+UNKNOWN_RECIPE = (1.0, 0.0, False)  # an optimizer the table does not know: plain averaging cannot amplify
+
+
+@dataclass(frozen=True)
+class OuterStep:
+    """The outer step a run takes: ``identity`` (one replica under ``outer_recipe="auto"``: θ_outer := θ_local,
+    nothing sent) or SGD with ``lr``, ``momentum``, ``nesterov``; ``why`` says where they came from."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    identity: bool = False
+    why: str = ""
+
+
+def inner_kind(optimizers: Optional[Sequence[Any]]) -> Optional[str]:
+    """The table's key for the inner optimizer(s) (duck-typed by class and ``param_groups``), or None."""
+    if not optimizers or len(optimizers) != 1:
+        return None
+    opt = optimizers[0]
+    name = type(opt).__name__
+    groups = getattr(opt, "param_groups", [])
+    if name == "SGD":
+        if any(g.get("nesterov", False) for g in groups):
+            return "sgd_nesterov"
+        return "sgd_momentum" if any(float(g.get("momentum", 0.0)) > 0 for g in groups) else "sgd"
+    return {"LARS": "lars", "Adam": "adam", "AdamW": "adamw"}.get(name)
+
+
+def outer_step_for(config: TopKConfig, optimizers: Optional[Sequence[Any]], replicas: int) -> OuterStep:
+    """The outer step for ``config`` among ``replicas`` replicas with these inner ``optimizers`` (None: unknown).
+    ``outer_lr`` / ``outer_momentum`` / ``outer_nesterov`` set in the config win one by one; the unset ones come
+    from ``outer_recipe``: ``"auto"`` reads :data:`OUTER_RECIPE_TABLE` (plain averaging for an optimizer it does
+    not know, outer momentum 0 with ``outer_streaming``), and with one replica, none of the three set, the round
+    is the identity; ``"diloco"`` / ``"average"`` are :data:`NAMED_RECIPES`."""
+    pinned = {k: getattr(config, k, None) for k in ("outer_lr", "outer_momentum", "outer_nesterov")}
+    recipe = getattr(config, "outer_recipe", "auto")
+    if recipe == "auto":
+        kind = inner_kind(optimizers)
+        lr, mu, nest = OUTER_RECIPE_TABLE.get(kind, UNKNOWN_RECIPE) if kind else UNKNOWN_RECIPE
+        why = f"outer_recipe='auto' for {kind or 'an inner optimizer not in the table'}"
+        if config.outer_streaming and mu > 0:
+            mu, why = 0.0, why + " (momentum 0: outer_streaming)"
+    else:
+        (lr, mu, nest), why = NAMED_RECIPES[recipe], f"outer_recipe={recipe!r}"
+    if all(v is None for v in pinned.values()) and recipe == "auto" and replicas <= 1:
+        return OuterStep(1.0, 0.0, False, identity=True,
+                         why="one replica under outer_recipe='auto': the outer round is the identity "
+                             "(theta_outer := theta_local; set outer_lr/outer_momentum to take an outer step)")
+    lr = pinned["outer_lr"] if pinned["outer_lr"] is not None else lr
+    mu = pinned["outer_momentum"] if pinned["outer_momentum"] is not None else mu
+    nest = pinned["outer_nesterov"] if pinned["outer_nesterov"] is not None else nest
+    set_ = [k for k, v in pinned.items() if v is not None]
+    if set_:
+        why += f"; {', '.join(set_)} as set"
+    return OuterStep(float(lr), float(mu), bool(nest) and mu > 0, why=why)
+
+
+# The amplification guard: a round whose outer step moves θ_outer more than AMPLIFY_RATIO times as far as this
+# replica's own pseudo-gradient, AMPLIFY_ROUNDS rounds in a row, is reported once (a warning naming the options).
+AMPLIFY_RATIO = 4.0
+AMPLIFY_ROUNDS = 3
+
+
 # ---- the outer optimizer -------------------------------------------------------------------------
 def outer_sgd_(theta: Tensor, mom: Tensor, g: Tensor, lr: float, momentum: float, nesterov: bool) -> None:
     """``θ -= lr · step`` (torch SGD's update, dampening 0): ``m = μ m + g``; step = ``g + μ m`` (Nesterov) or
@@ -457,11 +535,12 @@ class OuterState:
         buffers: the module's buffers by name (``named_buffers``): the floating-point ones are averaged over
             ``flag_group`` at every round end; all are kept per rank in :meth:`state_dict`. The tensors are
             held by reference (updated in place, as BatchNorm does).
+        optimizers: the inner optimizer(s), for ``outer_recipe="auto"`` (:func:`outer_step_for`; None: unknown).
     """
 
     def __init__(self, config: TopKConfig, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
                  intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None,
-                 buffers: Sequence[Tuple[str, Tensor]] = ()) -> None:
+                 buffers: Sequence[Tuple[str, Tensor]] = (), optimizers: Optional[Sequence[Any]] = None) -> None:
         self.config = config
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -500,10 +579,17 @@ class OuterState:
         self._done_at: Optional[float] = None
         self._unapplied: Optional[Dict[str, Any]] = None  # the state before apply_in_flight (what a checkpoint keeps)
         self.stats = OuterStats()
-        if config.outer_streaming and config.outer_momentum > 0 and local_rank == 0 and self._first_replica():
+        self.rule = outer_step_for(config, optimizers, R)  # the outer step: lr, momentum, Nesterov, or identity
+        self.last_ratio = 0.0  # |outer step| / |own pseudo-gradient| of the last round (this rank's shard)
+        self._amplified = 0  # rounds in a row whose outer step amplified the replica's own (AMPLIFY_RATIO)
+        self.amplify_warned = False
+        if self._first_replica():
+            log.info("topk_local: outer step lr=%g momentum=%g nesterov=%s%s (%s)", self.rule.lr, self.rule.momentum,
+                     self.rule.nesterov, " identity" if self.rule.identity else "", self.rule.why)
+        if config.outer_streaming and self.rule.momentum > 0 and local_rank == 0 and self._first_replica():
             log.warning("topk_local: outer_streaming with outer_momentum=%g: outer momentum applied one round late "
                         "diverged on the namespace cluster (docs/local_sgd.md); use outer_momentum=0 with streaming",
-                        config.outer_momentum)
+                        self.rule.momentum)
 
     def _first_replica(self) -> bool:
         return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
@@ -596,6 +682,8 @@ class OuterState:
         delta = self._mine(anchor) - self._mine(local)
         fault, buffers = self._decide(delta)
         hidden = 0.0
+        start = anchor.clone() if self.rule.identity else None
+        before = self._mine(self.theta).clone()
         if fault and o.nonfinite == "raise":
             raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) or module "
                                      "buffer (e.g. BatchNorm statistics) on some rank at the end of an outer round; "
@@ -610,10 +698,15 @@ class OuterState:
                 self.anchor = self.theta.clone()
             self.stats.time_s = time.perf_counter() - t0
             return
-        self.ef.mul_(o.outer_ef_decay).add_(delta)
-        if self.exchange == "scatter":  # never streamed (TopKConfig and outer_exchange_for see to it)
+        if self.rule.identity:  # one replica: nothing to exchange; θ_outer := θ_local (+ a resharded pending update)
+            assert start is not None
+            self.theta = local.add_(self.theta - start)
+            self.anchor = None
+        elif self.exchange == "scatter":  # never streamed (TopKConfig and outer_exchange_for see to it)
+            self.ef.mul_(o.outer_ef_decay).add_(delta)
             self._update(self._scatter_round())
         else:
+            self.ef.mul_(o.outer_ef_decay).add_(delta)
             packet, _ = compress(self.ef, self.layout, want_sent=False)
             gathered, work = self._launch(packet)
             if o.outer_streaming:
@@ -628,6 +721,8 @@ class OuterState:
         if buffers is not None:
             self.write_buffers(buffers)
             self.buffer_anchor = self.flat_buffers()
+        if not self.rule.identity:
+            self._guard(float((self._mine(self.theta) - before).norm()), float(delta.norm()))
         R = self._replicas()
         self.stats.rounds += 1
         self.stats.buffer_bytes = self._buffer_wire_bytes()
@@ -635,6 +730,24 @@ class OuterState:
         self.stats.density = self.layout.k / self.layout.c
         self.stats.time_s = time.perf_counter() - t0
         self.stats.hidden_frac = hidden
+
+    def _guard(self, moved: float, own: float) -> None:
+        """Say once when the outer step keeps moving θ_outer (this rank's shard) more than ``AMPLIFY_RATIO`` times
+        as far as this replica's own pseudo-gradient, ``AMPLIFY_ROUNDS`` rounds in a row: outer momentum
+        amplifying the inner steps (how DiLoCo's outer step diverged with SGD-momentum inner steps)."""
+        self.last_ratio = moved / own if own > 0 else 0.0
+        self._amplified = self._amplified + 1 if self.last_ratio > AMPLIFY_RATIO else 0
+        if self._amplified >= AMPLIFY_ROUNDS and not self.amplify_warned:
+            self.amplify_warned = True
+            if self._first_replica():
+                r = self.rule
+                log.warning("topk_local: the outer step moved theta_outer %.1fx as far as this replica's own inner "
+                            "steps did, %d rounds in a row (outer_lr=%g, outer_momentum=%g, outer_nesterov=%s: %s): "
+                            "the outer momentum is amplifying the inner steps, which diverged with SGD-momentum "
+                            "inner steps (docs/local_sgd.md). Set outer_recipe='auto' with outer_lr, outer_momentum "
+                            "and outer_nesterov unset (the measured outer step for the inner optimizer), or "
+                            "outer_recipe='average' (outer_lr=1, outer_momentum=0: plain averaging), or lower "
+                            "outer_momentum", self.last_ratio, self._amplified, r.lr, r.momentum, r.nesterov, r.why)
 
     @property
     def payload_bytes(self) -> int:
@@ -807,9 +920,8 @@ class OuterState:
 
     def _update(self, g: Tensor) -> None:
         """Outer SGD on this rank's shard, then (several processes per node) the intra-node all-gather."""
-        o = self.config
         mine = self._mine(self.theta)
-        outer_sgd_(mine, self.mom, g, o.outer_lr, o.outer_momentum, o.outer_nesterov)
+        outer_sgd_(mine, self.mom, g, self.rule.lr, self.rule.momentum, self.rule.nesterov)
         if self.local > 1:
             out = torch.empty_like(self.theta)
             _all_gather(out, mine.contiguous(), group=self.intra)

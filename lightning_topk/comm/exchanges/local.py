@@ -67,11 +67,12 @@ class LocalExchange(Exchange):
 
     # ---- parameters -----------------------------------------------------------------------------------
     def bind(self, named_parameters: Iterable[Tuple[str, Tensor]],
-             named_buffers: Iterable[Tuple[str, Tensor]] = ()) -> None:
+             named_buffers: Iterable[Tuple[str, Tensor]] = (), optimizers: Optional[List[Any]] = None) -> None:
         """θ_outer := these parameters now (call before the first optimizer step, on every rank); a loaded
         section is applied here (θ_local and this rank's buffers included). ``named_buffers``: the module's
         buffers (BatchNorm statistics), averaged over every rank at each round end and kept per rank in the
-        checkpoint (:class:`~lightning_topk.comm.outer.OuterState`)."""
+        checkpoint (:class:`~lightning_topk.comm.outer.OuterState`). ``optimizers``: the inner optimizer(s), for
+        ``outer_recipe="auto"`` (:func:`~lightning_topk.comm.outer.outer_step_for`)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         g = self.groups
         local = g.local_world if g is not None else 1
@@ -79,7 +80,8 @@ class LocalExchange(Exchange):
                                 inter=g.inter if g is not None else self.state.process_group,
                                 intra=g.intra if g is not None else None, local=local,
                                 local_rank=g.local_rank if g is not None else 0,
-                                flag_group=self.state.process_group, buffers=list(named_buffers))
+                                flag_group=self.state.process_group, buffers=list(named_buffers),
+                                optimizers=optimizers)
         if self._section is not None:
             self._load(self._section)
             self._section = None
