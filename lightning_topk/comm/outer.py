@@ -386,6 +386,13 @@ def outer_exchange_for(config: TopKConfig, replicas: int, layout: PacketLayout) 
     return choice
 
 
+def shard_layout(config: Any, n: int, local: int) -> PacketLayout:
+    """The packet layout of one rank's shard of a flat vector of ``n`` entries split over ``local`` processes."""
+    c = chunk_size(-(-n // local), config.outer_chunk)
+    Cs = -(-(-(-n // c)) // local)
+    return PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
+
+
 def owner_chunks(C: int, replicas: int) -> int:
     """Chunks each replica owns in the scale-free exchange (the last owner's range is zero-padded)."""
     return max(1, -(-C // replicas))
@@ -553,12 +560,10 @@ class OuterState:
         self.float_buffers = [i for i, b in enumerate(self.buffers) if b.is_floating_point()]
         self.nbuf = sum(self.buffers[i].numel() for i in self.float_buffers)
         dev = self.params[0].device if self.params else torch.device("cpu")
-        c = chunk_size(-(-self.n // local), config.outer_chunk)
-        C_all = -(-self.n // c)
-        Cs = -(-C_all // local)
-        self.shard = Cs * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
+        self.layout = shard_layout(config, self.n, local)
+        c = self.layout.c
+        self.shard = self.layout.C * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
         self.lo = local_rank * self.shard
-        self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
         R = self._replicas()
         self.exchange = outer_exchange_for(config, R, self.layout)
         # scale-free exchange: this replica owns chunks [owner * per, (owner + 1) * per) of the shard and keeps
@@ -784,6 +789,8 @@ class OuterState:
         send = torch.cat(segments)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.inter)
+        if self.config.outer_ef_decay != 1.0:  # the owner buffer decays as ``ef`` does (0: no owner error feedback)
+            self.owner_ef.mul_(self.config.outer_ef_decay)
         acc = sum_packets(recv, lay, per * c).div_(R).add_(self.owner_ef)
         out_lay = self.owner_out_layout
         mine, _ = compress(acc, out_lay, want_sent=False)

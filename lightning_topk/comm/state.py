@@ -848,6 +848,15 @@ class TopKState:
         """The parameter names of each live bucket."""
         return list(self._buckets)
 
+    def take_pending(self, kind: str) -> Dict[str, Tensor]:
+        """Remove and return the loaded per-parameter ``kind`` (``"residual"``/``"velocity"``) not applied to any
+        bucket yet (local SGD has no buckets: it folds a per-step checkpoint's residuals into its own state)."""
+        pending = self._pending_load or {}
+        out = {n: t for (k, n), t in pending.items() if k == kind}
+        for n in out:
+            del pending[(kind, n)]
+        return out
+
     def residuals(self) -> Dict[str, Tensor]:
         """Per-parameter flat views of this rank's residuals (a parameter that has none yet holds zero: dense
         steps allocate nothing)."""
