@@ -3,6 +3,7 @@ local SGD within reach of DDP, measured, for ``outer_recipe="auto"``'s table (do
 
     nice -n 10 python benchmarks/outer_recipe.py [--task digits] [--replicas 1,2,4] [--H 4,16] [--seeds 0,1]
         [--opts sgd,sgd_momentum,sgd_nesterov,lars,adam,adamw] [--out benchmarks/results/outer_recipe_digits]
+    nice -n 10 python benchmarks/outer_recipe.py --lightning   # finding 6 through the strategy, 1x2 / 2x1 / 4x1
 
 R replicas are simulated in one process, one after the other, each with its own model copy and inner optimizer,
 and the outer round is the all-gather path of :mod:`lightning_topk.comm.outer` on its own functions (the same
@@ -131,7 +132,7 @@ def run(task, opt: str, R: int, H: int, outer, seed: int, density=0.1, bits=4, c
     theta = flat(nets[0], C * c)
     mom = torch.zeros(C * c)
     efs = [torch.zeros(C * c) for _ in nets]
-    pos, worst, diverged, ratios = 0, 0.0, False, []
+    pos, worst, diverged, ratios, own = 0, 0.0, False, [], []
     lossf = nn.functional.cross_entropy
     for epoch in range(epochs):
         sh = shards(len(ytr), R, epoch, seed, batch)
@@ -163,6 +164,7 @@ def run(task, opt: str, R: int, H: int, outer, seed: int, density=0.1, bits=4, c
             before = theta.clone()
             outer_sgd_(theta, mom, g, lr, mu, nest)
             ratios.append(float((theta - before)[:n].norm() / deltas[0][:n].norm().clamp_min(1e-12)))
+            own.append(float(deltas[0][:n].norm()))
             worst = max(worst, ratios[-1])
             for m in nets:
                 write(m, theta)
@@ -173,11 +175,44 @@ def run(task, opt: str, R: int, H: int, outer, seed: int, density=0.1, bits=4, c
         acc = float((net(xte).argmax(1) == yte).float().mean()) if not diverged else 0.0
         norm = float(torch.cat([p.reshape(-1) for p in net.parameters()]).norm())
     return {"acc": acc if math.isfinite(norm) else 0.0, "norm": norm, "max_ratio": worst, "diverged": diverged,
-            "ratios": [round(x, 3) for x in ratios]}
+            "ratios": [round(x, 3) for x in ratios], "own": [round(x, 5) for x in own]}
+
+
+def lightning(out: str, epochs: int) -> None:
+    """Finding 6's recipe through the real strategy (tests/scripts/local_train.py --cnn): SGD lr 0.05, momentum
+    0.9, batch 32 per rank, ``local_steps=4`` with every other option at its default, at 1x2, 2x1, 4x1 (nodes x
+    processes, simulated nodes on loopback), against DDP at the same world size."""
+    import tempfile
+
+    from tests.helpers.procs import run_nodes
+
+    common = ["--cnn", "--opt", "sgd", "--lr", "0.05", "--batch", "32", "--epochs", str(epochs)]
+    rows = []
+    with tempfile.TemporaryDirectory() as d:
+        for nodes, devices in ((1, 2), (2, 1), (4, 1)):
+            for strategy, extra in (("ddp", []), ("local", ["--H", "4", "--density", "0.1", "--bits", "4",
+                                                           "--chunk", "4096", "--outer-lr", "none",
+                                                           "--outer-momentum", "none"])):
+                tag = f"{strategy}_{nodes}x{devices}"
+                t0 = time.perf_counter()
+                run_nodes(["tests/scripts/local_train.py", "--out", d, "--tag", tag, "--nodes", str(nodes),
+                           "--devices", str(devices), "--strategy", strategy, *common, *extra], num_nodes=nodes,
+                          timeout=1800)
+                r = torch.load(os.path.join(d, f"{tag}_rank0.pt"))
+                row = {"layout": f"{nodes}x{devices}", "strategy": strategy, "acc": r["acc"], "norm": r["norm"],
+                       "steps": r["steps"], "rule": r["rule"], "seconds": time.perf_counter() - t0}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    with open(out + ".json", "w") as f:
+        json.dump({"header": f"digits small CNN, SGD 0.05 momentum 0.9, batch 32, {epochs} epochs, local_steps=4 "
+                             f"and defaults; {time.strftime('%Y-%m-%d')}, torch {torch.__version__}", "rows": rows},
+                  f, indent=1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--lightning", action="store_true", help="finding 6's acceptance through the real strategy")
+    ap.add_argument("--epochs", type=int, default=12)
     ap.add_argument("--task", default="digits")
     ap.add_argument("--replicas", default="1,2,4")
     ap.add_argument("--H", default="4")
@@ -187,6 +222,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.lightning:
+        return lightning(a.out or os.path.join(ROOT, "benchmarks", "results", "outer_recipe_lightning"), a.epochs)
     out = a.out or os.path.join(ROOT, "benchmarks", "results", f"outer_recipe_{a.task}")
     rows = []
     seeds = [int(s) for s in a.seeds.split(",")]
