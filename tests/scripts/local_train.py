@@ -160,7 +160,7 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.05)
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=1024)
-    opt_float = (lambda v: None if v == "none" else float(v))  # noqa: E731  none: from outer_recipe
+    opt_float = (lambda v: None if v == "none" else float(v))
     ap.add_argument("--outer-lr", type=opt_float, default=1.0)
     ap.add_argument("--outer-momentum", type=opt_float, default=0.0)
     ap.add_argument("--cnn", action="store_true", help="issue 31's small CNN instead of the MLP")
