@@ -386,6 +386,13 @@ def outer_exchange_for(config: TopKConfig, replicas: int, layout: PacketLayout) 
     return choice
 
 
+def shard_layout(config: Any, n: int, local: int) -> PacketLayout:
+    """The packet layout of one rank's shard of a flat vector of ``n`` entries split over ``local`` processes."""
+    c = chunk_size(-(-n // local), config.outer_chunk)
+    C_all = -(-n // c)
+    return PacketLayout(-(-C_all // local), c, chunk_k(c, config.outer_density), config.outer_value_bits)
+
+
 def owner_chunks(C: int, replicas: int) -> int:
     """Chunks each replica owns in the scale-free exchange (the last owner's range is zero-padded)."""
     return max(1, -(-C // replicas))
@@ -413,6 +420,93 @@ def round_bytes_out(lay: PacketLayout, replicas: int, exchange: str) -> int:
         seg, out = owner_layouts(lay, replicas)
         return (replicas - 1) * (seg.nbytes + out.nbytes)
     return (replicas - 1) * lay.nbytes
+
+
+# ---- which outer step (outer_recipe) -------------------------------------------------------------------
+# outer_recipe="auto": (outer_lr, outer_momentum, outer_nesterov) per kind of inner optimizer, measured on
+# scikit-learn digits, a small CNN, H 4, 10% at 4 bits, 2 and 4 replicas, 2 seeds (benchmarks/outer_recipe.py,
+# docs/local_sgd.md "Which outer step"). DiLoCo's (0.7, Nesterov 0.9) was tuned with AdamW inner steps at large H;
+# with heavy-ball SGD inner steps it compounds the inner momentum and diverged (issue 31: 0.14 test accuracy at 2
+# replicas); plain averaging (post-local SGD, torch's PeriodicModelAverager) stayed within 0.5 points of DDP with
+# SGD (momentum or Nesterov) and LARS, and was the closest to DDP with Adam and AdamW (-1.3 to -1.8 points; DiLoCo
+# -8.5 to -20). Plain SGD without momentum is the one that gains from outer momentum (+5.7 / +26 points over DDP at
+# 2 / 4 replicas with DiLoCo's step: the outer momentum stands in for the missing inner one).
+OUTER_RECIPE_TABLE: Dict[str, Tuple[float, float, bool]] = {
+    "sgd": (0.7, 0.9, True),
+    "sgd_momentum": (1.0, 0.0, False),
+    "sgd_nesterov": (1.0, 0.0, False),
+    "lars": (1.0, 0.0, False),
+    "adam": (1.0, 0.0, False),
+    "adamw": (1.0, 0.0, False),
+}
+NAMED_RECIPES: Dict[str, Tuple[float, float, bool]] = {"diloco": (0.7, 0.9, True), "average": (1.0, 0.0, False)}
+UNKNOWN_RECIPE = (1.0, 0.0, False)  # an optimizer the table does not know: plain averaging cannot amplify
+
+
+@dataclass(frozen=True)
+class OuterStep:
+    """The outer step a run takes: ``identity`` (one replica under ``outer_recipe="auto"``: θ_outer := θ_local,
+    nothing sent) or SGD with ``lr``, ``momentum``, ``nesterov``; ``why`` says where they came from."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
+    identity: bool = False
+    why: str = ""
+
+
+def inner_kind(optimizers: Optional[Sequence[Any]]) -> Optional[str]:
+    """The table's key for the inner optimizer(s) (duck-typed by class and ``param_groups``), or None."""
+    if not optimizers or len(optimizers) != 1:
+        return None
+    opt = optimizers[0]
+    name = type(opt).__name__
+    groups = getattr(opt, "param_groups", [])
+    if name == "SGD":
+        if any(g.get("nesterov", False) for g in groups):
+            return "sgd_nesterov"
+        return "sgd_momentum" if any(float(g.get("momentum", 0.0)) > 0 for g in groups) else "sgd"
+    return {"LARS": "lars", "Adam": "adam", "AdamW": "adamw"}.get(name)
+
+
+def outer_step_for(config: TopKConfig, optimizers: Optional[Sequence[Any]], replicas: int) -> OuterStep:
+    """The outer step for ``config`` among ``replicas`` replicas with these inner ``optimizers`` (None: unknown).
+    ``outer_lr`` / ``outer_momentum`` / ``outer_nesterov`` set in the config win one by one; the unset ones come
+    from ``outer_recipe``: ``"auto"`` reads :data:`OUTER_RECIPE_TABLE` (plain averaging for an optimizer it does
+    not know, outer momentum 0 with ``outer_streaming``), and with one replica, none of the three set, the round
+    is the identity; ``"diloco"`` / ``"average"`` are :data:`NAMED_RECIPES`."""
+    pinned = {k: getattr(config, k, None) for k in ("outer_lr", "outer_momentum", "outer_nesterov")}
+    recipe = getattr(config, "outer_recipe", "auto")
+    if recipe == "auto":
+        kind = inner_kind(optimizers)
+        lr, mu, nest = OUTER_RECIPE_TABLE.get(kind, UNKNOWN_RECIPE) if kind else UNKNOWN_RECIPE
+        why = f"outer_recipe='auto' for {kind or 'an inner optimizer not in the table'}"
+        if config.outer_streaming and mu > 0:
+            mu, why = 0.0, why + " (momentum 0: outer_streaming)"
+    else:
+        (lr, mu, nest), why = NAMED_RECIPES[recipe], f"outer_recipe={recipe!r}"
+    if all(v is None for v in pinned.values()) and recipe == "auto" and replicas <= 1:
+        return OuterStep(1.0, 0.0, False, identity=True,
+                         why="one replica under outer_recipe='auto': the outer round is the identity "
+                             "(theta_outer := theta_local; set outer_lr/outer_momentum to take an outer step)")
+    lr = pinned["outer_lr"] if pinned["outer_lr"] is not None else lr
+    mu = pinned["outer_momentum"] if pinned["outer_momentum"] is not None else mu
+    nest = pinned["outer_nesterov"] if pinned["outer_nesterov"] is not None else nest
+    set_ = [k for k, v in pinned.items() if v is not None]
+    if set_:
+        why += f"; {', '.join(set_)} as set"
+    return OuterStep(float(lr), float(mu), bool(nest) and mu > 0, why=why)
+
+
+# The amplification guard (said once, naming the options): AMPLIFY_ROUNDS rounds in a row whose outer step moved
+# θ_outer more than AMPLIFY_RATIO times as far as this replica's own pseudo-gradient while θ_outer's norm has grown
+# beyond AMPLIFY_NORM_GROWTH times its norm at the first round. The ratio alone does not tell a diverging run (SGD
+# momentum with DiLoCo's step: ratio 2-4, weights' norm 4.5 -> 45-185) from a healthy one (plain SGD with DiLoCo's
+# step: ratio up to 9-23, norm -> 15, +5.7 points over DDP); the growth does (healthy runs measured: at most 5.6x,
+# diverging ones: 8.6x and more; benchmarks/outer_recipe.py).
+AMPLIFY_RATIO = 2.0
+AMPLIFY_NORM_GROWTH = 6.0
+AMPLIFY_ROUNDS = 3
 
 
 # ---- the outer optimizer -------------------------------------------------------------------------
@@ -457,11 +551,12 @@ class OuterState:
         buffers: the module's buffers by name (``named_buffers``): the floating-point ones are averaged over
             ``flag_group`` at every round end; all are kept per rank in :meth:`state_dict`. The tensors are
             held by reference (updated in place, as BatchNorm does).
+        optimizers: the inner optimizer(s), for ``outer_recipe="auto"`` (:func:`outer_step_for`; None: unknown).
     """
 
     def __init__(self, config: TopKConfig, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
                  intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None,
-                 buffers: Sequence[Tuple[str, Tensor]] = ()) -> None:
+                 buffers: Sequence[Tuple[str, Tensor]] = (), optimizers: Optional[Sequence[Any]] = None) -> None:
         self.config = config
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
@@ -474,12 +569,10 @@ class OuterState:
         self.float_buffers = [i for i, b in enumerate(self.buffers) if b.is_floating_point()]
         self.nbuf = sum(self.buffers[i].numel() for i in self.float_buffers)
         dev = self.params[0].device if self.params else torch.device("cpu")
-        c = chunk_size(-(-self.n // local), config.outer_chunk)
-        C_all = -(-self.n // c)
-        Cs = -(-C_all // local)
-        self.shard = Cs * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
+        self.layout = shard_layout(config, self.n, local)
+        c = self.layout.c
+        self.shard = self.layout.C * c  # entries per rank's shard (the flat vector is zero-padded to local * shard)
         self.lo = local_rank * self.shard
-        self.layout = PacketLayout(Cs, c, chunk_k(c, config.outer_density), config.outer_value_bits)
         R = self._replicas()
         self.exchange = outer_exchange_for(config, R, self.layout)
         # scale-free exchange: this replica owns chunks [owner * per, (owner + 1) * per) of the shard and keeps
@@ -500,10 +593,19 @@ class OuterState:
         self._done_at: Optional[float] = None
         self._unapplied: Optional[Dict[str, Any]] = None  # the state before apply_in_flight (what a checkpoint keeps)
         self.stats = OuterStats()
-        if config.outer_streaming and config.outer_momentum > 0 and local_rank == 0 and self._first_replica():
+        self.rule = outer_step_for(config, optimizers, R)  # the outer step: lr, momentum, Nesterov, or identity
+        self.last_ratio = 0.0  # |outer step| / |own pseudo-gradient| of the last round (this rank's shard)
+        self.last_growth = 0.0  # |θ_outer| / |θ_outer at the first round| (this rank's shard)
+        self._norm0: Optional[float] = None
+        self._amplified = 0  # rounds in a row whose outer step amplified the replica's own (AMPLIFY_RATIO)
+        self.amplify_warned = False
+        if self._first_replica():
+            log.info("topk_local: outer step lr=%g momentum=%g nesterov=%s%s (%s)", self.rule.lr, self.rule.momentum,
+                     self.rule.nesterov, " identity" if self.rule.identity else "", self.rule.why)
+        if config.outer_streaming and self.rule.momentum > 0 and local_rank == 0 and self._first_replica():
             log.warning("topk_local: outer_streaming with outer_momentum=%g: outer momentum applied one round late "
                         "diverged on the namespace cluster (docs/local_sgd.md); use outer_momentum=0 with streaming",
-                        config.outer_momentum)
+                        self.rule.momentum)
 
     def _first_replica(self) -> bool:
         return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
@@ -596,6 +698,8 @@ class OuterState:
         delta = self._mine(anchor) - self._mine(local)
         fault, buffers = self._decide(delta)
         hidden = 0.0
+        start = anchor.clone() if self.rule.identity else None
+        before = self._mine(self.theta).clone()
         if fault and o.nonfinite == "raise":
             raise FloatingPointError("topk_local: non-finite pseudo-gradient (theta_outer - theta_local) or module "
                                      "buffer (e.g. BatchNorm statistics) on some rank at the end of an outer round; "
@@ -610,10 +714,15 @@ class OuterState:
                 self.anchor = self.theta.clone()
             self.stats.time_s = time.perf_counter() - t0
             return
-        self.ef.mul_(o.outer_ef_decay).add_(delta)
-        if self.exchange == "scatter":  # never streamed (TopKConfig and outer_exchange_for see to it)
+        if self.rule.identity:  # one replica: nothing to exchange; θ_outer := θ_local (+ a resharded pending update)
+            assert start is not None
+            self.theta = local.add_(self.theta - start)
+            self.anchor = None
+        elif self.exchange == "scatter":  # never streamed (TopKConfig and outer_exchange_for see to it)
+            self.ef.mul_(o.outer_ef_decay).add_(delta)
             self._update(self._scatter_round())
         else:
+            self.ef.mul_(o.outer_ef_decay).add_(delta)
             packet, _ = compress(self.ef, self.layout, want_sent=False)
             gathered, work = self._launch(packet)
             if o.outer_streaming:
@@ -628,6 +737,8 @@ class OuterState:
         if buffers is not None:
             self.write_buffers(buffers)
             self.buffer_anchor = self.flat_buffers()
+        if not self.rule.identity:
+            self._guard(float((self._mine(self.theta) - before).norm()), float(delta.norm()))
         R = self._replicas()
         self.stats.rounds += 1
         self.stats.buffer_bytes = self._buffer_wire_bytes()
@@ -635,6 +746,32 @@ class OuterState:
         self.stats.density = self.layout.k / self.layout.c
         self.stats.time_s = time.perf_counter() - t0
         self.stats.hidden_frac = hidden
+
+    def _guard(self, moved: float, own: float) -> None:
+        """Say once when the outer step keeps moving θ_outer (this rank's shard) more than ``AMPLIFY_RATIO`` times
+        as far as this replica's own pseudo-gradient while θ_outer's norm has grown ``AMPLIFY_NORM_GROWTH``-fold,
+        ``AMPLIFY_ROUNDS`` rounds in a row: outer momentum amplifying the inner steps (how DiLoCo's outer step
+        diverged with SGD-momentum inner steps)."""
+        self.last_ratio = moved / own if own > 0 else 0.0
+        norm = float(self._mine(self.theta).norm())
+        if self._norm0 is None:
+            self._norm0 = norm
+        self.last_growth = norm / self._norm0 if self._norm0 > 0 else 0.0
+        grown = self.last_growth > AMPLIFY_NORM_GROWTH
+        self._amplified = self._amplified + 1 if self.last_ratio > AMPLIFY_RATIO and grown else 0
+        if self._amplified >= AMPLIFY_ROUNDS and not self.amplify_warned:
+            self.amplify_warned = True
+            if self._first_replica():
+                r = self.rule
+                log.warning("topk_local: the outer step moved theta_outer %.1fx as far as this replica's own inner "
+                            "steps did, %d rounds in a row, and the weights' norm grew %.1fx (outer_lr=%g, "
+                            "outer_momentum=%g, outer_nesterov=%s: %s): "
+                            "the outer momentum is amplifying the inner steps, which diverged with SGD-momentum "
+                            "inner steps (docs/local_sgd.md). Set outer_recipe='auto' with outer_lr, outer_momentum "
+                            "and outer_nesterov unset (the measured outer step for the inner optimizer), or "
+                            "outer_recipe='average' (outer_lr=1, outer_momentum=0: plain averaging), or lower "
+                            "outer_momentum", self.last_ratio, self._amplified, self.last_growth, r.lr, r.momentum,
+                            r.nesterov, r.why)
 
     @property
     def payload_bytes(self) -> int:
@@ -671,6 +808,8 @@ class OuterState:
         send = torch.cat(segments)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.inter)
+        if self.config.outer_ef_decay != 1.0:  # the owner buffer decays as ``ef`` does (0: no owner error feedback)
+            self.owner_ef.mul_(self.config.outer_ef_decay)
         acc = sum_packets(recv, lay, per * c).div_(R).add_(self.owner_ef)
         out_lay = self.owner_out_layout
         mine, _ = compress(acc, out_lay, want_sent=False)
@@ -807,9 +946,8 @@ class OuterState:
 
     def _update(self, g: Tensor) -> None:
         """Outer SGD on this rank's shard, then (several processes per node) the intra-node all-gather."""
-        o = self.config
         mine = self._mine(self.theta)
-        outer_sgd_(mine, self.mom, g, o.outer_lr, o.outer_momentum, o.outer_nesterov)
+        outer_sgd_(mine, self.mom, g, self.rule.lr, self.rule.momentum, self.rule.nesterov)
         if self.local > 1:
             out = torch.empty_like(self.theta)
             _all_gather(out, mine.contiguous(), group=self.intra)

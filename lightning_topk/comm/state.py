@@ -26,6 +26,9 @@ NONFINITE_CHOICES = ("raise", "skip", "propagate")
 HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
 OUTER_BITS = (32, 16, 8, 4, 2)  # outer_value_bits (sparse local SGD)
 OUTER_EXCHANGES = ("auto", "allgather", "scatter")  # outer_exchange (sparse local SGD)
+# outer_recipe (sparse local SGD): where unset outer_lr / outer_momentum / outer_nesterov come from
+# (lightning_topk/comm/outer.py: OUTER_RECIPE_TABLE, outer_step_for).
+OUTER_RECIPES = ("auto", "diloco", "average")
 # Where exchange="auto" gets its cost model (see comm/exchanges/auto.py).
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 # recipe="auto": the convergence recipe for the user's optimizer (lightning_topk/comm/recipe.py).
@@ -135,11 +138,18 @@ class TopKConfig:
             ``selector``, ``value_dtype`` and the residual options then do not apply; ``nonfinite`` applies
             to the inner steps and to the pseudo-gradient (``"skip"``: the round is skipped and θ_local reset
             to θ_outer). Needs ``momentum_correction=False`` and ``hierarchical`` not ``True``.
-        outer_lr: outer SGD learning rate (a number > 0); 1 with ``outer_momentum=0`` and dense fp32 values
-            is plain averaging of the replicas.
-        outer_momentum: outer SGD momentum in [0, 1) (0.9 with Nesterov: DiLoCo; 0 with error feedback:
-            SparseLoCo).
-        outer_nesterov: Nesterov momentum for the outer step (only with ``outer_momentum`` > 0).
+        outer_recipe: where the outer step's ``outer_lr``, ``outer_momentum`` and ``outer_nesterov`` come from when
+            they are unset (``None``): ``"auto"`` (default) picks them from the inner optimizer by a measured
+            table (:data:`~lightning_topk.comm.outer.OUTER_RECIPE_TABLE`, ``docs/local_sgd.md``; plain averaging,
+            lr 1 and momentum 0, for optimizers it does not know; momentum 0 with ``outer_streaming``), and with one
+            replica (one node) makes the outer round the identity (θ_outer := θ_local: the node's processes already
+            all-reduce every step, so this is DDP); ``"diloco"``: lr 0.7, Nesterov momentum 0.9; ``"average"``:
+            lr 1, momentum 0 (post-local SGD, torch's ``PeriodicModelAverager`` at dense fp32 values).
+        outer_lr: outer SGD learning rate (a number > 0), or ``None``: from ``outer_recipe``. A value set wins
+            over the recipe (and turns off the one-replica identity).
+        outer_momentum: outer SGD momentum in [0, 1), or ``None``: from ``outer_recipe``.
+        outer_nesterov: Nesterov momentum for the outer step (with ``outer_momentum`` > 0), or ``None``: from
+            ``outer_recipe``.
         outer_density: share of each chunk's entries sent per outer round, in (0, 1] (1: dense, no indices).
         outer_chunk: entries per top-k chunk of the flat parameter vector (int >= 0; each chunk sends
             ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; positions are int16
@@ -185,9 +195,10 @@ class TopKConfig:
     auto_model: str = "auto"
     auto_link_gbps: float = 10.0
     local_steps: int = 0
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
-    outer_nesterov: bool = True
+    outer_recipe: str = "auto"
+    outer_lr: Optional[float] = None
+    outer_momentum: Optional[float] = None
+    outer_nesterov: Optional[bool] = None
     outer_density: float = 0.1
     outer_chunk: int = 4096
     outer_value_bits: int = 4
@@ -212,8 +223,8 @@ class TopKConfig:
             raise ValueError(f"topk_ddp: {e}") from None
         for name in ("error_feedback", "momentum_correction", "momentum_masking", "log_telemetry", "outer_nesterov",
                      "outer_streaming"):
-            if not isinstance(getattr(self, name), bool):
-                raise bad(name, "true or false")
+            if not isinstance(getattr(self, name), bool) and not (name == "outer_nesterov" and self.outer_nesterov is None):
+                raise bad(name, "true or false" + (", or null (from outer_recipe)" if name == "outer_nesterov" else ""))
         if not _is_number(self.momentum) or not 0.0 <= self.momentum < 1.0:
             raise bad("momentum", "a number in [0, 1)")
         if not _is_number(self.momentum_lookahead) or not 0.0 <= self.momentum_lookahead <= 10.0:
@@ -222,16 +233,20 @@ class TopKConfig:
         for name in ("dense_steps", "warmup_steps", "min_sparse_numel", "local_steps", "outer_chunk"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
                 raise bad(name, "an int >= 0")
-        if not _is_number(self.outer_lr) or self.outer_lr <= 0:
-            raise bad("outer_lr", "a number > 0")
-        if not _is_number(self.outer_momentum) or not 0.0 <= self.outer_momentum < 1.0:
-            raise bad("outer_momentum", "a number in [0, 1)")
+        if self.outer_recipe not in OUTER_RECIPES:
+            raise bad("outer_recipe", f"one of {list(OUTER_RECIPES)}")
+        if self.outer_lr is not None and (not _is_number(self.outer_lr) or self.outer_lr <= 0):
+            raise bad("outer_lr", "a number > 0, or null (from outer_recipe)")
+        if self.outer_momentum is not None and (not _is_number(self.outer_momentum)
+                                                or not 0.0 <= self.outer_momentum < 1.0):
+            raise bad("outer_momentum", "a number in [0, 1), or null (from outer_recipe)")
         if not _is_number(self.outer_density) or not 0.0 < self.outer_density <= 1.0:
             raise bad("outer_density", "a number in (0, 1]")
         if not _is_number(self.outer_ef_decay) or not 0.0 <= self.outer_ef_decay <= 1.0:
             raise bad("outer_ef_decay", "a number in [0, 1]")
         for name in ("outer_lr", "outer_momentum", "outer_density", "outer_ef_decay"):
-            setattr(self, name, float(getattr(self, name)))
+            if getattr(self, name) is not None:
+                setattr(self, name, float(getattr(self, name)))
         if not _is_int(self.outer_value_bits) or self.outer_value_bits not in OUTER_BITS:
             raise bad("outer_value_bits", f"one of {list(OUTER_BITS)}")
         if self.outer_exchange not in OUTER_EXCHANGES:
@@ -861,6 +876,15 @@ class TopKState:
     def bucket_names(self) -> List[Tuple[str, ...]]:
         """The parameter names of each live bucket."""
         return list(self._buckets)
+
+    def take_pending(self, kind: str) -> Dict[str, Tensor]:
+        """Remove and return the loaded per-parameter ``kind`` (``"residual"``/``"velocity"``) not applied to any
+        bucket yet (local SGD has no buckets: it folds a per-step checkpoint's residuals into its own state)."""
+        pending = self._pending_load or {}
+        out = {n: t for (k, n), t in pending.items() if k == kind}
+        for n in out:
+            del pending[(kind, n)]
+        return out
 
     def residuals(self) -> Dict[str, Tensor]:
         """Per-parameter flat views of this rank's residuals (a parameter that has none yet holds zero: dense

@@ -284,6 +284,8 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
         return done(step, empty, plan_only)
     if _local_reshard(cfg, meta, strategy):
         return done(step, empty, {"exchanges": {"local": _resharded_local(strategy, sdir, meta)}})
+    if old_world == world and _both_local(cfg, meta):
+        _agree_on_local_shards(strategy, sdir, meta)  # raises on every rank alike unless all are usable
     if old_world == world:
         # Everyone checks every shard's header (cheap with mmap) so all ranks take the same decision.
         bad = {r: why for r in range(old_world)
@@ -318,21 +320,77 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
     return done(step, tensors)
 
 
+def _both_local(cfg, meta: Dict[str, Any]) -> bool:
+    """Sparse local SGD saved and resumed."""
+    saved = meta.get("config") or {}
+    return cfg.local_steps > 0 and int(saved.get("local_steps", 0) or 0) > 0
+
+
+def _agree_on_local_shards(strategy, sdir: str, meta: Dict[str, Any]) -> None:
+    """Sparse local SGD resumed at the saved world size: every rank must restore its own outer state from this
+    checkpoint, or the ranks would enter the outer rounds at different positions (a rank starting afresh at 0
+    while the others go on: misaligned collectives, a hang, or replicas drifting apart). Each rank reads its own
+    shard; one ``all_gather_object`` over every rank (so a shard only its own node can see counts too) brings
+    every verdict and every section's (position, steps) to every rank, and all raise the same ``ValueError``
+    naming each missing or stale rank and file when any is unusable or they disagree."""
+    import torch.distributed as dist
+
+    rank, world = int(strategy.global_rank), int(strategy.world_size)
+
+    def verdict(r: int) -> Tuple[str, Optional[List[int]]]:
+        shard, why = read_shard(join(sdir, f"rank{r}.pt"), meta, r, mmap=True)
+        section = upgrade_sections(shard).get("local") if shard is not None else None
+        if shard is not None and not section:
+            why = "no local SGD section"
+        return why, None if why else [int(section.get("position", -1)), int(section.get("steps", -1))]
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == world > 1:
+        mine: List[Any] = [verdict(rank)]
+        every: List[Any] = [None] * world
+        dist.all_gather_object(every, mine[0])
+    else:  # no process group (yet): every shard is read here
+        every = [verdict(r) for r in range(world)]
+    bad = {r: why for r, (why, _) in enumerate(every) if why}
+    where = {tuple(pos) for why, pos in every if not why}
+    if bad:
+        raise ValueError("topk_local: cannot resume local SGD: the outer state of "
+                         + ", ".join(f"rank {r} ({join(sdir, f'rank{r}.pt')}: {w})" for r, w in sorted(bad.items()))
+                         + " is not usable, and every rank must restore its own from this checkpoint (a rank "
+                         "starting its outer rounds afresh would misalign them with the other ranks'). Restore "
+                         "the shard file(s), or resume from a checkpoint whose shards are all present")
+    if len(where) > 1:
+        raise ValueError("topk_local: cannot resume local SGD: the ranks' saved outer states are at different "
+                         "(position, steps): " + ", ".join(f"rank {r}: {tuple(p)}" for r, (_, p) in enumerate(every))
+                         + f" in {sdir!r} (shards of different checkpoints); resume from one checkpoint")
+
+
 def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
     """Sparse local SGD saved and resumed, in another layout (world size, nodes, processes per node) or with
-    another ``outer_chunk`` or ``outer_exchange``, or another option that ``outer_exchange="auto"`` decides from
-    (``outer_value_bits``, ``outer_density``, ``outer_streaming``: the saved run may have taken the scale-free
-    exchange and this one not, or the other way round): the outer state is resharded
+    another ``outer_chunk``, or with options that resolve to another outer exchange (:func:`outer_exchange_for
+    <lightning_topk.comm.outer.outer_exchange_for>` of the saved and the new options on this layout: the same
+    exchange spelled ``"auto"`` and pinned is no change): the outer state is resharded
     (:func:`lightning_topk.comm.outer.reshard`; it folds the scale-free exchange's owner buffers into ``ef``)."""
     saved = meta.get("config") or {}
     if cfg.local_steps <= 0 or int(saved.get("local_steps", 0) or 0) <= 0:
         return False
-    return (int(meta.get("world_size", 0)) != int(strategy.world_size)
+    if (int(meta.get("world_size", 0)) != int(strategy.world_size)
             or int(meta.get("num_nodes", 0)) != int(strategy.num_nodes)
             or int(meta.get("local_world_size", 0)) != int(strategy.num_processes)
-            or saved.get("outer_chunk") != cfg.outer_chunk
-            or saved.get("outer_exchange", "auto") != cfg.outer_exchange
-            or any(f in saved and saved[f] != getattr(cfg, f) for f in AUTO_EXCHANGE_INPUTS))
+            or saved.get("outer_chunk") != cfg.outer_chunk):
+        return True
+    # Same layout: only the exchange it resolves to matters (an "auto" that resolved to "scatter" resumed with
+    # "scatter" pinned is the same run), not its spelling or the options "auto" reads.
+    from types import SimpleNamespace
+
+    from lightning_topk.comm.outer import outer_exchange_for, shard_layout
+
+    n = sum(_param_numels(strategy.lightning_module).values())
+    replicas, local = int(strategy.num_nodes), int(strategy.num_processes)
+    old = SimpleNamespace(**{**asdict(cfg), **{k: v for k, v in saved.items() if k in AUTO_EXCHANGE_INPUTS
+                                                 or k in ("outer_exchange", "outer_chunk")}})
+    old.outer_exchange = saved.get("outer_exchange", "auto")
+    return (outer_exchange_for(old, replicas, shard_layout(old, n, local))
+            != outer_exchange_for(cfg, replicas, shard_layout(cfg, n, local)))
 
 
 def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any]:

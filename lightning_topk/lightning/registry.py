@@ -11,9 +11,10 @@ import importlib.util
 
 NAMES = {"topk_ddp": "popen", "topk_ddp_spawn": "spawn", "topk_local": "popen", "topk_local_wan": "popen"}
 # Sparse local SGD's registered presets (docs/local_sgd.md says why; conf/strategy/<name>.yaml mirror them).
-LOCAL_DEFAULTS = dict(local_steps=16, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True, outer_density=0.1,
-                      outer_chunk=4096, outer_value_bits=4, outer_ef_decay=1.0, outer_streaming=False,
-                      outer_exchange="auto")
+# The outer step (outer_lr, outer_momentum, outer_nesterov) is left to outer_recipe="auto": measured per inner
+# optimizer (DiLoCo's 0.7 / Nesterov 0.9, the default before, diverged with SGD-momentum inner steps: issue 31).
+LOCAL_DEFAULTS = dict(local_steps=16, outer_recipe="auto", outer_density=0.1, outer_chunk=4096, outer_value_bits=4,
+                      outer_ef_decay=1.0, outer_streaming=False, outer_exchange="auto")
 # For links of ~10 Mbit/s and below: 4x longer rounds, 2% of each chunk at 2 bits (one packet: 0.0007 bytes per
 # parameter per inner step, against 0.011 for topk_local; outer.wire_bytes_per_param / local_steps).
 WAN_DEFAULTS = dict(LOCAL_DEFAULTS, local_steps=64, outer_density=0.02, outer_value_bits=2)

@@ -197,7 +197,9 @@ class TopKStrategyMixin:
         bind = getattr(state.exchange, "bind", None)
         if bind is not None:  # local SGD: θ_outer := the weights DDP just broadcast (a loaded section: its own);
             # the module's buffers: averaged over every rank at outer rounds, kept per rank in the checkpoint
-            bind(self.lightning_module.named_parameters(), self.lightning_module.named_buffers())
+            # (and the inner optimizers: outer_recipe="auto" picks the outer step for them)
+            bind(self.lightning_module.named_parameters(), self.lightning_module.named_buffers(),
+                 optimizers=self._topk_optimizers())
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
         from lightning_topk.comm.exchanges import exchange_hook
 

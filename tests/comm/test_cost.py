@@ -556,3 +556,18 @@ def test_probe_times_exact_selection_with_a_warm_hint_on_a_drifting_input(monkey
     calls.clear()
     cost._select_time(x, scale, 2621, "exact", torch.device("cpu"), g, reps=2)
     assert calls and all(h is None for h, _ in calls)
+
+
+def test_a_plan_of_the_other_kind_of_model_is_made_again_on_resume():
+    """A checkpoint whose plan a probed model made, resumed with auto_model="constants" (or the other way round):
+    the saved plan is not kept; this run's model plans (it used to keep the probed plan, whatever the option)."""
+    cfg = TopKConfig(auto_model="constants")
+    a = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"))
+    st = TopKState(cfg)
+    a.decide(st, 1_000_000, 10_000)
+    probed = dict(a.state_dict(), timed=True, plan={"1000000": "dense", "123": "allgather"})
+    b = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"), saved=probed)
+    assert b.plan == {}
+    assert b.decide(st, 1_000_000, 10_000)[0] == a.plan["1000000"]  # re-planned by the constants model
+    same = build_auto(None, cfg, Layout(4, 1, 0), torch.device("cpu"), saved=a.state_dict())
+    assert same.plan == a.plan  # the same kind: kept, as before

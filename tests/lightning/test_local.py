@@ -446,3 +446,32 @@ def test_world_size_change_gives_every_rank_the_average_of_the_saved_buffers(tmp
         assert (four[r]["steps"], four[r]["rounds"], four[r]["position"]) == (12, 3, 0), r
         for name, b in four[0]["buffers"].items():
             assert torch.equal(four[r]["buffers"][name], b), (r, name)
+
+
+def test_missing_or_stale_shard_at_the_same_world_size_fails_fast_naming_the_rank(tmp_path):
+    # 2 x 1 saved 2 steps into the second round; resumed at the same world size with rank 1's shard missing, then
+    # stale (another save's). Every rank fails at load with one error naming the rank and its file. It used to
+    # start rank 1's outer rounds afresh at position 0 while rank 0 went on at 2: misaligned rounds (a gloo
+    # timeout that the heartbeat reported as "no rank was lost", or replicas drifting apart).
+    from lightning_topk.lightning.checkpoint import shard_path
+
+    common = ["--H", "4", "--density", "0.1", "--bits", "4", "--chunk", "512"]
+    ckpt = str(tmp_path / "e1.ckpt")
+    _run(tmp_path, "stop", "--epochs", "1", "--save", ckpt, *common)
+    path = shard_path(ckpt, 1)
+    stale = dict(torch.load(path, weights_only=True), save_key="epoch0-gs3-ex3")
+
+    def resume(tag):
+        run_nodes([SCRIPT, "--out", tmp_path, "--tag", tag, "--nodes", 2, "--epochs", "2", "--resume", ckpt, *common],
+                  num_nodes=2, timeout=240)
+
+    os.remove(path)
+    with pytest.raises(AssertionError) as missing:
+        resume("missing")
+    torch.save(stale, path)
+    with pytest.raises(AssertionError) as old:
+        resume("stale")
+    for err, why in ((missing, "missing"), (old, "stale")):
+        text = str(err.value)
+        assert text.count("cannot resume local SGD") >= 2, text[-3000:]  # on both nodes
+        assert f"rank 1 ({path}: {why}" in text, text[-3000:]

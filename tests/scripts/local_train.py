@@ -11,6 +11,7 @@ flat weights, test accuracy, samples trained, and the outer round count.
   --fabric                    the same with Fabric(strategy=TopKDDPStrategy(...)) and a hand-written loop
   --no-train-end              (with --fabric) the loop does not call strategy.on_train_end(), only teardown()
   --bn                        a BatchNorm1d after the first layer (buffers: running statistics)
+  --cnn                       issue 31's small CNN; --outer-lr/--outer-momentum none: from outer_recipe
 
 Each rank also records the collectives it issued inside training batches whose group spans more than one
 node (torch.distributed's functions wrapped), apart from those of the outer rounds, and how many steps its
@@ -88,12 +89,16 @@ def watch_collectives(per_node: int) -> None:
 
 
 class Net(pl.LightningModule):
-    def __init__(self, opt: str, lr: float, inject_step=None, bn: bool = False) -> None:
+    def __init__(self, opt: str, lr: float, inject_step=None, bn: bool = False, cnn: bool = False) -> None:
         super().__init__()
         self.inject_step = inject_step
         torch.manual_seed(0)
         norm = [nn.BatchNorm1d(128)] if bn else []
         self.net = nn.Sequential(nn.Linear(64, 128), *norm, nn.ReLU(), nn.Linear(128, 10))
+        if cnn:  # issue 31's small CNN (benchmarks/outer_recipe.py's)
+            self.net = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                                     nn.MaxPool2d(2), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                     nn.Flatten(), nn.Linear(128, 10))
         self.opt, self.lr = opt, lr
 
     def setup(self, stage):
@@ -155,8 +160,10 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.05)
     ap.add_argument("--bits", type=int, default=8)
     ap.add_argument("--chunk", type=int, default=1024)
-    ap.add_argument("--outer-lr", type=float, default=1.0)
-    ap.add_argument("--outer-momentum", type=float, default=0.0)
+    opt_float = (lambda v: None if v == "none" else float(v))
+    ap.add_argument("--outer-lr", type=opt_float, default=1.0)
+    ap.add_argument("--outer-momentum", type=opt_float, default=0.0)
+    ap.add_argument("--cnn", action="store_true", help="issue 31's small CNN instead of the MLP")
     ap.add_argument("--ef-decay", type=float, default=1.0)
     ap.add_argument("--streaming", action="store_true")
     ap.add_argument("--outer-exchange", default="auto")
@@ -186,7 +193,7 @@ def main() -> None:
     if a.fabric:
         return fabric_main(a, train, test)
     pl.seed_everything(0, workers=True)
-    model = Net(a.opt, a.lr, a.inject_step, bn=a.bn)
+    model = Net(a.opt, a.lr, a.inject_step, bn=a.bn, cnn=a.cnn)
     WATCH["model"] = model
     trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -220,6 +227,8 @@ def main() -> None:
                 "buffers": {k: b.clone() for k, b in model.named_buffers()},
                 "round_buffers": list(WATCH["round_buffers"]),
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("topk/")},
+                "rule": None if outer is None else (outer.rule.lr, outer.rule.momentum, outer.rule.identity),
+                "norm": float(flat.norm()),
                 "after": after_training(st)},
                os.path.join(a.out, f"{a.tag}_rank{trainer.global_rank}.pt"))
 

@@ -160,8 +160,15 @@ class AutoExchange(Exchange):
 
     def load_state_dict(self, sd: Optional[Dict[str, Any]]) -> None:
         """Restore a saved plan (entries whose exchange is no candidate now are dropped) and, for the same
-        layout and kind of model, the saved model."""
+        layout and kind of model, the saved model. A plan saved by the other kind of model (probed against
+        constants: ``auto_model`` changed between save and resume) is not restored: this run plans anew."""
         if not sd:
+            return
+        if bool(sd.get("timed")) != self.timed:  # made by the other kind of model (auto_model changed): re-plan
+            if self.rank == 0:
+                log.info("topk_ddp exchange=auto: the checkpoint's plan was made by a %s model and this run's "
+                         "auto_model gives a %s one: the plan is made again by this run's model",
+                         "probed" if sd.get("timed") else "constants", "probed" if self.timed else "constants")
             return
         self.plan = {str(k): v for k, v in dict(sd.get("plan", {})).items() if v in self.candidates}
         m = saved_model(sd, self.timed, self.model.nodes, self.model.local)

@@ -67,11 +67,12 @@ class LocalExchange(Exchange):
 
     # ---- parameters -----------------------------------------------------------------------------------
     def bind(self, named_parameters: Iterable[Tuple[str, Tensor]],
-             named_buffers: Iterable[Tuple[str, Tensor]] = ()) -> None:
+             named_buffers: Iterable[Tuple[str, Tensor]] = (), optimizers: Optional[List[Any]] = None) -> None:
         """θ_outer := these parameters now (call before the first optimizer step, on every rank); a loaded
         section is applied here (θ_local and this rank's buffers included). ``named_buffers``: the module's
         buffers (BatchNorm statistics), averaged over every rank at each round end and kept per rank in the
-        checkpoint (:class:`~lightning_topk.comm.outer.OuterState`)."""
+        checkpoint (:class:`~lightning_topk.comm.outer.OuterState`). ``optimizers``: the inner optimizer(s), for
+        ``outer_recipe="auto"`` (:func:`~lightning_topk.comm.outer.outer_step_for`)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         g = self.groups
         local = g.local_world if g is not None else 1
@@ -79,14 +80,54 @@ class LocalExchange(Exchange):
                                 inter=g.inter if g is not None else self.state.process_group,
                                 intra=g.intra if g is not None else None, local=local,
                                 local_rank=g.local_rank if g is not None else 0,
-                                flag_group=self.state.process_group, buffers=list(named_buffers))
+                                flag_group=self.state.process_group, buffers=list(named_buffers),
+                                optimizers=optimizers)
         if self._section is not None:
             self._load(self._section)
             self._section = None
         elif self.state.step > 0:
+            carried = self._carry_residuals(optimizers)
             log.warning("topk_local: resuming at step %d without a saved outer state (another world size, or a "
-                        "checkpoint of another strategy): the outer round restarts from these weights, error "
-                        "feedback and outer momentum at zero", self.state.step)
+                        "checkpoint of another strategy or of the per-step exchange): the outer round restarts from "
+                        "these weights, outer momentum at zero, error feedback %s", self.state.step, carried)
+
+    def _carry_residuals(self, optimizers: Optional[List[Any]]) -> str:
+        """A per-step checkpoint (``local_steps=0``) resumed under local SGD: fold its residuals (gradient mass
+        not sent yet) into the outer error feedback, in the pseudo-gradient's units: ``ef += lr * e`` (the SGD
+        step the per-step exchange would have taken for it; with several processes per node, the node's mean),
+        so the next outer rounds send it. Only for ``torch.optim.SGD`` (with another optimizer a gradient has no
+        fixed step: the residuals are dropped, and this says how much). Momentum-correction velocities are
+        dropped. Returns what was done, for the warning."""
+        o = self.outer
+        assert o is not None
+        res = self.state.take_pending("residual")
+        vel = self.state.take_pending("velocity")
+        flat = torch.zeros(o.local * o.shard, dtype=torch.float32, device=o.theta.device)
+        lrs = torch.zeros_like(flat)
+        opt = optimizers[0] if optimizers and len(optimizers) == 1 else None
+        lr_of = {id(p): float(g["lr"]) for g in getattr(opt, "param_groups", []) for p in g["params"]}
+        off = 0
+        for name, p, k in zip(o.names, o.params, o.numels):
+            t = res.get(name)
+            if t is not None and t.numel() == k:
+                flat[off:off + k] = t.reshape(-1).to(flat)
+            lrs[off:off + k] = lr_of.get(id(p), 0.0)
+            off += k
+        g = self.groups
+        if g is not None and g.local_world > 1:  # the node's ranks: one replica, the mean of their residuals
+            dist.all_reduce(flat, group=g.intra)
+            flat.div_(g.local_world)
+        mass = float(flat.norm())
+        extra = f"; {len(vel)} parameters' momentum-correction velocities dropped" if vel else ""
+        if mass == 0.0:
+            return "at zero" + extra
+        if type(opt) is not torch.optim.SGD:
+            return (f"at zero: the checkpoint's per-step residuals (L2 norm {mass:.4g}, gradient units) were dropped: "
+                    f"{type(opt).__name__ if opt is not None else 'an unknown optimizer'} has no fixed step for a "
+                    "gradient (carried into the outer error feedback for torch.optim.SGD only)" + extra)
+        o.ef.add_(o._mine(flat.mul_(lrs)))
+        return (f"holding the checkpoint's per-step residuals (L2 norm {mass:.4g}) times the inner lr (the step the "
+                "per-step exchange would have taken; sent by the next outer rounds)" + extra)
 
     # ---- the step ---------------------------------------------------------------------------------------
     def hook(self, state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future:
