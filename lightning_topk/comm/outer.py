@@ -491,7 +491,10 @@ def outer_step_for(config: TopKConfig, optimizers: Optional[Sequence[Any]], repl
                              "(theta_outer := theta_local; set outer_lr/outer_momentum to take an outer step)")
     lr = pinned["outer_lr"] if pinned["outer_lr"] is not None else lr
     mu = pinned["outer_momentum"] if pinned["outer_momentum"] is not None else mu
-    nest = pinned["outer_nesterov"] if pinned["outer_nesterov"] is not None else nest
+    if pinned["outer_nesterov"] is not None:
+        nest = pinned["outer_nesterov"]
+    elif pinned["outer_momentum"] is not None:
+        nest = True  # an outer momentum set without outer_nesterov: DiLoCo's Nesterov, as before outer_recipe
     set_ = [k for k, v in pinned.items() if v is not None]
     if set_:
         why += f"; {', '.join(set_)} as set"

@@ -149,7 +149,7 @@ class TopKConfig:
             over the recipe (and turns off the one-replica identity).
         outer_momentum: outer SGD momentum in [0, 1), or ``None``: from ``outer_recipe``.
         outer_nesterov: Nesterov momentum for the outer step (with ``outer_momentum`` > 0), or ``None``: from
-            ``outer_recipe``.
+            ``outer_recipe``, or ``True`` (DiLoCo's) where ``outer_momentum`` is set.
         outer_density: share of each chunk's entries sent per outer round, in (0, 1] (1: dense, no indices).
         outer_chunk: entries per top-k chunk of the flat parameter vector (int >= 0; each chunk sends
             ``ceil(outer_density * outer_chunk)`` entries and, below 16 bits, one fp32 scale; positions are int16

@@ -18,6 +18,7 @@ RUNS = {
     "topk_dense": ("plain", "onecycle"),
     "topk_sparse": ("onecycle", "sgd_wd"),
     "topk_probe": ("dropout",),
+    "topk_local": ALL,
 }
 
 
@@ -88,3 +89,14 @@ def test_a_sparse_recipe_follows_the_users_momentum_and_keeps_the_optimizer_visi
         engaged = [(prev, now) for prev, now in zip(seen, seen[1:]) if now["hook_momentum"] is not None]
         assert len(engaged) >= 6 and all(now["hook_momentum"] == prev["momentum"] for prev, now in engaged)
         assert topk["optimizer_state_keys"] == ["topk_wd_momentum"]
+
+
+@pytest.mark.parametrize("feature", ALL)
+def test_local_sgd_on_one_node_is_ddp_bit_for_bit(matrix, feature):
+    """local_steps=4 with its defaults on one node (1 x 2): every inner step all-reduces within the node and
+    outer_recipe="auto" makes the one replica's outer round the identity, so the run is DDP's."""
+    for ddp, topk in zip(matrix["ddp"][feature], matrix["topk_local"][feature]):
+        assert set(topk["hook"]["buckets_by"]) == {"local"}
+        assert _same_params(ddp, topk), feature
+        assert _same_rng(ddp, topk)
+        assert topk["optimizer_state_keys"] == ddp["optimizer_state_keys"]

@@ -2,13 +2,14 @@
 strategy on 2 CPU processes; every rank dumps, per feature, the final parameters, what a callback saw of the
 optimizer each step (lr, momentum, weight decay), the user's RNG streams after the fit, and the hook state.
 
-    python tests/scripts/matrix_probe.py --strategy ddp|topk_default|topk_probe|topk_dense|topk_sparse --out DIR \
+    python tests/scripts/matrix_probe.py --strategy ddp|topk_default|topk_probe|topk_dense|topk_sparse|topk_local --out DIR \
         [--features onecycle,sgd_wd,dropout,...]
 
 ``topk_default`` is ``strategy="topk_ddp"`` with every option at its default (``exchange="auto"`` sends this
 small model's buckets dense on one node; ``deterministic=True``, so its plan comes from the constants model);
 ``topk_probe`` the same without ``deterministic`` (the plan comes from a timed probe of the links); ``topk_dense`` pins ``exchange="dense"`` at density 1;
-``topk_sparse`` forces the sparse exchange (``exchange="allgather", min_sparse_numel=0``).
+``topk_sparse`` forces the sparse exchange (``exchange="allgather", min_sparse_numel=0``); ``topk_local`` is
+sparse local SGD (``local_steps=4``, the rest at its defaults) on one node.
 """
 import argparse
 import json
@@ -99,6 +100,8 @@ def strategy_for(name: str):
         return TopKDDPStrategy(exchange="dense", density=1.0)
     if name == "topk_sparse":
         return TopKDDPStrategy(exchange="allgather", min_sparse_numel=0)
+    if name == "topk_local":
+        return TopKDDPStrategy(local_steps=4)
     raise SystemExit(f"unknown --strategy {name!r}")
 
 
