@@ -179,13 +179,11 @@ class TopKStrategyMixin:
 
         self.model.register_comm_hook(state, exchange_hook)
         if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
-            # Local SGD, one process per node: an inner step has nothing to reduce, so DDP's reducer stays
-            # off (Lightning's and Fabric's no_sync contexts restore this value); the exchange flags the
-            # gradients before the step's decision instead of in the hook.
-            # During the synchronous first dense_steps (post-local SGD) the reducer is on: _sync_reducer.
+            # Local SGD, one process per node: an inner step has nothing to reduce, so it does not go through
+            # DDP's reducer (see training_step); the exchange flags the gradients before the step's decision
+            # instead of in the hook. The synchronous first dense_steps (post-local SGD) go through DDP.
             state.exchange.bypass = True
         self.topk_state = state
-        self._sync_reducer()
         self.topk_controller = StepController(state, device=self.root_device)
 
     def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
@@ -244,10 +242,35 @@ class TopKStrategyMixin:
         """Telemetry summed over all exchanges since the state was created."""
         return self.topk_state.totals.resolve() if self.topk_state is not None else StepStats()
 
+    # ---- DDP's reducer left out of local SGD's inner steps (one process per node) ------------------
+    @property
+    def _reducer_off(self) -> bool:
+        """Whether this step bypasses DDP's reducer (:attr:`LocalExchange.reducer_off`)."""
+        return bool(getattr(self._topk_exchange, "reducer_off", False))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # An inner step of local SGD with one process per node has nothing to reduce, so the module runs without
+        # DDP's wrapper: DDP's forward arms the reducer (and require_backward_grad_sync, the no_sync switch, is
+        # reset to True by Lightning after every manual-optimization step, so a flag set here would leave the
+        # reducer armed for some backward passes of a step and not others), and with static_graph it reduces the
+        # first iteration whatever that switch says (its _DDPSink queues _delay_all_reduce, which asserts that
+        # the reducer was prepared). Nor does Lightning's pre_/post_backward prepare it (below).
+        if not self._reducer_off:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self.lightning_module.training_step(*args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if not self._reducer_off:  # manual optimization + static_graph: DDP's first-iteration reduction
+            super().post_backward(closure_loss)
+
     # ---- one decision per step ----------------------------------------------------------------
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        super().pre_backward(closure_loss)
+        if not self._reducer_off:  # manual optimization: Lightning prepares DDP's reducer for this backward
+            super().pre_backward(closure_loss)
         if self.topk_controller is not None:
             # The hooks divide by the live loss scale, so residuals stay in unscaled units whatever the
             # precision plugin (Lightning's MixedPrecision or TopKPrecision); read as a tensor, no host sync.
@@ -289,7 +312,6 @@ class TopKStrategyMixin:
         ctl, state = self.topk_controller, self.topk_state
         if ctl is not None and state is not None and state.exchange is not None:
             state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
-            self._sync_reducer()
         if ctl is not None:
             ctl.last_decision = None
 
@@ -297,13 +319,6 @@ class TopKStrategyMixin:
     def _topk_exchange(self) -> Any:
         """The exchange of the hooks' state (None before the hooks exist)."""
         return self.topk_state.exchange if self.topk_state is not None else None
-
-    def _sync_reducer(self) -> None:
-        """Local SGD with DDP's reducer bypassed: turn it back on for the next step if that step is synchronous
-        (``dense_steps``), off once they are over."""
-        ex = self._topk_exchange
-        if getattr(ex, "bypass", False) and self.model is not None:
-            self.model.require_backward_grad_sync = not ex.reducer_off
 
     def _log_topk(self) -> None:
         """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
