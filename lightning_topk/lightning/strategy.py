@@ -424,6 +424,50 @@ class TopKStrategyMixin:
         destroy_groups(state.groups)
 
 
+def cli_signature(cls: type) -> type:
+    """Give ``cls.__init__`` an explicit signature (``__signature__``): the top-k options (TopKConfig's fields, with
+    their types and defaults), ``config``, Lightning's DDPStrategy arguments and torch DDP's options, so that
+    LightningCLI / jsonargparse (``--trainer.strategy.init_args.density=0.01``) accepts, types and checks each one;
+    the mixin's ``**kwargs`` hide them otherwise. The call itself is unchanged."""
+    import inspect
+    import typing
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    base = next(b for b in cls.__mro__[1:] if b.__name__ == "DDPStrategy")
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    hints = typing.get_type_hints(TopKConfig)
+    defaults = TopKConfig()
+    for name in TopKConfig.option_names():
+        params.append(inspect.Parameter(name, kw, default=getattr(defaults, name), annotation=hints.get(name, Any)))
+    params.append(inspect.Parameter("config", kw, default=None, annotation=Optional[TopKConfig]))
+    seen = {p.name for p in params}
+    skip = {"self", "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "module", "device_ids", "output_device",
+            "process_group", "device_mesh", "mixed_precision"}
+    torch_ddp = set()
+    for fn in (base.__init__, DistributedDataParallel.__init__):
+        for p in inspect.signature(fn).parameters.values():
+            if p.name in seen or p.name in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            if fn is DistributedDataParallel.__init__:  # None: torch's default (and the strategy's own choices)
+                ann = Optional[p.annotation] if p.annotation is not p.empty else Any
+                p = p.replace(default=None, annotation=ann)
+                torch_ddp.add(p.name)
+            params.append(p.replace(kind=kw))
+            seen.add(p.name)
+
+    def __init__(self: Any, **kwargs: Any) -> None:
+        # a CLI passes every parameter; torch DDP's options left at None are not passed on
+        super(cls, self).__init__(**{k: v for k, v in kwargs.items() if v is not None or k not in torch_ddp})
+
+    __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    __init__.__doc__ = cls.__doc__
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
 def _ddp_has_forward_sync() -> bool:
     import inspect
 
@@ -456,6 +500,7 @@ def _poison_for_scaler(optimizer: Any) -> None:
                 return
 
 
+@cli_signature
 class TopKDDPStrategy(TopKStrategyMixin, pl.strategies.DDPStrategy):
     """DDP strategy whose gradient exchange is a top-k sparse allgather with error feedback.
 
