@@ -62,7 +62,16 @@ class _FabricTopKMixin(TopKStrategyMixin):
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
         self._register_ddp_hooks()
+        self._sync_reducer()
         return ddp
+
+    def _sync_reducer(self) -> None:
+        """Local SGD, one process per node: DDP's reducer off for the inner steps (Fabric's no_sync restores this
+        value), on during the synchronous first ``dense_steps``. The user's loop calls DDP's forward, so unlike the
+        Trainer's strategy (which leaves DDP out of an inner step) this does not cover ``static_graph=True``."""
+        ex = self._topk_exchange
+        if getattr(ex, "bypass", False) and self._topk_ddp is not None:
+            self._topk_ddp.require_backward_grad_sync = not ex.reducer_off
 
     def backward(self, tensor, module, *args: Any, **kwargs: Any) -> None:
         ctl = self.topk_controller

@@ -36,6 +36,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -92,6 +93,46 @@ def _store_client():
     return store
 
 
+# Threads of this module that call into the c10d store (C++, GIL released). One that is still inside such a call
+# when the interpreter finalizes aborts the process as the call returns ("terminate called without an active
+# exception": the thread may not retake the GIL, and unwinding it passes a noexcept C++ frame). A timed-out store
+# call (_timed) or a heartbeat join that ran past its bound leaves such a thread behind: _exit_cleanly deals with it.
+_STORE_THREADS: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
+EXIT_JOIN_S = STORE_TIMEOUT_S + 1.0
+
+
+def _store_thread(target, name: str) -> threading.Thread:
+    t = threading.Thread(target=target, name=name, daemon=True)
+    _STORE_THREADS.add(t)
+    t.start()
+    return t
+
+
+def _exit_cleanly() -> None:
+    """At interpreter exit (atexit, before finalization): wait for this module's store threads (bounded); if one is
+    still inside a store call after that (its host hung), end the process now with ``os._exit`` (stdio and logging
+    flushed; exit code 1 if an uncaught exception ended the script, else 0) instead of letting finalization abort."""
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for t in list(_STORE_THREADS):
+        if t is not threading.current_thread():
+            t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [t.name for t in list(_STORE_THREADS) if t.is_alive()]
+    if not stuck:
+        return
+    log.warning("lightning_topk: %s still inside a store call at exit (store host hung?); exiting without "
+                "interpreter finalization, which would abort the process", ", ".join(stuck))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(1 if getattr(sys, "last_value", None) is not None else 0)
+
+
+atexit.register(_exit_cleanly)
+
+
 def _timed(fn, timeout: float = STORE_TIMEOUT_S):
     """``fn()`` in a daemon thread: a store whose host is stopped blocks ``add``/``check`` forever."""
     box: dict = {}
@@ -102,8 +143,7 @@ def _timed(fn, timeout: float = STORE_TIMEOUT_S):
         except BaseException as e:
             box["error"] = e
 
-    t = threading.Thread(target=run, name="lightning_topk-store", daemon=True)
-    t.start()
+    t = _store_thread(run, "lightning_topk-store")
     t.join(timeout)
     if t.is_alive():
         raise TimeoutError(f"no answer within {timeout:.0f}s")
@@ -123,8 +163,7 @@ class Heartbeat:
         self._key = f"{_PREFIX}hb/{rank}"
         _timed(lambda: self._store.set(f"{_PREFIX}who/{rank}", f"{socket.gethostname()} pid {os.getpid()}"))
         self._beat_store.add(self._key, 1)
-        self._thread = threading.Thread(target=self._run, name="lightning_topk-heartbeat", daemon=True)
-        self._thread.start()
+        self._thread = _store_thread(self._run, "lightning_topk-heartbeat")
         # A script that ends without the strategy's teardown (Fabric never calls it) must not exit with the
         # thread inside a C++ store call: that aborts the process ("terminate called without an active
         # exception"). atexit handlers run before the interpreter stops its threads.
@@ -141,7 +180,8 @@ class Heartbeat:
 
     def stop(self) -> None:
         """Stop and join the thread (bounded: one store call can take up to ``STORE_TIMEOUT_S``), so that no
-        store call is in flight when the process group is destroyed or the interpreter exits."""
+        store call is in flight when the process group is destroyed or the interpreter exits (a thread still in
+        one after the bound is waited for at exit: :func:`_exit_cleanly`)."""
         self._stop.set()
         atexit.unregister(self._at_exit)
         if self._thread is not threading.current_thread():

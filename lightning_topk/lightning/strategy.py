@@ -205,13 +205,11 @@ class TopKStrategyMixin:
 
         self.model.register_comm_hook(state, exchange_hook)
         if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
-            # Local SGD, one process per node: an inner step has nothing to reduce, so DDP's reducer stays
-            # off (Lightning's and Fabric's no_sync contexts restore this value); the exchange flags the
-            # gradients before the step's decision instead of in the hook.
-            # During the synchronous first dense_steps (post-local SGD) the reducer is on: _sync_reducer.
+            # Local SGD, one process per node: an inner step has nothing to reduce, so it does not go through
+            # DDP's reducer (see training_step); the exchange flags the gradients before the step's decision
+            # instead of in the hook. The synchronous first dense_steps (post-local SGD) go through DDP.
             state.exchange.bypass = True
         self.topk_state = state
-        self._sync_reducer()
         self.topk_controller = StepController(state, device=self.root_device)
 
     def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
@@ -270,10 +268,35 @@ class TopKStrategyMixin:
         """Telemetry summed over all exchanges since the state was created."""
         return self.topk_state.totals.resolve() if self.topk_state is not None else StepStats()
 
+    # ---- DDP's reducer left out of local SGD's inner steps (one process per node) ------------------
+    @property
+    def _reducer_off(self) -> bool:
+        """Whether this step bypasses DDP's reducer (:attr:`LocalExchange.reducer_off`)."""
+        return bool(getattr(self._topk_exchange, "reducer_off", False))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        # An inner step of local SGD with one process per node has nothing to reduce, so the module runs without
+        # DDP's wrapper: DDP's forward arms the reducer (and require_backward_grad_sync, the no_sync switch, is
+        # reset to True by Lightning after every manual-optimization step, so a flag set here would leave the
+        # reducer armed for some backward passes of a step and not others), and with static_graph it reduces the
+        # first iteration whatever that switch says (its _DDPSink queues _delay_all_reduce, which asserts that
+        # the reducer was prepared). Nor does Lightning's pre_/post_backward prepare it (below).
+        if not self._reducer_off:
+            return super().training_step(*args, **kwargs)
+        with self.precision_plugin.train_step_context():
+            return self.lightning_module.training_step(*args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if not self._reducer_off:  # manual optimization + static_graph: DDP's first-iteration reduction
+            super().post_backward(closure_loss)
+
     # ---- one decision per step ----------------------------------------------------------------
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
-        super().pre_backward(closure_loss)
+        if not self._reducer_off:  # manual optimization: Lightning prepares DDP's reducer for this backward
+            super().pre_backward(closure_loss)
         if self.topk_controller is not None:
             # The hooks divide by the live loss scale, so residuals stay in unscaled units whatever the
             # precision plugin (Lightning's MixedPrecision or TopKPrecision); read as a tensor, no host sync.
@@ -333,19 +356,11 @@ class TopKStrategyMixin:
         ctl, state = self.topk_controller, self.topk_state
         if ctl is not None and state is not None and state.exchange is not None:
             state.exchange.after_optimizer_step(self.lightning_module.named_parameters())
-            self._sync_reducer()
 
     @property
     def _topk_exchange(self) -> Any:
         """The exchange of the hooks' state (None before the hooks exist)."""
         return self.topk_state.exchange if self.topk_state is not None else None
-
-    def _sync_reducer(self) -> None:
-        """Local SGD with DDP's reducer bypassed: turn it back on for the next step if that step is synchronous
-        (``dense_steps``), off once they are over."""
-        ex = self._topk_exchange
-        if getattr(ex, "bypass", False) and self.model is not None:
-            self.model.require_backward_grad_sync = not ex.reducer_off
 
     def _log_topk(self) -> None:
         """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
@@ -451,6 +466,50 @@ class TopKStrategyMixin:
         destroy_groups(state.groups)
 
 
+def cli_signature(cls: type) -> type:
+    """Give ``cls.__init__`` an explicit signature (``__signature__``): the top-k options (TopKConfig's fields, with
+    their types and defaults), ``config``, Lightning's DDPStrategy arguments and torch DDP's options, so that
+    LightningCLI / jsonargparse (``--trainer.strategy.init_args.density=0.01``) accepts, types and checks each one;
+    the mixin's ``**kwargs`` hide them otherwise. The call itself is unchanged."""
+    import inspect
+    import typing
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    base = next(b for b in cls.__mro__[1:] if b.__name__ == "DDPStrategy")
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    hints = typing.get_type_hints(TopKConfig)
+    defaults = TopKConfig()
+    for name in TopKConfig.option_names():
+        params.append(inspect.Parameter(name, kw, default=getattr(defaults, name), annotation=hints.get(name, Any)))
+    params.append(inspect.Parameter("config", kw, default=None, annotation=Optional[TopKConfig]))
+    seen = {p.name for p in params}
+    skip = {"self", "ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "module", "device_ids", "output_device",
+            "process_group", "device_mesh", "mixed_precision"}
+    torch_ddp = set()
+    for fn in (base.__init__, DistributedDataParallel.__init__):
+        for p in inspect.signature(fn).parameters.values():
+            if p.name in seen or p.name in skip or p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL):
+                continue
+            if fn is DistributedDataParallel.__init__:  # None: torch's default (and the strategy's own choices)
+                ann = Optional[p.annotation] if p.annotation is not p.empty else Any
+                p = p.replace(default=None, annotation=ann)
+                torch_ddp.add(p.name)
+            params.append(p.replace(kind=kw))
+            seen.add(p.name)
+
+    def __init__(self: Any, **kwargs: Any) -> None:
+        # a CLI passes every parameter; torch DDP's options left at None are not passed on
+        super(cls, self).__init__(**{k: v for k, v in kwargs.items() if v is not None or k not in torch_ddp})
+
+    __init__.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    __init__.__doc__ = cls.__doc__
+    __init__.__qualname__ = f"{cls.__qualname__}.__init__"
+    cls.__init__ = __init__  # type: ignore[misc]
+    return cls
+
+
 def _ddp_has_forward_sync() -> bool:
     import inspect
 
@@ -483,6 +542,7 @@ def _poison_for_scaler(optimizer: Any) -> None:
                 return
 
 
+@cli_signature
 class TopKDDPStrategy(TopKStrategyMixin, pl.strategies.DDPStrategy):
     """DDP strategy whose gradient exchange is a top-k sparse allgather with error feedback.
 

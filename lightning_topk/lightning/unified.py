@@ -3,9 +3,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_topk.lightning.precision import TopKPrecisionMixin
-from lightning_topk.lightning.strategy import TopKStrategyMixin
+from lightning_topk.lightning.strategy import TopKStrategyMixin, cli_signature
 
 
+@cli_signature
 class UnifiedTopKDDPStrategy(TopKStrategyMixin, DDPStrategy):
     """:class:`lightning_topk.TopKDDPStrategy` (pytorch_lightning) rebuilt on ``lightning.pytorch``'s DDPStrategy."""
 
