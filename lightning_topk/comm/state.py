@@ -583,7 +583,8 @@ class UndoLog:
         if not self.enabled or id(b) in self._saved:
             return
         res, vel = self._copies.get(b.names, (None, None))
-        if res is None or res.shape != b.residual.shape or res.device != b.residual.device:
+        if (res is None or res.shape != b.residual.shape or res.device != b.residual.device
+                or (vel is None) != (b.velocity is None)):  # a velocity started mid-run (recipe="auto" engaging)
             res = torch.empty_like(b.residual)
             vel = None if b.velocity is None else torch.empty_like(b.velocity)
             self._copies[b.names] = (res, vel)

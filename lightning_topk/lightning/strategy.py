@@ -159,8 +159,9 @@ class TopKStrategyMixin:
                     self.topk_live_recipe = LiveRecipe(opts[0], dormant)
                     self.topk_config = target_config(dormant, self.topk_live_recipe.momentum())
                     self._topk_base_config, self._topk_resolved = dormant, self.topk_config
-                    self.topk_recipe = (f"recipe=auto -> momentum_correction without masking, momentum_lookahead = "
-                                        f"momentum (Nesterov) from the first step that sends sparse ({why}; "
+                    m = self.topk_live_recipe.momentum()
+                    self.topk_recipe = (f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} "
+                                        f"(Nesterov), from the step after the first one that sends sparse ({why}; "
                                         f"density {dormant.density:g})")
                 else:
                     self.topk_recipe = f"recipe=auto -> error_feedback ({why})"
