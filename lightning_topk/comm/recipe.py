@@ -176,7 +176,7 @@ class LiveRecipe:
             if "weight_decay" in g:
                 g["weight_decay"] = 0.0
         self._stepping = m
-        return [(g, mom, wd, pending) for g, mom, wd, pending in saved]
+        return saved
 
     def after_step(self, optimizer: Any, saved: Optional[List[Any]], committed: bool) -> None:
         """Restore the groups' values; on a committed step, apply and keep weight decay's momentum share

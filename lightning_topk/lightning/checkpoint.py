@@ -59,12 +59,13 @@ from __future__ import annotations
 import os
 import posixpath
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_topk.comm.outer import AUTO_EXCHANGE_INPUTS
+from lightning_topk.comm.outer import AUTO_EXCHANGE_INPUTS, outer_exchange_for, reshard, shard_layout
 from lightning_topk.comm.state import upgrade_sections
 from lightning_topk.files import atomic_torch_save, is_url, isdir, isfile, join, local_path, open_read, remove
 
@@ -380,10 +381,6 @@ def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
         return True
     # Same layout: only the exchange it resolves to matters (an "auto" that resolved to "scatter" resumed with
     # "scatter" pinned is the same run), not its spelling or the options "auto" reads.
-    from types import SimpleNamespace
-
-    from lightning_topk.comm.outer import outer_exchange_for, shard_layout
-
     n = sum(_param_numels(strategy.lightning_module).values())
     replicas, local = int(strategy.num_nodes), int(strategy.num_processes)
     old = SimpleNamespace(**{**asdict(cfg), **{k: v for k, v in saved.items() if k in AUTO_EXCHANGE_INPUTS
@@ -396,8 +393,6 @@ def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
 def _resharded_local(strategy, sdir: str, meta: Dict[str, Any]) -> Dict[str, Any]:
     """This rank's ``local`` section resharded from every saved rank's (the same on every rank of a replica);
     raises ``ValueError`` naming what is missing (every rank reads every shard, so all raise alike)."""
-    from lightning_topk.comm.outer import reshard
-
     old_world, old_local = int(meta.get("world_size", 0)), int(meta.get("local_world_size", 1) or 1)
     where = (f"{old_world} ranks ({meta.get('num_nodes')} nodes x {old_local}) to {strategy.world_size} "
              f"({strategy.num_nodes} x {strategy.num_processes})")

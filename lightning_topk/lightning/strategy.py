@@ -157,9 +157,9 @@ class TopKStrategyMixin:
                 if use:
                     dormant = self.topk_config
                     self.topk_live_recipe = LiveRecipe(opts[0], dormant)
-                    self.topk_config = target_config(dormant, self.topk_live_recipe.momentum())
-                    self._topk_base_config, self._topk_resolved = dormant, self.topk_config
                     m = self.topk_live_recipe.momentum()
+                    self.topk_config = target_config(dormant, m)
+                    self._topk_base_config, self._topk_resolved = dormant, self.topk_config
                     self.topk_recipe = (f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} "
                                         f"(Nesterov), from the step after the first one that sends sparse ({why}; "
                                         f"density {dormant.density:g})")
@@ -181,15 +181,13 @@ class TopKStrategyMixin:
         self._resolve_recipe()
         state = TopKState(self.topk_config, num_nodes=self.num_nodes)
         state.bind(self.lightning_module.named_parameters())
+        if self.topk_state is not None and self._pending_topk_state is None:
+            self._pending_topk_state = self.topk_state.state_dict()
         live = self.topk_live_recipe
         if live is not None:  # dormant: the hooks send the raw gradient until a step sends sparse
             state.config = live.dormant
-            saved = self._pending_topk_state if self._pending_topk_state is not None else (
-                self.topk_state.state_dict() if self.topk_state is not None else None)
-            if saved is not None and saved.get("velocity"):
+            if (self._pending_topk_state or {}).get("velocity"):
                 live.engage(state, seed=False)  # the checkpoint's velocities (loaded below) are the momentum
-        if self.topk_state is not None and self._pending_topk_state is None:
-            self._pending_topk_state = self.topk_state.state_dict()
         if self._pending_topk_state is not None:
             # before the hook is built: exchange="auto" takes the saved plan and model (no new probe)
             self._load_topk_state(state, self._pending_topk_state)
