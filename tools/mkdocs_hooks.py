@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Dict, Optional, Set
+from typing import Optional, Set
 
 from mkdocs.structure.files import File
 

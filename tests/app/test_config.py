@@ -233,16 +233,17 @@ def test_topk_strategy_config_lists_every_option():
     assert not missing, f"conf/strategy/topk_ddp.yaml lacks {sorted(missing)}"
 
 
-def test_readme_option_table_is_topk_config():
-    """The README's TopKDDPStrategy table lists exactly TopKConfig's fields, with their defaults, and
-    TopKConfig's docstring documents each."""
+def test_options_page_table_is_topk_config():
+    """The options page's TopKDDPStrategy table (docs/options.md) lists exactly TopKConfig's fields, with their
+    defaults, and TopKConfig's docstring documents each."""
     import dataclasses
     import re
 
     from lightning_topk.comm.state import TopKConfig
 
-    text = (ROOT / "README.md").read_text()
-    table = text.split("### `TopKDDPStrategy` options", 1)[1].split("\n\n", 2)[1]
+    text = (ROOT / "docs" / "options.md").read_text()
+    table = text.split("\n## `TopKDDPStrategy` options\n\n", 1)[1].split("\n\n", 1)[0]
+    assert table.startswith("| option | default | allowed | meaning |"), table[:200]
     rows = dict(re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table, flags=re.M))
     fields = {f.name: f.default for f in dataclasses.fields(TopKConfig)}
     assert set(rows) == set(fields), (sorted(set(rows) ^ set(fields)))
