@@ -42,7 +42,7 @@ def cluster_defaults() -> str:
         e = data[f"{lay} {rate}"]
         target = e["topk_0.01"]["target_acc"]
 
-        def cell(name: str, bold: bool = False) -> str:
+        def cell(name: str, bold: bool = False, e: Dict[str, Any] = e) -> str:
             t, s = e[name]["time_to_target_s"], e[name]["steps_to_target"]
             text = "–" if t is None else f"{t:.1f} ({s})"
             return f"**{text}**" if bold else text
