@@ -31,7 +31,7 @@ Variants (``KEY=VALUE``; ``recipe=``/``opt=``/``dens=``/``steps=``/``seeds=``/``
 
 Usage::
 
-    python benchmarks/convergence_adam.py NAME opt=adamw recipe=ef adam=1 dens=0.01,0.001 seeds=0,1,2,3,4 \\
+    python research/convergence_adam.py NAME opt=adamw recipe=ef adam=1 dens=0.01,0.001 seeds=0,1,2,3,4 \\
         steps=500 [--out results.jsonl]
 """
 from __future__ import annotations
@@ -42,7 +42,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # the other prototype script
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # the shipped simulator
 import convergence as C
 
 from lightning_topk.comm.exchanges.kit import select, send_values, sparse_k, take_bucket

@@ -35,7 +35,7 @@ k for CLT-k), for the wire bytes.
 
 Usage::
 
-    python benchmarks/convergence_prototypes.py NAME look=3 recipe=ef set.momentum_correction=true \\
+    python research/convergence_prototypes.py NAME look=3 recipe=ef set.momentum_correction=true \\
         set.momentum_masking=false seeds=0,1,2,3,4 [--out results.jsonl]
 """
 from __future__ import annotations
@@ -47,7 +47,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # the other prototype script
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "benchmarks"))  # the shipped simulator
 import convergence as C
 
 from lightning_topk.comm.exchanges.kit import select, send_values, sparse_k, take_bucket
