@@ -1,7 +1,7 @@
 """Render BENCHMARKS.md's result tables from the raw results in ``benchmarks/results/``, so no figure in them is
 copied by hand.
 
-    .venv/bin/python tools/render_results.py            # rewrite every block in BENCHMARKS.md
+    .venv/bin/python tools/render_results.py            # rewrite every block (BENCHMARKS.md, docs/local_sgd.md)
     .venv/bin/python tools/render_results.py --check    # exit 1 if a block differs from what its data renders
 
 Each block sits between ``<!-- results:NAME:begin (...) -->`` and ``<!-- results:NAME:end -->`` and is rendered
@@ -108,15 +108,59 @@ def outer_recipe() -> str:
     return f"{d['header']}; test accuracy (`benchmarks/results/outer_recipe_lightning.json`):\n\n" + "\n".join(rows)
 
 
-BLOCKS: Dict[str, Tuple[str, Callable[[], str]]] = {
-    "cluster-defaults": ("benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
-    "clean-exit": ("benchmarks/results/clean_exit_*.json", clean_exit),
-    "outer-recipe": ("benchmarks/results/outer_recipe_lightning.json", outer_recipe),
+# the inner optimizers of benchmarks/outer_recipe.py, as its OPTIMIZERS builds them
+OPT_LABELS = {"sgd": "SGD 0.1", "sgd_momentum": "SGD 0.05, momentum 0.9", "sgd_nesterov": "SGD 0.05, Nesterov 0.9",
+              "lars": "LARS 1.0 (trust 0.02), momentum 0.9", "adam": "Adam 1e-3", "adamw": "AdamW 1e-3 (wd 0.01)"}
+
+
+def _rule(label: str) -> Tuple[float, float, bool]:
+    m = re.search(r"\(([\d.]+), ([\d.]+)( N)?\)", label)
+    if m is None:
+        raise SystemExit(f"render_results: cannot read the outer step {label!r}")
+    return float(m.group(1)), float(m.group(2)), bool(m.group(3))
+
+
+def _points(x: float) -> str:
+    text = f"{x:+.1f}"
+    return text.replace("-", "\u2212")
+
+
+def outer_recipe_table() -> str:
+    """Points of test accuracy against DDP per inner optimizer, replica count and outer step (``outer_recipe.py``);
+    in bold the step ``outer_recipe="auto"`` takes for that optimizer (``comm.outer.OUTER_RECIPE_TABLE``)."""
+    sys.path.insert(0, ROOT)
+    from lightning_topk.comm.outer import OUTER_RECIPE_TABLE
+
+    d = _load("outer_recipe_digits.json")
+    cells: Dict[Tuple[str, int], Dict[str, float]] = {}
+    for r in d["rows"]:
+        cells.setdefault((r["opt"], r["replicas"]), {})[r["outer"]] = r["acc"]
+    outers = [o for o in dict.fromkeys(r["outer"] for r in d["rows"]) if o != "ddp"]
+    rows = ["| inner optimizer (lr) | R | ddp | " + " | ".join(outers) + " |", "|---" * (len(outers) + 3) + "|"]
+    for (opt, replicas), accs in cells.items():
+        if replicas < 2:
+            continue
+        ddp = accs["ddp"]
+        chosen = OUTER_RECIPE_TABLE[opt]
+        row = [OPT_LABELS[opt], str(replicas), f"{ddp:.3f}"]
+        for o in outers:
+            text = _points(100 * (accs[o] - ddp))
+            row.append(f"**{text}**" if _rule(o) == chosen else text)
+        rows.append("| " + " | ".join(row) + " |")
+    return "\n".join(rows)
+
+
+# name: (the file the block is in, the data it is rendered from, the renderer)
+BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
+    "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
+    "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
+    "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
+    "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
 }
 
 
 def begin(name: str) -> str:
-    return f"<!-- results:{name}:begin (written by tools/render_results.py from {BLOCKS[name][0]}; do not edit) -->"
+    return f"<!-- results:{name}:begin (written by tools/render_results.py from {BLOCKS[name][1]}; do not edit) -->"
 
 
 def end(name: str) -> str:
@@ -124,36 +168,46 @@ def end(name: str) -> str:
 
 
 def block(name: str) -> str:
-    return f"{begin(name)}\n{BLOCKS[name][1]()}\n{end(name)}"
+    return f"{begin(name)}\n{BLOCKS[name][2]()}\n{end(name)}"
 
 
-def render(text: str) -> str:
-    """``text`` with every block replaced by its rendering; each block must be there exactly once."""
-    for name in BLOCKS:
+def files() -> List[str]:
+    """The files that hold blocks, relative to the repository root."""
+    return list(dict.fromkeys(v[0] for v in BLOCKS.values()))
+
+
+def render(text: str, path: str = "BENCHMARKS.md") -> str:
+    """``text`` (the file ``path``) with each of its blocks replaced by its rendering; each must be there once."""
+    for name in (n for n, v in BLOCKS.items() if v[0] == path):
         pattern = re.escape(f"<!-- results:{name}:begin") + r".*?" + re.escape(end(name))
         found = re.findall(pattern, text, flags=re.S)
         if len(found) != 1:
-            raise SystemExit(f"render_results: BENCHMARKS.md has {len(found)} '{name}' blocks (needs one)")
+            raise SystemExit(f"render_results: {path} has {len(found)} '{name}' blocks (needs one)")
         text = text.replace(found[0], block(name))
     return text
 
 
 def main(argv: Any = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="only check that BENCHMARKS.md shows what the data renders")
+    ap.add_argument("--check", action="store_true", help="only check that the files show what the data renders")
     a = ap.parse_args(argv)
-    with open(BENCHMARKS, encoding="utf-8") as f:
-        text = f.read()
-    new = render(text)
+    bad = []
+    for rel in files():
+        path = BENCHMARKS if rel == "BENCHMARKS.md" else os.path.join(ROOT, rel)
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        new = render(text, rel)
+        if new == text:
+            continue
+        bad.append(rel)
+        if not a.check:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(new)
     if a.check:
-        ok = new == text
-        print("render_results: BENCHMARKS.md " + ("matches" if ok else "differs from") + " benchmarks/results/"
-              + ("" if ok else " (run tools/render_results.py)"))
-        return 0 if ok else 1
-    if new != text:
-        with open(BENCHMARKS, "w", encoding="utf-8") as f:
-            f.write(new)
-    print(f"render_results: {len(BLOCKS)} blocks rendered into BENCHMARKS.md")
+        print("render_results: " + (f"{', '.join(bad)} differ(s) from benchmarks/results/ (run tools/render_results.py)"
+                                    if bad else f"{', '.join(files())} match benchmarks/results/"))
+        return 1 if bad else 0
+    print(f"render_results: {len(BLOCKS)} blocks in {', '.join(files())}; rewrote {', '.join(bad) or 'none'}")
     return 0
 
 
