@@ -73,13 +73,16 @@ class OuterState:
             ``flag_group`` at every round end; all are kept per rank in :meth:`state_dict`. The tensors are
             held by reference (updated in place, as BatchNorm does).
         optimizers: the inner optimizer(s), for ``outer_recipe="auto"`` (:func:`outer_step_for`; None: unknown).
+        view: the flat vector this rank owns a shard of (default: a :class:`~.flat.ShardView` of ``named`` over
+            ``local`` processes; another view, e.g. of a parameter shard, replaces it).
     """
 
     def __init__(self, config: TopKConfig, named: Sequence[Tuple[str, Tensor]], inter: Any = None,
                  intra: Any = None, local: int = 1, local_rank: int = 0, flag_group: Any = None,
-                 buffers: Sequence[Tuple[str, Tensor]] = (), optimizers: Optional[Sequence[Any]] = None) -> None:
+                 buffers: Sequence[Tuple[str, Tensor]] = (), optimizers: Optional[Sequence[Any]] = None,
+                 view: Optional[ShardView] = None) -> None:
         self.config = config
-        self.view = v = ShardView(config, named, local, local_rank)
+        self.view = v = view if view is not None else ShardView(config, named, local, local_rank)
         self.bufs = BufferSet(buffers)
         self.inter, self.intra, self.local, self.local_rank = inter, intra, local, local_rank
         self.flag_group = flag_group
