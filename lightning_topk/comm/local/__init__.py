@@ -52,7 +52,8 @@ runs the same number of forward passes. Between rounds nothing is synchronized, 
 exchange all-reduces the gradients over every rank); after the N-th, ``θ_outer`` is re-anchored at the
 (identical) weights, the buffers are averaged over every rank, and the rounds start.
 
-The modules (each imports only torch and the ones above it in this list):
+The modules (each imports torch, :mod:`~lightning_topk.comm.state` and :mod:`~lightning_topk.comm.wire`, and of this
+package only the ones above it in this list):
 
 * :mod:`.codec`: chunks, top-k, quantization, packets and bitmaps (:class:`~.codec.PacketLayout`, steps 4-6's bytes);
 * :mod:`.outer_step`: which outer step (``outer_recipe``, :func:`~.outer_step.outer_step_for`), the outer SGD and
