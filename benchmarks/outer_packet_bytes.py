@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import torch
 
-from lightning_topk.comm.outer import (
+from lightning_topk.comm.local import (
     PacketLayout,
     chunk_k,
     chunk_size,

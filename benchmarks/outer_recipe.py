@@ -6,7 +6,7 @@ local SGD within reach of DDP, measured, for ``outer_recipe="auto"``'s table (do
     nice -n 10 python benchmarks/outer_recipe.py --lightning   # finding 6 through the strategy, 1x2 / 2x1 / 4x1
 
 R replicas are simulated in one process, one after the other, each with its own model copy and inner optimizer,
-and the outer round is the all-gather path of :mod:`lightning_topk.comm.outer` on its own functions (the same
+and the outer round is the all-gather path of :mod:`lightning_topk.comm.local` on its own functions (the same
 ``compress`` / ``sum_packets`` / ``outer_sgd_`` the strategy runs, at ``topk_local``'s 10% of each 4096-entry
 chunk at 4 bits with error feedback): the same arithmetic as one process per node, without processes. DDP is one
 model stepping on the mean of the R replicas' gradients (what DDP's all-reduce gives every rank).
@@ -32,7 +32,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from lightning_topk.comm.outer import PacketLayout, chunk_k, chunk_size, compress, outer_sgd_, sum_packets
+from lightning_topk.comm.local import PacketLayout, chunk_k, chunk_size, compress, outer_sgd_, sum_packets
 from lightning_topk.optim import LARS, param_groups
 
 OUTERS = {  # label -> (outer_lr, outer_momentum, outer_nesterov)

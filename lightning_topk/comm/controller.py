@@ -8,7 +8,7 @@ The all-reduce spans the exchange's :meth:`decision_group <lightning_topk.comm.e
 every rank, except under sparse local SGD (``exchange="local"``), where a node is one replica and decides its
 inner steps alone (its ranks; no collective at all with one process per node), so that no inner step waits
 for another node. The decision on the pseudo-gradient at the outer round stays global
-(:mod:`lightning_topk.comm.outer`). The policy:
+(:mod:`lightning_topk.comm.local`). The policy:
 
 * no fault: commit (the residual updates of the step stand);
 * a loss scaler is in charge (fp16): the scaler's skip applies on every rank alike (its ``found_inf`` is

@@ -46,7 +46,7 @@ warning (from rank 0) that says what was redistributed or reset:
   checkpoint's ``global_step``);
 * sparse local SGD (``local_steps`` > 0) saved and resumed in another layout (world size, nodes, processes per
   node) or with another ``outer_chunk``: the outer state is resharded from every saved rank's section
-  (:func:`lightning_topk.comm.outer.reshard`: θ_outer and outer momentum carried, error feedback averaged
+  (:func:`lightning_topk.comm.local.checkpoint.reshard`: θ_outer and outer momentum carried, error feedback averaged
   over the saved replicas like residuals, each new replica takes a saved replica's θ_local and inner
   optimizer state, every new rank the average of the saved ranks' module buffers); a missing or unusable
   shard then fails with a message naming it;
@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from lightning_topk.comm.outer import AUTO_EXCHANGE_INPUTS, outer_exchange_for, reshard, shard_layout
+from lightning_topk.comm.local import AUTO_EXCHANGE_INPUTS, outer_exchange_for, reshard, shard_layout
 from lightning_topk.comm.state import upgrade_sections
 from lightning_topk.files import atomic_torch_save, is_url, isdir, isfile, join, local_path, open_read, remove
 
@@ -368,9 +368,9 @@ def _agree_on_local_shards(strategy, sdir: str, meta: Dict[str, Any]) -> None:
 def _local_reshard(cfg, meta: Dict[str, Any], strategy) -> bool:
     """Sparse local SGD saved and resumed, in another layout (world size, nodes, processes per node) or with
     another ``outer_chunk``, or with options that resolve to another outer exchange (:func:`outer_exchange_for
-    <lightning_topk.comm.outer.outer_exchange_for>` of the saved and the new options on this layout: the same
+    <lightning_topk.comm.local.exchanges.outer_exchange_for>` of the saved and the new options on this layout: the same
     exchange spelled ``"auto"`` and pinned is no change): the outer state is resharded
-    (:func:`lightning_topk.comm.outer.reshard`; it folds the scale-free exchange's owner buffers into ``ef``)."""
+    (:func:`lightning_topk.comm.local.checkpoint.reshard`; it folds the scale-free exchange's owner buffers into ``ef``)."""
     saved = meta.get("config") or {}
     if cfg.local_steps <= 0 or int(saved.get("local_steps", 0) or 0) <= 0:
         return False

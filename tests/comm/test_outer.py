@@ -1,11 +1,11 @@
-"""Sparse local SGD's functional core (lightning_topk.comm.outer): quantizer bounds, packet round trip,
+"""Sparse local SGD's functional core (lightning_topk.comm.local): quantizer bounds, packet round trip,
 error-feedback conservation, and the outer round on real gloo processes (flat, and 2 nodes x 2 sharded)."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from lightning_topk.comm.outer import (
+from lightning_topk.comm.local import (
     VALUE_BITS,
     OuterState,
     PacketLayout,
@@ -230,7 +230,7 @@ def _sharded(rank, world, streaming, exchange="allgather", stop_at=4):
     sd = st_half.state_dict()
     resumed, _ = run(sd=sd)
     if exchange == "scatter":
-        from lightning_topk.comm.outer import round_bytes_out
+        from lightning_topk.comm.local import round_bytes_out
 
         assert st_full.exchange == "scatter" and float(st_half.owner_ef.abs().sum()) > 0
         return (_flat(full), _flat(resumed), st_full.stats.bytes, round_bytes_out(st_full.layout, 2, "scatter"),
@@ -323,9 +323,9 @@ def _buffers(rank, world):
         if i == 3 and rank == 2:
             with torch.no_grad():
                 m[1].running_var[0] = float("inf")
-        before = st.flat_buffers().clone()
+        before = st.bufs.flat().clone()
         if st.step():
-            rounds.append((before, st.flat_buffers().clone()))
+            rounds.append((before, st.bufs.flat().clone()))
     return (rounds, torch.equal(m.table, TABLE), st.stats.skipped, st.stats.buffer_bytes,
             sorted(st.state_dict()["buffers"]), int(m[1].num_batches_tracked))
 
@@ -428,10 +428,10 @@ def _scatter_conservation(rank, world, bits=4):
     st = OuterState(_scatter_cfg(local_steps=1, outer_value_bits=bits), list(m.named_parameters()))
     theta0 = st.theta.clone()
     _drift(m, rank, 0)
-    delta = theta0 - st.flat_params()
+    delta = theta0 - st.view.flat_params()
     assert st.step()
     g = theta0 - st.theta
-    lo, hi = st._owner_range()
+    lo, hi = st.outer_exchange.owner_range(st.shard)
     owned = torch.zeros_like(st.ef)
     owned[lo:hi] = st.owner_ef[:hi - lo]
     parts = torch.stack([delta, st.ef, owned])
@@ -439,11 +439,11 @@ def _scatter_conservation(rank, world, bits=4):
     dist.all_gather(everyone, parts)
     d, e, o = (torch.stack([t[i] for t in everyone]) for i in range(3))
     packet = st.layout.nbytes
-    seg = st.owner_layout.nbytes + st.owner_out_layout.nbytes
+    seg = st.outer_exchange.owner_layout.nbytes + st.outer_exchange.owner_out_layout.nbytes
     picks = [OuterState(_scatter_cfg(outer_exchange="auto", outer_chunk=ch), list(_model().named_parameters())).exchange
              for ch in (96, 0)]
     return (g, d.mean(0), e.mean(0), o.sum(0), st.stats.bytes, seg, packet, _flat(m), picks,
-            (st.owner_layout.bits, st.owner_out_layout.bits))
+            (st.outer_exchange.owner_layout.bits, st.outer_exchange.owner_out_layout.bits))
 
 
 @pytest.mark.parametrize("bits", (4, 2))
@@ -463,7 +463,7 @@ def test_scatter_conserves_the_pseudo_gradient_and_replicas_agree(bits):
 def _scatter_resume(rank, world):
     """Resume from a state dict taken inside a round equals the uninterrupted run; a world-size change
     (reshard) keeps the pending update, owner buffers included; a skipped round leaves the owner buffer."""
-    from lightning_topk.comm.outer import reshard
+    from lightning_topk.comm.local import reshard
 
     def run(stop=7, sd=None, start=0, **kw):
         m = _model()
@@ -529,7 +529,7 @@ def test_scatter_resumes_bit_exactly_reshards_its_owner_buffers_and_survives_a_s
 
 
 def test_outer_exchange_option_and_auto_rule():
-    from lightning_topk.comm.outer import SCATTER_MAX_BYTE_SHARE, outer_exchange_for, round_bytes_out
+    from lightning_topk.comm.local import SCATTER_MAX_BYTE_SHARE, outer_exchange_for, round_bytes_out
 
     with pytest.raises(ValueError, match="outer_exchange must be one of"):
         TopKConfig(local_steps=4, outer_exchange="ring")
@@ -572,7 +572,7 @@ def test_scatter_bytes_per_replica_stay_flat_in_the_replica_count():
     """Pure arithmetic at the topk_local_wan preset: (R - 1) packets for the all-gather; for the scale-free
     exchange (R - 1) segments of ceil(C / R) chunks and (R - 1) owner segments at twice the density and at 4 bits
     (the preset's 2 are raised to OWNER_MIN_BITS); outer.round_bytes_out (what OuterStats.bytes counts) agrees."""
-    from lightning_topk.comm.outer import OWNER_K_FACTOR, OWNER_MIN_BITS, owner_chunks, round_bytes_out
+    from lightning_topk.comm.local import OWNER_K_FACTOR, OWNER_MIN_BITS, owner_chunks, round_bytes_out
 
     n, c = 11_326_410, 4096
     C = -(-n // c)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lightning_topk.comm.outer import OUTER_RECIPE_TABLE, OuterState, outer_step_for
+from lightning_topk.comm.local import OUTER_RECIPE_TABLE, OuterState, outer_step_for
 from lightning_topk.comm.state import TopKConfig, TopKState
 from tests.helpers.dist import run_distributed
 
@@ -127,15 +127,15 @@ def test_amplification_guard_warns_once_naming_the_options(caplog):
             st.step()
         return st
 
-    caplog.set_level(logging.WARNING, logger="lightning_topk.comm.outer")
+    caplog.set_level(logging.WARNING, logger="lightning_topk.comm.local.outer_step")
     st = rounds(20, outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True)
     hits = [r for r in caplog.records if "amplifying" in r.getMessage()]
-    assert len(hits) == 1 and st.amplify_warned and st.last_ratio > 2 and st.last_growth > 6
+    assert len(hits) == 1 and st.guard.warned and st.guard.last_ratio > 2 and st.guard.last_growth > 6
     msg = hits[0].getMessage()
     assert "outer_recipe" in msg and "outer_momentum" in msg and "outer_lr=0.7" in msg
     caplog.clear()
     avg = rounds(20, outer_recipe="average")
-    assert not avg.amplify_warned and avg.last_ratio == pytest.approx(1.0, abs=1e-4) and avg.last_growth > 6
+    assert not avg.guard.warned and avg.guard.last_ratio == pytest.approx(1.0, abs=1e-4) and avg.guard.last_growth > 6
     assert not [r for r in caplog.records if "amplifying" in r.getMessage()]
 
 
@@ -168,9 +168,9 @@ def test_per_step_residuals_are_carried_into_the_outer_error_feedback(caplog):
     """A checkpoint of the per-step exchange (local_steps=0) resumed under local SGD: its residuals (gradient
     mass not sent yet) become outer error feedback, times the inner SGD lr; with AdamW they are dropped and the
     warning says how much."""
-    from lightning_topk.comm.exchanges.local import LocalExchange
+    from lightning_topk.comm.local.exchange import LocalExchange
 
-    caplog.set_level(logging.WARNING, logger="lightning_topk.comm.exchanges.local")
+    caplog.set_level(logging.WARNING, logger="lightning_topk.comm.local.exchange")
     m = _model()
     res = {n: torch.randn(p.numel()) for n, p in m.named_parameters()}
     sd = {"step": 7, "residual": res, "velocity": {}}

@@ -302,7 +302,7 @@ def test_streamed_last_round_is_applied_at_the_end_of_training(tmp_path):
     # 12 steps, H=3, streaming: the round of step 12 is still in flight when fit ends. The strategy applies it
     # at on_train_end on every rank: the final weights are θ_outer after that round's outer step, identical on
     # both replicas; the state saved after fit is the one before it (a resume goes on as a run never stopped).
-    from lightning_topk.comm.outer import outer_sgd_
+    from lightning_topk.comm.local import outer_sgd_
 
     common = ["--H", "3", "--density", "0.1", "--bits", "4", "--chunk", "512", "--outer-lr", "0.7",
               "--outer-momentum", "0.5", "--streaming"]
@@ -383,7 +383,7 @@ def test_buffers_are_averaged_over_every_rank_at_each_outer_round(tmp_path):
     # A BatchNorm1d, 12 steps, H=4: rounds at steps 4, 8 and 12. Between rounds each process keeps its own
     # running statistics (no per-forward sync under local SGD); at each round end they are averaged over both
     # ranks, and the all-reduce's bytes are in topk/outer_bytes.
-    from lightning_topk.comm.outer import PacketLayout, chunk_k
+    from lightning_topk.comm.local import PacketLayout, chunk_k
 
     out = _run(tmp_path, "bn", "--epochs", "2", "--H", "4", "--bn", "--outer-lr", "0.7", "--outer-momentum", "0.9")
     r0, r1 = out[0]["round_buffers"], out[1]["round_buffers"]

@@ -53,7 +53,7 @@ def watch_collectives(per_node: int) -> None:
     expected under local SGD) and inside outer rounds (``outer``)."""
     import torch.distributed as dist
 
-    from lightning_topk.comm.outer import OuterState
+    from lightning_topk.comm.local import OuterState
 
     WATCH["per_node"] = per_node
 

@@ -22,7 +22,7 @@ _BUILTIN: Dict[str, str] = {
     "hierarchical": "lightning_topk.comm.exchanges.hierarchical:HierarchicalExchange",
     "hierarchical_scatter": "lightning_topk.comm.exchanges.hierarchical:HierarchicalScatterExchange",
     "scatter": "lightning_topk.comm.exchanges.scatter:ScatterExchange",
-    "local": "lightning_topk.comm.exchanges.local:LocalExchange",
+    "local": "lightning_topk.comm.local.exchange:LocalExchange",
 }
 # Not a per-bucket exchange but a choice between them; a valid ``exchange`` option all the same.
 _META: Dict[str, str] = {"auto": "lightning_topk.comm.exchanges.auto:AutoExchange"}

@@ -5,7 +5,7 @@ hold one replica); with one process per node it issues no collective at all and 
 gradient. The step controller's per-step fault decision is the node's too (:meth:`LocalExchange.decision_group`):
 between outer rounds nothing crosses the node boundary. Every ``local_steps`` optimizer-step attempts
 (skipped ones included, so that every node enters the round at the same step), :meth:`LocalExchange.after_optimizer_step`
-runs the outer round of :class:`~lightning_topk.comm.outer.OuterState` (pseudo-gradient, error feedback,
+runs the outer round of :class:`~lightning_topk.comm.local.round.OuterState` (pseudo-gradient, error feedback,
 per-chunk top-k, quantized values, all-gather among the nodes, outer SGD, ``θ_local := θ_outer``).
 
 Post-local SGD (``dense_steps`` = N > 0): the first N optimizer-step attempts are synchronous, as DDP: the hook
@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import _link, flat_group, future_on, open_bucket
 from lightning_topk.comm.exchanges.registry import register
-from lightning_topk.comm.outer import OuterState
+from lightning_topk.comm.local.round import OuterState
 from lightning_topk.comm.state import TopKState, clock, nonfinite
 from lightning_topk.comm.wire import ring_allreduce_wire
 
@@ -71,8 +71,8 @@ class LocalExchange(Exchange):
         """θ_outer := these parameters now (call before the first optimizer step, on every rank); a loaded
         section is applied here (θ_local and this rank's buffers included). ``named_buffers``: the module's
         buffers (BatchNorm statistics), averaged over every rank at each round end and kept per rank in the
-        checkpoint (:class:`~lightning_topk.comm.outer.OuterState`). ``optimizers``: the inner optimizer(s), for
-        ``outer_recipe="auto"`` (:func:`~lightning_topk.comm.outer.outer_step_for`)."""
+        checkpoint (:class:`~lightning_topk.comm.local.round.OuterState`). ``optimizers``: the inner optimizer(s), for
+        ``outer_recipe="auto"`` (:func:`~lightning_topk.comm.local.outer_step.outer_step_for`)."""
         named = [(n, p) for n, p in named_parameters if p.requires_grad]
         g = self.groups
         local = g.local_world if g is not None else 1
@@ -102,12 +102,13 @@ class LocalExchange(Exchange):
         assert o is not None
         res = self.state.take_pending("residual")
         vel = self.state.take_pending("velocity")
-        flat = torch.zeros(o.local * o.shard, dtype=torch.float32, device=o.theta.device)
+        v = o.view
+        flat = torch.zeros(v.local * v.shard, dtype=torch.float32, device=o.theta.device)
         lrs = torch.zeros_like(flat)
         opt = optimizers[0] if optimizers and len(optimizers) == 1 else None
         lr_of = {id(p): float(g["lr"]) for g in getattr(opt, "param_groups", []) for p in g["params"]}
         off = 0
-        for name, p, k in zip(o.names, o.params, o.numels):
+        for name, p, k in zip(v.names, v.params, v.numels):
             t = res.get(name)
             if t is not None and t.numel() == k:
                 flat[off:off + k] = t.reshape(-1).to(flat)
@@ -125,7 +126,7 @@ class LocalExchange(Exchange):
             return (f"at zero: the checkpoint's per-step residuals (L2 norm {mass:.4g}, gradient units) were dropped: "
                     f"{type(opt).__name__ if opt is not None else 'an unknown optimizer'} has no fixed step for a "
                     "gradient (carried into the outer error feedback for torch.optim.SGD only)" + extra)
-        o.ef.add_(o._mine(flat.mul_(lrs)))
+        o.ef.add_(v.mine(flat.mul_(lrs)))
         return (f"holding the checkpoint's per-step residuals (L2 norm {mass:.4g}) times the inner lr (the step the "
                 "per-step exchange would have taken; sent by the next outer rounds)" + extra)
 
@@ -184,7 +185,7 @@ class LocalExchange(Exchange):
         """With DDP's reducer off (``bypass``), the hook saw nothing: flag the gradients and count the step."""
         if not self.reducer_off or self.outer is None:
             return
-        grads = [(name, p.grad) for name, p in zip(self.outer.names, self.outer.params) if p.grad is not None]
+        grads = [(name, p.grad) for name, p in zip(self.outer.view.names, self.outer.view.params) if p.grad is not None]
         if grads:
             bad = torch.stack([nonfinite(g) for _, g in grads]).any()
             state.flags.note_input(tuple(name for name, _ in grads), None, bad=bad)
@@ -226,14 +227,14 @@ class LocalExchange(Exchange):
             for s in (st.totals,):
                 s.bytes_wire += nbytes
                 # the packet, and the float buffers' fp32 all-reduce (BatchNorm statistics) if it ran
-                s.bytes_sent += self.outer.payload_bytes + (4 * self.outer.nbuf if self.outer.stats.buffer_bytes else 0)
+                s.bytes_sent += self.outer.payload_bytes + (4 * self.outer.bufs.nbuf if self.outer.stats.buffer_bytes else 0)
                 setattr(s, link, getattr(s, link) + nbytes)
             st.totals.comm_time_s += self.outer.stats.time_s
             self._outer_stats(st.last)
 
     def end_training(self) -> None:
         """At the end of training, on every rank: apply a streamed outer exchange still in flight
-        (:meth:`~lightning_topk.comm.outer.OuterState.apply_in_flight`)."""
+        (:meth:`~lightning_topk.comm.local.round.OuterState.apply_in_flight`)."""
         if self.outer is not None:
             self.outer.apply_in_flight()
 
