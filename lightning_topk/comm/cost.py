@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 import lightning_topk.comm.selection as selection
 from lightning_topk.comm.exchanges import registry
-from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.selection import topk_select
+from lightning_topk.comm.sync_free import sync_free_enabled, topk_select_sync_free
 from lightning_topk.comm.wire import sparse_nbytes
 
 log = logging.getLogger(__name__)

@@ -16,8 +16,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.faults import BucketBuffers, bounds_nonfinite, nonfinite
-from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import Scale, TopKState
+from lightning_topk.comm.sync_free import sync_free_enabled, topk_select_sync_free
 from lightning_topk.comm.telemetry import StepStats
 from lightning_topk.comm.wire import (
     INT32,
@@ -27,6 +28,7 @@ from lightning_topk.comm.wire import (
     to_wire,
     unpack,
 )
+from lightning_topk.ops import cuda as cuda_ops
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -297,8 +299,6 @@ def rebuild(out: Tensor, values: Tensor, indices: Tensor, zeroed: bool = False) 
     if not zeroed:
         out.zero_()
     if out.is_cuda and indices.dtype == torch.int32:
-        from lightning_topk.ops import cuda as cuda_ops
-
         if cuda_ops.cupy_available():
             cuda_ops.scatter_add_dense(out, values, indices, 1.0)
             return out
