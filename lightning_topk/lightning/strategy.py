@@ -17,6 +17,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.exchanges import Layout, exchange_hook, registry
+from lightning_topk.comm.exchanges.auto import build_auto
+from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
 from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
 from lightning_topk.lightning.faults import Heartbeat
 from lightning_topk.lightning.strategy_concerns import (
@@ -26,6 +29,7 @@ from lightning_topk.lightning.strategy_concerns import (
     ReducerBypassMixin,
     RunEventsMixin,
 )
+from lightning_topk.lightning.telemetry import attach
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +113,6 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
             bind(self.lightning_module.named_parameters(), self.lightning_module.named_buffers(),
                  optimizers=self._topk_optimizers())
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
-        from lightning_topk.comm.exchanges import exchange_hook
-
         self.model.register_comm_hook(state, exchange_hook)
         if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
             # Local SGD, one process per node: an inner step has nothing to reduce, so it does not go through
@@ -137,10 +139,6 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
     def _build_exchange(self, state: TopKState) -> Any:
         """The layout, the process groups the exchange needs, then the registry's exchange; ``auto`` builds
         its cost model first (a probe is collective)."""
-        from lightning_topk.comm.exchanges import Layout, registry
-        from lightning_topk.comm.exchanges.auto import build_auto
-        from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
-
         cfg, nodes, local = self.topk_config, self.num_nodes, self.num_processes
         layout = Layout(nodes, local, self.global_rank)
         ex = self._exchange()
@@ -251,19 +249,7 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
         ``LightningModule.log``: see :mod:`lightning_topk.lightning.telemetry`). Called after each step."""
         trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
         if self.log_telemetry and trainer is not None:
-            from lightning_topk.lightning.telemetry import attach
-
             attach(self, trainer)
-
-
-
-
-
-
-
-
-
-
 
 
 def ddp_super(strategy: Any) -> Any:
@@ -314,8 +300,6 @@ def cli_signature(cls: type) -> type:
     __init__.__qualname__ = f"{cls.__qualname__}.__init__"
     cls.__init__ = __init__  # type: ignore[misc]
     return cls
-
-
 
 
 def _scaler_of(plugin: Any) -> Optional[torch.amp.GradScaler]:
