@@ -38,8 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from lightning_topk.comm.config import RECIPE_CHOICES, TopKConfig
 from lightning_topk.comm.exchanges import registry
-from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig, TopKState
+from lightning_topk.comm.state import TopKState
 
 __all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "recipe_for", "WD_MOMENTUM"]
 

@@ -16,11 +16,13 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.exchanges import Layout, exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
-from lightning_topk.comm.state import StepStats, TopKConfig, TopKState
+from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.telemetry import StepStats
 from lightning_topk.lightning.faults import Heartbeat
 from lightning_topk.lightning.strategy_concerns import (
     BucketsMixin,
@@ -37,7 +39,7 @@ log = logging.getLogger(__name__)
 class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin):
     """Adds the top-k exchange to a DDPStrategy subclass.
 
-    Keywords named like a :class:`~lightning_topk.comm.state.TopKConfig` field are top-k options (documented
+    Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (documented
     there); ``config=TopKConfig(...)`` passes them as one object (keywords then override its fields). Every
     other keyword goes to Lightning's ``DDPStrategy`` and torch's DDP.
 
@@ -331,7 +333,7 @@ class TopKDDPStrategy(TopKStrategyMixin, pl.strategies.DDPStrategy):
     """DDP strategy whose gradient exchange is a top-k sparse allgather with error feedback.
 
     ``TopKDDPStrategy(density=0.001, selector="mstopk", bucket_cap_mb=25, ...)``: the top-k options are the
-    fields of :class:`~lightning_topk.comm.state.TopKConfig` (or ``config=TopKConfig(...)``); every other
+    fields of :class:`~lightning_topk.comm.config.TopKConfig` (or ``config=TopKConfig(...)``); every other
     keyword (e.g. ``find_unused_parameters``, ``static_graph``, ``bucket_cap_mb``, ``gradient_as_bucket_view``,
     ``start_method``, ``timeout``) goes to Lightning's ``DDPStrategy`` and torch's DDP.
     """
