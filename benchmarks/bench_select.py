@@ -29,7 +29,7 @@ import torch
 
 from lightning_topk import topk_select
 from lightning_topk.comm import selection
-from lightning_topk.comm.selection import topk_select_sync_free
+from lightning_topk.comm.sync_free import topk_select_sync_free
 
 
 def once(fn, device):

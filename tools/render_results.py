@@ -127,9 +127,9 @@ def _points(x: float) -> str:
 
 def outer_recipe_table() -> str:
     """Points of test accuracy against DDP per inner optimizer, replica count and outer step (``outer_recipe.py``);
-    in bold the step ``outer_recipe="auto"`` takes for that optimizer (``comm.outer.OUTER_RECIPE_TABLE``)."""
+    in bold the step ``outer_recipe="auto"`` takes for that optimizer (``comm.local.OUTER_RECIPE_TABLE``)."""
     sys.path.insert(0, ROOT)
-    from lightning_topk.comm.outer import OUTER_RECIPE_TABLE
+    from lightning_topk.comm.local import OUTER_RECIPE_TABLE
 
     d = _load("outer_recipe_digits.json")
     cells: Dict[Tuple[str, int], Dict[str, float]] = {}

@@ -1,6 +1,6 @@
 """One decision per step for gradient faults, identical on every rank of the decision group.
 
-The hooks only raise device-side flags (:class:`~lightning_topk.comm.state.FaultFlags`): non-finite values
+The hooks only raise device-side flags (:class:`~lightning_topk.comm.faults.FaultFlags`): non-finite values
 in what a rank put into the exchange, and in each bucket's whole rebuilt result. :meth:`StepController.finish_step`
 gathers them, together with a loss scaler's ``found_inf``, into one tiny tensor, reduces it across ranks
 with **one** all-reduce, reads it to the host (the one host sync per step, outside the hooks) and decides.

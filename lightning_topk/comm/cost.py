@@ -26,7 +26,9 @@ import torch
 import torch.distributed as dist
 
 import lightning_topk.comm.selection as selection
-from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
+from lightning_topk.comm.exchanges import registry
+from lightning_topk.comm.selection import topk_select
+from lightning_topk.comm.sync_free import sync_free_enabled, topk_select_sync_free
 from lightning_topk.comm.wire import sparse_nbytes
 
 log = logging.getLogger(__name__)
@@ -113,8 +115,6 @@ class CostModel:
 
     def predict(self, choice: str, n: int, k: int, value_bytes: int = 4) -> Tuple[float, float]:
         """(compute seconds, link seconds) of one bucket: the registered exchange's own formula."""
-        from lightning_topk.comm.exchanges import registry
-
         if choice not in registry.names():
             raise ValueError(f"cost model: unknown exchange {choice!r}; allowed: {list(registry.names())}")
         comp, comm = registry.get(choice).predict(self, n, k, value_bytes)
@@ -138,8 +138,6 @@ class CostModel:
 
     def wire(self, choice: str, n: int, k: int, value_bytes: int = 4) -> float:
         """Bytes one rank puts on the wire (flat collectives; hierarchical ones: their inter-node part)."""
-        from lightning_topk.comm.exchanges import registry
-
         return registry.get(choice).wire(self, n, k, value_bytes)
 
     def to_dict(self) -> Dict[str, Any]:

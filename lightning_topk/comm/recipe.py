@@ -38,7 +38,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from lightning_topk.comm.state import RECIPE_CHOICES, TopKConfig, TopKState
+from lightning_topk.comm.config import RECIPE_CHOICES, TopKConfig
+from lightning_topk.comm.exchanges import registry
+from lightning_topk.comm.state import TopKState
 
 __all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "recipe_for", "WD_MOMENTUM"]
 
@@ -62,8 +64,6 @@ def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str
         return False, "local_steps > 0 (sparse local SGD): the inner optimizer keeps its momentum"
     if config.density >= 1.0:
         return False, "density 1 sends dense: the optimizer keeps its momentum"
-    from lightning_topk.comm.exchanges import registry
-
     if config.exchange != "auto" and not getattr(registry.get(config.exchange), "momentum_correction", False):
         return False, f"exchange={config.exchange!r} does not support momentum correction"
     if config.hierarchical is True:

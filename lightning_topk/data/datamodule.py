@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 from .cache import STATS, DecodedArena, DiskCache, EncodedArena, GpuCache, new_stats
 from .decode import SampleDecoder
 from .index import expand_shards, shard_infos
-from .stream import LocalSamples, ShardStream, iter_tar
+from .reader import iter_tar
+from .stream import LocalSamples, ShardStream
 from .transforms import BatchAugment, resolve_callable
 
 RAM_LEVELS = ("off", "encoded", "decoded")

@@ -65,6 +65,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from lightning_topk.comm.exchanges import registry
 from lightning_topk.comm.local import AUTO_EXCHANGE_INPUTS, outer_exchange_for, reshard, shard_layout
 from lightning_topk.comm.state import upgrade_sections
 from lightning_topk.files import atomic_torch_save, is_url, isdir, isfile, join, local_path, open_read, remove
@@ -150,8 +151,6 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
 
 def _shared(name: str) -> bool:
     """Whether exchange ``name`` keeps a rank-independent section (saved once, in the main file)."""
-    from lightning_topk.comm.exchanges import registry
-
     try:
         return bool(registry.get(name).shared_state)
     except ValueError:  # an exchange registered in the run that saved, not in this one: keep it per rank

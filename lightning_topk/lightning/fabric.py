@@ -24,7 +24,9 @@ from typing import Any, Callable, Dict, Optional
 import torch
 
 from lightning_topk.comm.controller import Decision
-from lightning_topk.lightning.strategy import TopKStrategyMixin, _drop_grads, _poison_for_scaler, _scaler_of
+from lightning_topk.lightning.checkpoint import META_KEY, restore_rank_state, save_rank_state
+from lightning_topk.lightning.strategy import TopKStrategyMixin, _drop_grads, _poison_for_scaler, _scaler_of, ddp_super
+from lightning_topk.lightning.telemetry import reduced_metrics
 
 FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
 
@@ -85,7 +87,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
 
     def optimizer_step(self, optimizer, **kwargs: Any) -> Any:
         ctl = self.topk_controller
-        fabric_step = super(TopKStrategyMixin, self).optimizer_step
+        fabric_step = ddp_super(self).optimizer_step
         skip = ctl is not None and ctl.finish_step(self._topk_module.named_parameters()) is Decision.SKIP
         if skip:
             if _scaler_of(self.precision) is not None:
@@ -106,8 +108,6 @@ class _FabricTopKMixin(TopKStrategyMixin):
 
     def topk_metrics(self) -> Dict[str, float]:
         """``topk/*`` of the last exchange, reduced over all ranks (a collective: call on every rank)."""
-        from lightning_topk.lightning.telemetry import reduced_metrics
-
         return reduced_metrics(self.topk_stats, self)
 
     def reduce(self, tensor, group=None, reduce_op="mean"):
@@ -115,21 +115,16 @@ class _FabricTopKMixin(TopKStrategyMixin):
 
     def save_checkpoint(self, path, state: Dict[str, Any], storage_options: Optional[Any] = None,
                         filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
-        from lightning_topk.lightning.checkpoint import META_KEY, save_rank_state
-
         # A fabric.save is a resume point; step/epoch keys, when the user keeps them, go into the save key.
         info = {"optimizer_states": True, "epoch": _int(state.get("epoch")),
                 "global_step": _int(state.get("global_step", state.get("step")))}
         save_rank_state(self, info, path)
         if META_KEY in info:
             state = {**state, META_KEY: info[META_KEY]}
-        super(TopKStrategyMixin, self).save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        ddp_super(self).save_checkpoint(path, state, storage_options=storage_options, filter=filter)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None):
-        from lightning_topk.lightning.checkpoint import META_KEY, restore_rank_state
-
-        out = super(TopKStrategyMixin, self).load_checkpoint(path, state=state, strict=strict,
-                                                             weights_only=weights_only)
+        out = ddp_super(self).load_checkpoint(path, state=state, strict=strict, weights_only=weights_only)
         if self._topk_module is None or not isinstance(out, dict):
             return out  # nothing set up yet to restore into (fabric.load before fabric.setup)
         meta = out.pop(META_KEY, None) if state else out.get(META_KEY)

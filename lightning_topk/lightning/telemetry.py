@@ -2,7 +2,7 @@
 
 The strategy adds one :func:`TopKTelemetry <telemetry_callback>` callback to ``trainer.callbacks``. Every
 ``log_every_n_steps`` optimizer steps (the steps on which Lightning writes to its loggers) it reduces this
-step's :class:`~lightning_topk.comm.state.StepStats` over all ranks with one all-reduce of a small tensor,
+step's :class:`~lightning_topk.comm.telemetry.StepStats` over all ranks with one all-reduce of a small tensor,
 issued on every rank at the same step, and logs the result with ``LightningModule.log``. So the metrics
 are in ``trainer.callback_metrics`` on every rank, go to every logger, and ``topk/compression`` and
 ``topk/density`` are on the progress bar.
@@ -24,7 +24,7 @@ from typing import Any, Dict, Tuple
 import torch
 import torch.distributed as dist
 
-from lightning_topk.comm.state import StepStats, bucket_counters
+from lightning_topk.comm.telemetry import StepStats, bucket_counters
 
 PROG_BAR = ("topk/compression", "topk/density")
 

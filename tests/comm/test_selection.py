@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lightning_topk import topk_select
-from lightning_topk.comm.selection import topk_select_sync_free
+from lightning_topk.comm.sync_free import topk_select_sync_free
 from tests.helpers.syncs import count_syncs
 
 
@@ -301,10 +301,10 @@ def test_count_syncs_ignores_sync_free_ops_and_restores_tensor():
 @pytest.fixture
 def sync_free_small(monkeypatch):
     """Run the sync-free algorithms on test-sized tensors (by default they start at 2M entries)."""
-    import lightning_topk.comm.selection as sel
+    import lightning_topk.comm.sync_free as sf
 
-    monkeypatch.setattr(sel, "_SYNC_FREE_MIN_NUMEL", 1)
-    return sel
+    monkeypatch.setattr(sf, "_SYNC_FREE_MIN_NUMEL", 1)
+    return sf
 
 
 def _gradient_like(n, seed, dtype=torch.float32):
@@ -417,7 +417,9 @@ def test_sync_free_kernel_path_through_references(sync_free_small, monkeypatch, 
     x = _gradient_like(300_000, 7)
     x[42] = float("nan")
     want = sync_free_small.topk_select_sync_free(x, 3_000, method)
-    monkeypatch.setattr(sync_free_small, "KERNEL_PATH", "always")
+    import lightning_topk.comm.selection as sel
+
+    monkeypatch.setattr(sel, "KERNEL_PATH", "always")  # the switch of both paths
     with count_syncs() as c:
         got = sync_free_small.topk_select_sync_free(x, 3_000, method)
     assert c.total == 0, c.calls

@@ -31,7 +31,8 @@ from lightning_topk.comm.exchanges import kit
 from lightning_topk.comm.exchanges.base import Exchange
 from lightning_topk.comm.exchanges.dense import dense_hook
 from lightning_topk.comm.exchanges.registry import register
-from lightning_topk.comm.state import TopKState, clock
+from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.telemetry import clock
 from lightning_topk.comm.wire import index_code, pack, ring_allgather_wire, ring_allreduce_wire, sparse_nbytes, unpack
 
 

@@ -24,7 +24,8 @@ from lightning_topk.comm.exchanges.kit import (
     record_sent,
 )
 from lightning_topk.comm.exchanges.registry import register
-from lightning_topk.comm.state import TopKState, clock
+from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.telemetry import clock
 from lightning_topk.comm.wire import ring_allreduce_wire, to_wire
 
 
@@ -98,7 +99,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
 
 def dense_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook for ``exchange="dense"``: every bucket all-reduced in ``value_dtype``, or in fp32 while the
-    density is 1 (density 1 is DDP: see :class:`~lightning_topk.comm.state.TopKConfig`)."""
+    density is 1 (density 1 is DDP: see :class:`~lightning_topk.comm.config.TopKConfig`)."""
     dtype = torch.float32 if state.density_now() >= 1.0 else state.config.wire_dtype
     return dense_hook(state, bucket, dtype)
 

@@ -64,7 +64,8 @@ from lightning_topk.comm.exchanges.scatter import (
     scatter_wire,
     slot_plan,
 )
-from lightning_topk.comm.state import Scale, StepStats, TopKState, clock
+from lightning_topk.comm.state import Scale, TopKState
+from lightning_topk.comm.telemetry import StepStats, clock
 from lightning_topk.comm.wire import (
     index_code,
     pack,

@@ -15,8 +15,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm.selection import sync_free_enabled, topk_select, topk_select_sync_free
-from lightning_topk.comm.state import Scale, StepStats, TopKState, _BucketBuffers, bounds_nonfinite, nonfinite
+from lightning_topk.comm.faults import BucketBuffers, bounds_nonfinite, nonfinite
+from lightning_topk.comm.selection import topk_select
+from lightning_topk.comm.state import Scale, TopKState
+from lightning_topk.comm.sync_free import sync_free_enabled, topk_select_sync_free
+from lightning_topk.comm.telemetry import StepStats
 from lightning_topk.comm.wire import (
     INT32,
     IndexCode,
@@ -25,6 +28,7 @@ from lightning_topk.comm.wire import (
     to_wire,
     unpack,
 )
+from lightning_topk.ops import cuda as cuda_ops
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -125,7 +129,7 @@ class Hold:
                 t[o:o + n].copy_(c)
 
 
-def hold_unused(params: Sequence[Tensor], b: Optional[_BucketBuffers]) -> Optional[Hold]:
+def hold_unused(params: Sequence[Tensor], b: Optional[BucketBuffers]) -> Optional[Hold]:
     """A :class:`Hold` of the residual (and velocity) spans of the bucket's unused parameters; None where there
     is no residual or every parameter has a gradient (the usual step: no tensor work)."""
     if b is None:
@@ -145,7 +149,7 @@ def clip_spans(spans: Sequence[Tuple[int, int]], lo: int, size: int) -> List[Tup
 
 
 def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ...], grad: Tensor,
-                lookahead: bool = True) -> Tuple[Optional[_BucketBuffers], Tensor, Optional[Tensor], Optional[Hold]]:
+                lookahead: bool = True) -> Tuple[Optional[BucketBuffers], Tensor, Optional[Tensor], Optional[Hold]]:
     """A sparse exchange's first steps on a bucket: the debug record of the local gradient, its residual
     buffers (with error feedback), ``acc = residual + grad/scale`` cut to the bucket, and the input check.
     ``lookahead``: a sparse step, so ``momentum_lookahead`` applies (see :func:`accumulate`). The spans of
@@ -178,7 +182,7 @@ def _add_scaled_(dst: Tensor, grad: Tensor, scale: Scale) -> None:
         dst.add_(grad, alpha=1.0 / scale)
 
 
-def accumulate(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor,
+def accumulate(state: TopKState, b: Optional[BucketBuffers], grad: Tensor,
                lookahead: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
     """``residual += grad/scale`` in place (momentum correction: ``velocity = m*velocity + grad/scale``,
     ``residual += velocity``); returns (the residual buffer, whole with any padding; the velocity).
@@ -224,7 +228,7 @@ def _accumulate_into(state: TopKState, res: Tensor, vel: Optional[Tensor], grad:
 _CPU_CHUNK = 1 << 16   # entries per chunk of the CPU accumulate: its residual, velocity and gradient stay in L2
 
 
-def accumulate_checked(state: TopKState, b: Optional[_BucketBuffers], grad: Tensor,
+def accumulate_checked(state: TopKState, b: Optional[BucketBuffers], grad: Tensor,
                        lookahead: bool = False) -> Tuple[Tensor, Optional[Tensor], Tensor]:
     """:func:`accumulate` and the non-finite flag of the accumulator's first ``grad.numel()`` entries
     (:func:`~lightning_topk.comm.state.nonfinite`). On CPU, with error feedback, both run chunk by chunk,
@@ -295,8 +299,6 @@ def rebuild(out: Tensor, values: Tensor, indices: Tensor, zeroed: bool = False) 
     if not zeroed:
         out.zero_()
     if out.is_cuda and indices.dtype == torch.int32:
-        from lightning_topk.ops import cuda as cuda_ops
-
         if cuda_ops.cupy_available():
             cuda_ops.scatter_add_dense(out, values, indices, 1.0)
             return out

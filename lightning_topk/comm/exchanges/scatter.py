@@ -72,7 +72,9 @@ from lightning_topk.comm.exchanges.kit import (
     zeroed_result,
 )
 from lightning_topk.comm.exchanges.registry import register
-from lightning_topk.comm.state import Scale, StepStats, TopKState, clock, owner_undo_key
+from lightning_topk.comm.faults import owner_undo_key
+from lightning_topk.comm.state import Scale, TopKState
+from lightning_topk.comm.telemetry import StepStats, clock
 from lightning_topk.comm.wire import (
     all_to_all_wire,
     pack,

@@ -30,8 +30,10 @@ from torch import Tensor
 from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import _link, flat_group, future_on, open_bucket
 from lightning_topk.comm.exchanges.registry import register
+from lightning_topk.comm.faults import nonfinite
 from lightning_topk.comm.local.round import OuterState
-from lightning_topk.comm.state import TopKState, clock, nonfinite
+from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.telemetry import clock
 from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.local.codec import PacketLayout, compress, decode_into, sum_packets
-from lightning_topk.comm.state import TopKConfig
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm.faults import nonfinite
 from lightning_topk.comm.local.codec import shard_layout
-from lightning_topk.comm.state import nonfinite
 
 
 class ShardView:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from lightning_topk.comm.state import TopKConfig
+from lightning_topk.comm.config import TopKConfig
 
 log = logging.getLogger(__name__)
 

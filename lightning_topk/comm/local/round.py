@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.local.checkpoint import load as load_section
 from lightning_topk.comm.local.checkpoint import save as save_section
 from lightning_topk.comm.local.exchanges import (
@@ -32,7 +33,6 @@ from lightning_topk.comm.local.exchanges import (
 from lightning_topk.comm.local.flat import BufferSet, ShardView, decide, world
 from lightning_topk.comm.local.outer_step import AmplifyGuard, outer_sgd_, outer_step_for
 from lightning_topk.comm.local.streaming import Flight
-from lightning_topk.comm.state import TopKConfig
 from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)
