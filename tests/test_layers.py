@@ -201,3 +201,13 @@ def test_no_class_over_the_size_limit():
                     bad.append(f"{path.relative_to(ROOT)}:{node.lineno} class {node.name}: {n} lines "
                                f"(limit {MAX_CLASS_LINES})")
     assert not bad, "\n".join(bad)
+
+
+def test_every_package_ships_in_a_plain_install():
+    """pyproject's explicit package list names every package under lightning_topk/ (a new subpackage missing there
+    imports in the editable checkout and fails in a plain ``pip install .``)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in PKG.rglob("__init__.py")}
+    assert found - {"lightning_topk.kernels", "lightning_topk.conf"} <= listed, sorted(found - listed)
