@@ -161,11 +161,26 @@ def outer_recipe_table() -> str:
     return "\n".join(rows)
 
 
+def hier_bytes() -> str:
+    """Inter- and intra-node payload bytes per step, flat against hierarchical (``bench_hier_bytes.py``)."""
+    d = _load("hier_bytes.json")
+    rows = ["| exchange | inter-node bytes / rank / step | inter-node bytes / node / step | intra-node bytes / rank "
+            "/ step |", "|---|---:|---:|---:|"]
+    for r in d["rows"]:
+        rows.append(f"| {r['exchange']} | {r['inter_bytes_per_rank'][0]:,} | {r['inter_bytes_per_node']:,} | "
+                    f"{r['intra_bytes_per_rank'][0]:,} |")
+    head = (f"`{d['command']}`, {d['date'][:10]}: {d['nodes']} nodes x {d['local']} processes, density "
+            f"{d['density']:g}, {d['params']:,} parameters (`benchmarks/results/hier_bytes.json`):")
+    tail = f"flat / hierarchical inter-node bytes: {d['flat_over_hierarchical']:.2f}x (expected about L = {d['local']})"
+    return "\n".join([head, "", *rows, "", tail])
+
+
 # name: (the file the block is in, the data it is rendered from, the renderer)
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
     "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
     "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
+    "hier-bytes": ("BENCHMARKS.md", "benchmarks/results/hier_bytes.json", hier_bytes),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
 }
 
