@@ -175,12 +175,57 @@ def hier_bytes() -> str:
     return "\n".join([head, "", *rows, "", tail])
 
 
+def _preset_label(r: Dict[str, Any]) -> str:
+    return f"{r['preset']} ({r['outer_density']:g}, {r['outer_value_bits']}-bit)"
+
+
+def outer_exchange_bytes() -> str:
+    """Bytes one replica sends per outer round, all-gather / scale-free, and auto's pick (``outer_packet_bytes.py``,
+    pure arithmetic)."""
+    d = _load("outer_packet_bytes.json")
+    bits = {(r["preset"], r["params"]): r for r in d["rows"] if r["table"] == "packet"}
+    cells: Dict[Tuple[str, int], Dict[int, Dict[str, Any]]] = {}
+    for r in d["rows"]:
+        if r["table"] == "outer_exchange":
+            cells.setdefault((r["preset"], r["params"]), {})[r["replicas"]] = r
+    replicas = sorted({rr for c in cells.values() for rr in c})
+    rows = ["| preset | params | packet | unit | " + " | ".join(f"R = {r}" for r in replicas) + " |",
+            "|---|---|---|---|" + "---|" * len(replicas)]
+    for (preset, n), c in cells.items():
+        nbytes = next(iter(c.values()))["packet_bytes"]
+        unit, label = (1e6, "MB") if nbytes >= 1e5 else (1e3, "kB")
+        row = []
+        for rep in replicas:
+            e = c[rep]
+            ag, sc = e["allgather_bytes"], e["scatter_bytes"]
+            row.append(f"{ag / unit:.2f} / {sc / unit:.2f} ({sc / ag:.2f}×, auto "
+                       f"{'sc' if e['auto'] == 'scatter' else 'ag'})")
+        rows.append(f"| {_preset_label(bits[(preset, n)])} | {n:,} | {nbytes / unit:.2f} | {label} | "
+                    + " | ".join(row) + " |")
+    return (f"`{d['command']}`, {d['date'][:10]} (`benchmarks/results/outer_packet_bytes.json`):\n\n"
+            + "\n".join(rows))
+
+
+def outer_bytes_per_param() -> str:
+    """Bytes per parameter of one outer packet per density and value width (``outer_packet_bytes.py``)."""
+    d = _load("outer_packet_bytes.json")
+    grid = [r for r in d["rows"] if r["table"] == "bytes_per_param"]
+    bits = list(grid[0]["bytes_per_param"])
+    rows = ["| outer_density | " + " | ".join(f"{b}-bit" for b in bits) + " |", "|---|" + "---|" * len(bits)]
+    for r in grid:
+        rows.append(f"| {r['outer_density']:g} | " + " | ".join(f"{r['bytes_per_param'][b]:.3f}" for b in bits) + " |")
+    return "\n".join(rows)
+
+
 # name: (the file the block is in, the data it is rendered from, the renderer)
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
     "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
     "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
     "hier-bytes": ("BENCHMARKS.md", "benchmarks/results/hier_bytes.json", hier_bytes),
+    "outer-exchange-bytes": ("BENCHMARKS.md", "benchmarks/results/outer_packet_bytes.json", outer_exchange_bytes),
+    "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
+                              outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
 }
 
