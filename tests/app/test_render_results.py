@@ -66,6 +66,15 @@ def test_plots_record_their_data_and_a_stale_plot_fails(tmp_path, monkeypatch):
     assert tool.main(["--check"]) == 1
 
 
+def test_plots_are_drawn_the_same_twice_without_a_date(tmp_path, monkeypatch):
+    tool = _tool()
+    monkeypatch.setattr(tool, "PLOTS_DIR", str(tmp_path))
+    first = open(tool.draw_plot("loss_curves"), "rb").read()
+    again = open(tool.draw_plot("loss_curves"), "rb").read()
+    assert first[:8] == b"\x89PNG\r\n\x1a\n" and first == again
+    assert b"Software" not in first and b"Creation" not in first
+
+
 def test_plot_data_is_what_the_results_hold():
     tool = _tool()
     t = tool.time_to_accuracy_data()
