@@ -8,8 +8,8 @@ block (from ``docs/main_job.json``) and the plots of ``docs/plots/`` (from ``ben
 Each table block sits between ``<!-- results:NAME:begin (...) -->`` and ``<!-- results:NAME:end -->`` and is
 rendered from the JSON file(s) named in :data:`BLOCKS`. The README's block is tools/main_job_figures.py's
 rendering of docs/main_job.json (that tool runs the job and records it; this one only renders). Each plot of
-:data:`PLOTS` is drawn from the data its function returns; ``docs/plots.json`` records a hash of that data per
-plot, and ``--check`` compares those hashes with the current data (a PNG's bytes depend on the matplotlib
+:data:`PLOTS` is drawn from the data its function returns; ``docs/plots.json`` records a hash of that data (and
+of the code that draws it) per plot, and ``--check`` compares those hashes with the current data (a PNG's bytes depend on the matplotlib
 version, its data does not), so a plot left behind by newer results fails the check.
 ``tests/app/test_render_results.py`` runs the check. The prose around the blocks (what was run, why, what it
 means) stays hand-written.
@@ -269,26 +269,41 @@ def _runs_mean(runs: List[Dict[str, Any]], x: str, y: str) -> List[List[float]]:
              / len(runs), 6)] for i in range(n)]
 
 
-def time_to_accuracy_data() -> Dict[str, Any]:
-    """Test accuracy against training time per strategy, layout and link rate (``cluster_compare.py`` at the
-    defaults), with the target."""
-    data = _load("cluster_defaults_2026-11-27.json")
+def _accuracy_over_time(name: str) -> Dict[str, Any]:
+    """Test accuracy against training time per entry of a ``cluster_compare.py`` result, per layout and rate, with
+    the target (entries that failed have no evaluations and are left out)."""
+    data = _load(name)
     panels: Dict[str, Dict[str, List[List[float]]]] = {}
-    target = None
+    targets = set()
     for key in sorted(data):
-        for name in sorted(data[key]):
-            e = data[key][name]
-            target = e.get("target_acc", target)
-            panels.setdefault(key, {})[name] = [[round(v["time"], 4), v["acc"]] for v in e.get("evals") or []]
-    return {"source": "benchmarks/results/cluster_defaults_2026-11-27.json", "target": target, "panels": panels}
+        for entry in sorted(data[key]):
+            e = data[key][entry]
+            if e.get("target_acc") is not None:
+                targets.add(e["target_acc"])
+            if e.get("evals"):
+                panels.setdefault(key, {})[entry] = [[round(v["time"], 4), v["acc"]] for v in e["evals"]]
+    if len(targets) > 1:
+        raise SystemExit(f"render_results: {name} has several targets {sorted(targets)}")
+    return {"source": f"benchmarks/results/{name}", "target": targets.pop() if targets else None, "panels": panels}
+
+
+def time_to_accuracy_data() -> Dict[str, Any]:
+    """``cluster_compare.py`` at the defaults: 4x1 and 2x2 at 1 Gbit/s and 100 Mbit/s."""
+    return _accuracy_over_time("cluster_defaults_2026-11-27.json")
+
+
+def time_to_accuracy_local_data() -> Dict[str, Any]:
+    """``cluster_compare.py`` with the local-SGD entries: 4x1 at 100 and 10 Mbit/s."""
+    return _accuracy_over_time("cluster_local_compare.json")
 
 
 def draw_time_to_accuracy(d: Dict[str, Any], ax_grid: Any) -> None:
-    keys = sorted(d["panels"], key=lambda k: (k.split()[1] != "1gbit", k.split()[0]))
+    rate = {"1gbit": 0, "100mbit": 1, "10mbit": 2}
+    keys = sorted(d["panels"], key=lambda k: (rate.get(k.split()[1], 3), k.split()[0]))
+    names = sorted({n for p in d["panels"].values() for n in p})  # one colour per entry in every panel
     for ax, key in zip(ax_grid.flat, keys):
         for name, pts in sorted(d["panels"][key].items()):
-            if pts:
-                ax.plot(*zip(*pts), marker="o", ms=3, label=name)
+            ax.plot(*zip(*pts), marker="o", ms=3, label=name, color=f"C{names.index(name) % 10}")
         if d["target"] is not None:
             ax.axhline(d["target"], color="grey", ls="--", lw=0.8, label=f"target {d['target']:g}")
         ax.set_title(key)
@@ -348,6 +363,7 @@ def draw_loss_curves(d: Dict[str, Any], ax_grid: Any) -> None:
 PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], Any], None], Tuple[int, int],
                        Tuple[float, float]]] = {
     "time_to_accuracy": (time_to_accuracy_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
+    "time_to_accuracy_local": (time_to_accuracy_local_data, draw_time_to_accuracy, (1, 2), (11.0, 4.5)),
     "bytes_per_step": (bytes_per_step_data, draw_bytes_per_step, (1, 2), (12.0, 5.0)),
     "loss_curves": (loss_curves_data, draw_loss_curves, (1, 1), (7.0, 5.0)),
 }

@@ -53,7 +53,8 @@ def test_one_command_renders_the_readme_block_with_main_job_figures(tmp_path, mo
 def test_plots_record_their_data_and_a_stale_plot_fails(tmp_path, monkeypatch):
     tool = _tool()
     recorded = json.loads((ROOT / "docs" / "plots.json").read_text())
-    assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "bytes_per_step", "loss_curves"}
+    assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "time_to_accuracy_local", "bytes_per_step",
+                                                 "loss_curves"}
     for name, rec in recorded.items():
         assert (ROOT / rec["png"]).is_file() and rec["sha256"] == tool.plot_hash(name)
         assert f"docs/plots/{name}.png" in (ROOT / "BENCHMARKS.md").read_text()
@@ -80,6 +81,9 @@ def test_plot_data_is_what_the_results_hold():
     t = tool.time_to_accuracy_data()
     assert t["target"] == 0.8 and set(t["panels"]) == {"4x1 1gbit", "2x2 1gbit", "4x1 100mbit", "2x2 100mbit"}
     assert t["panels"]["4x1 1gbit"]["topk_0.01"][-1] == [7.6567, 0.803]  # reached 0.8 at the recorded 7.66 s
+    local = tool.time_to_accuracy_local_data()["panels"]
+    assert "topk_local_stream" not in local["4x1 10mbit"] and "ddp_fp16" not in local["4x1 10mbit"]  # no evals
+    assert "topk_local" in local["4x1 10mbit"] and "ddp_fp16" in local["4x1 100mbit"]
     b = tool.bytes_per_step_data()["models"]["ResNet-50"]
     assert b["hierarchical"][0][0] == 2 and b["all-gather"][-1][0] == 128  # 2 to 128 nodes of 8 ranks
     assert set(tool.loss_curves_data()["curves"]) == {"ddp", "topk_local (transformer_lm_bytes preset)",
