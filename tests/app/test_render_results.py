@@ -48,7 +48,7 @@ def test_one_command_renders_the_readme_block_with_main_job_figures(tmp_path, mo
     monkeypatch.setattr(tool, "README", str(edited))
     assert tool.main(["--check"]) == 1
     monkeypatch.setattr(tool, "files", lambda: ["README.md"])  # write nothing but the copy
-    monkeypatch.setattr(tool, "stale_plots", lambda: [])
+    monkeypatch.setattr(tool, "stale_plots", list)
     assert tool.main([]) == 0 and edited.read_text() == readme  # the one command puts it back
 
 
