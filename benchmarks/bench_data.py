@@ -19,6 +19,9 @@ import torch
 
 from lightning_topk.data import WebDataModule, array_samples, load_arrays, write_shards
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_results
+
 MEAN, STD = [0.13] * 3, [0.31] * 3
 
 
@@ -73,6 +76,7 @@ def main(argv=None):
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "data.md"))
+    p.add_argument("--json", default="data", help="results name under benchmarks/results/ ('': none)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     pattern = make_shards(a.root)
@@ -119,6 +123,10 @@ def main(argv=None):
         f.write(text)
     os.replace(tmp, a.out)
     print(text)
+    if a.json:
+        records = [{"pipeline": name, "samples_per_s": rates, "cache_stats": stats} for name, rates, stats in rows]
+        print(write_results(a.json, records, sys.argv if argv is None else [sys.argv[0], *argv], samples=n,
+                            epochs=a.epochs, workers=a.workers, batch=a.batch, seconds=elapsed, load_after=load))
     return 0
 
 

@@ -12,7 +12,8 @@ ranks of (peak - peak of plain ``ddp`` at that size) / parameters. Configs:
   topk_sync_free  the same with LIGHTNING_TOPK_SYNC_FREE=1 (the GPU path's selection, on CPU)
   topk_skip       nonfinite="skip": the undo copies of the residuals are kept (see README, "Memory")
 
-Run it with another lightning_topk first on PYTHONPATH to measure an older version side by side.
+Run it with another lightning_topk first on PYTHONPATH to measure an older version side by side. The rows go to
+``benchmarks/results/<--json>.json`` with the date, host and command (``--json ''``: not written).
 """
 import argparse
 import os
@@ -28,6 +29,9 @@ sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")) 
 import lightning_topk
 from lightning_topk import TopKConfig, TopKState, topk_allgather_hook
 from tests.helpers.dist import run_distributed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_results
 
 STEPS = 4
 
@@ -63,6 +67,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--params", type=float, nargs="+", default=[25e6, 100e6])
     ap.add_argument("--configs", default="ddp,topk,topk_sync_free,topk_skip")
+    ap.add_argument("--json", default="memory", help="results name under benchmarks/results/ ('': none)")
     a = ap.parse_args()
     configs = a.configs.split(",")
     if configs[0] != "ddp":
@@ -71,6 +76,8 @@ def main():
     print(f"# load average before: {os.getloadavg()}\n")
     print("| params | config | peak RSS / rank (MB) | above ddp (B/param) | step (s) |")
     print("|---:|---|---:|---:|---:|")
+    records = []
+    load_before = os.getloadavg()[0]
     for size in a.params:
         base = None
         for config in configs:
@@ -80,7 +87,12 @@ def main():
             base = peak if config == "ddp" else base
             print(f"| {n / 1e6:.0f}M | {config} | {peak / 2**20:,.0f} | {(peak - base) / n:.1f} | {step_s:.2f} |",
                   flush=True)
+            records.append({"params": n, "config": config, "peak_rss_bytes_per_rank": peak,
+                            "above_ddp_bytes_per_param": (peak - base) / n, "step_s": step_s})
     print(f"\n# load average after: {os.getloadavg()}")
+    if a.json:
+        print(write_results(a.json, records, sys.argv, ranks=2, library=lightning_topk.__file__,
+                            load_before=load_before, load_after=os.getloadavg()[0]))
 
 
 if __name__ == "__main__":

@@ -13,12 +13,16 @@ import argparse
 import datetime
 import os
 import platform
+import sys
 import time
 
 import torch
 
 from lightning_topk.optim import LAMB, LARS, build_optimizer
 from lightning_topk.optim.reference import LoopLamb, LoopLars
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_results
 
 
 def resnet50_shapes():
@@ -97,6 +101,7 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     ap.add_argument("--only", default=None, help="comma-separated families: lars,lars16,lamb,sgd,adamw")
     ap.add_argument("--out", default=None, help="write a markdown table here (atomically)")
+    ap.add_argument("--json", default="optim", help="results name under benchmarks/results/ ('': none)")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.threads < 1:
         ap.error("--repeats and --threads must be >= 1")
@@ -117,6 +122,12 @@ def main(argv=None):
     for label, (fam, t) in results.items():
         ratio = baseline.get(fam, float("nan")) / t
         rows.append(f"| {label} | {t * 1e3:.1f} | {ratio:.2f}x |")
+    if args.json:
+        records = [{"optimizer": label, "family": fam, "step_s": t,
+                    "speedup_vs_loop": None if fam not in baseline else baseline[fam] / t}
+                   for label, (fam, t) in results.items()]
+        print(write_results(args.json, records, sys.argv if argv is None else [sys.argv[0], *argv],
+                            threads=args.threads, repeats=args.repeats, tensors=len(shapes), values=n))
     if args.out:
         text = "\n".join([
             "# Optimizer step benchmark (benchmarks/bench_optim.py)",

@@ -17,12 +17,16 @@ x.abs(), torch.topk, ``topk_select(x, k, "exact")`` and the same with a Threshol
 take turns on the same x; the table gives the median over steps after one warm-up step (the hint's first
 call has nothing to reuse), the ratios to torch.topk, and the hint's hit rate (steps that took the one
 pass). The two exact columns are checked to return the same indices.
+
+Both tables' rows go to ``benchmarks/results/<--json>.json`` with the date, host and command (``--json ''``: not
+written).
 """
 import argparse
 import datetime
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -30,6 +34,9 @@ import torch
 from lightning_topk import topk_select
 from lightning_topk.comm import selection
 from lightning_topk.comm.sync_free import topk_select_sync_free
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_results
 
 
 def once(fn, device):
@@ -75,6 +82,7 @@ def reuse_table(n, densities, steps, device):
     print(f"\n## Threshold reuse, x <- 0.9 x + noise, {steps} timed steps after one warm-up step\n")
     print("| n | density | k | x.abs() ms | torch.topk ms | exact ms | x | exact + hint ms | x | hint / exact | hint hits |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    records = []
     for rho in densities:
         g = torch.Generator().manual_seed(1)
         scale = torch.exp(torch.randn(n, generator=g)).to(device)
@@ -103,6 +111,9 @@ def reuse_table(n, densities, steps, device):
         hits, misses = hint.hits - hits0, hint.misses - misses0
         print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_abs:.1f} | {1e3 * t_ref:.1f} | {1e3 * t_ex:.1f} | {t_ref / t_ex:.1f}x "
               f"| {1e3 * t_hint:.1f} | {t_ref / t_hint:.1f}x | {t_hint / t_ex:.2f} | {hits}/{hits + misses} |", flush=True)
+        records.append({"table": "reuse", "n": n, "density": rho, "k": k, "abs_s": t_abs, "torch_topk_s": t_ref,
+                        "exact_s": t_ex, "exact_hint_s": t_hint, "hint_hits": hits, "hint_steps": hits + misses})
+    return records
 
 
 def main():
@@ -115,6 +126,7 @@ def main():
                     help="topk_select's CPU threads (selection.CPU_THREADS; 0: torch's setting)")
     ap.add_argument("--reuse-steps", type=int, default=8,
                     help="timed steps of the threshold-reuse table on the largest size (0: skip it)")
+    ap.add_argument("--json", default="select", help="results name under benchmarks/results/ ('': none)")
     a = ap.parse_args()
     if a.select_threads is not None:
         selection.CPU_THREADS = a.select_threads or None
@@ -125,6 +137,8 @@ def main():
     head = " | ".join(f"{label} ms | x" for label, _ in CASES)
     print(f"| n | density | k | x.abs() ms | torch.topk ms | {head} | topk_select mstopk L2 | sync-free mstopk L2 |")
     print("|---:|---:|---:|---:|---:|" + "---:|---:|" * len(CASES) + "---:|---:|")
+    records = []
+    load_before = os.getloadavg()[0]
     for n in a.sizes:
         g = torch.Generator().manual_seed(0)
         x = (torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g))).to(device)
@@ -136,18 +150,26 @@ def main():
             t_copy, times, outs = times[0], times[1:], outs[1:]
             t_ref, ref_v = times[0], outs[0][0]
             cells, masses = [], []
+            record = {"table": "select", "n": n, "density": rho, "k": k, "abs_s": t_copy, "torch_topk_s": t_ref}
             for (label, _), t, (v, i) in zip(CASES, times[1:], outs[1:]):
                 assert i.numel() == k, label
                 cells.append(f"{1e3 * t:.1f} | {t_ref / t:.1f}x")
+                record[f"{label} s"] = t
                 if "mstopk" in label:
                     masses.append(f"{100 * mass(v, ref_v):.3f}%")
+                    record[f"{label} l2_share"] = mass(v, ref_v)
+            records.append(record)
             print(f"| {n:,} | {rho} | {k:,} | {1e3 * t_copy:.1f} | {1e3 * t_ref:.1f} | {' | '.join(cells)} | {' | '.join(masses)} |",
                   flush=True)
         del x
     if a.reuse_steps > 0:
-        reuse_table(max(a.sizes), a.densities, a.reuse_steps, device)
+        records += reuse_table(max(a.sizes), a.densities, a.reuse_steps, device)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}; topk_select CPU threads: "
           f"{selection.CPU_THREADS or torch.get_num_threads()}")
+    if a.json:
+        print(write_results(a.json, records, sys.argv, device=where, repeats=a.repeats,
+                            select_threads=selection.CPU_THREADS or torch.get_num_threads(),
+                            load_before=load_before, load_after=os.getloadavg()[0]))
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster
+from _results import provenance
 
 ENTRIES: Dict[str, List[str]] = {
     "ddp": ["--strategy", "ddp"],
@@ -108,6 +109,7 @@ def run_entry(a: argparse.Namespace, common: List[str], name: str, nodes: int, p
     s["entry"], s["rate"] = name, rate if s.get("mode", "netns") == "netns" else "loopback"
     s["nodes"], s["procs_per_node"] = nodes, ppn
     s["loadavg_1min_after"] = os.getloadavg()[0]
+    s.update(provenance(sys.argv))  # date (when this entry ended), host, command
     print(f"[compare] {nodes}x{ppn} {rate:>8} {name:<20} {fmt(s.get('samples_per_s'), '.1f'):>7} samples/s  "
           f"inter-node {fmt(mb(s.get('inter_node_bytes_per_step')), '.2f')} MB/step  "
           f"tta {fmt(s.get('time_to_target_s'), '.1f')} s  ({time.perf_counter() - t0:.0f} s)"

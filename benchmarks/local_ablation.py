@@ -6,7 +6,8 @@ AdamW 3e-3, batch 120 per rank, the same samples for every entry; plain DDP besi
 
 Each entry runs tests/scripts/local_train.py; accuracy is rank 0's on the held-out 20% after the last outer
 round (epochs x 6 steps is a multiple of every H here). Wire bytes are the outer packet one rank sends per
-round times (replicas - 1), per parameter and per inner step.
+round times (replicas - 1), per parameter and per inner step. The rows also go to OUT's name with .json
+(``local_ablation.json`` by default), with the date, host and command.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_results
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NPARAMS = 64 * 128 + 128 + 128 * 10 + 10
@@ -81,6 +85,12 @@ def main() -> None:
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out, "w") as f:
         f.write("\n".join(lines) + "\n")
+    records = [{"entry": name, "test_acc": acc, "steps": steps, "outer_rounds": rounds,
+                "outer_bytes_per_param_per_round": bpp, "outer_bytes_per_param_per_step": bps, "seconds": secs}
+               for name, acc, steps, rounds, bpp, bps, secs in rows]
+    name = os.path.splitext(os.path.basename(a.out))[0]
+    print(write_results(name, records, sys.argv, directory=os.path.dirname(a.out), header=lines[0],
+                        entries={n: ENTRIES[n] for n in names}, opt=a.opt, lr=a.lr, epochs=a.epochs))
     print("\n".join(lines))
 
 

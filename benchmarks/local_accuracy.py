@@ -15,7 +15,8 @@ Tasks (benchmarks/local_accuracy_worker.py runs each entry):
 `--variant` adds entries with Hydra overrides (diagnostics; the registered defaults stay the `topk_local` row).
 Strategies are the Hydra groups: ddp, topk_local (the registered defaults: H 16, outer density 0.1, 4-bit,
 outer lr 0.7, Nesterov 0.9), topk_ddp (per-step top-k, density 0.01). Evaluations every 32 steps (outer-round
-ends). Writes OUT.json (every entry's rows), OUT.md (the table) and the LM's loss-vs-time/tokens plot.
+ends). Writes OUT.json (every entry's rows, with the date, host and command), OUT.md (the table) and the LM's
+loss-vs-time/tokens plot.
 Training seconds exclude evaluations; on one shared machine they compare compute, not a slow link.
 """
 from __future__ import annotations
@@ -30,6 +31,9 @@ import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 METRIC = {"digits": "val/acc", "mnist5k": "val/acc", "lm": "val/loss"}
@@ -130,7 +134,7 @@ def main() -> None:
                          f"| {per_seed} | {vs} | {secs:.1f} |")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as f:
-        json.dump({"header": head, "results": results}, f, indent=1)
+        json.dump({**provenance(sys.argv), "header": head, "results": results}, f, indent=1)
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     if "lm" in results and a.plot:

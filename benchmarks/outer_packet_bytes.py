@@ -15,6 +15,9 @@ against the scale-free exchange's R - 1 segments in its all-to-all plus R - 1 ow
 
 ``--time N``: also times one packet's ``compress`` and ``decode_into`` at ``topk_local``'s settings for N
 parameters, int16 positions against the bitmap, alternating, median of ``--repeats`` (``--threads`` torch threads).
+
+The arithmetic's rows go to ``benchmarks/results/<--json>.json`` with the date, host and command (``--json ''``:
+not written; the timing stays printed only).
 """
 import argparse
 import os
@@ -38,6 +41,9 @@ from lightning_topk.comm.local import (
 from lightning_topk.comm.state import TopKConfig
 from lightning_topk.lightning.registry import PRESETS
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import write_results
+
 
 def layout(n: int, density: float, bits: int, chunk: int, indices: str) -> PacketLayout:
     c = chunk_size(n, chunk)
@@ -55,7 +61,9 @@ def main() -> None:
     ap.add_argument("--time", type=int, default=0, help="parameters for the encode/decode timing (0: none)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default="outer_packet_bytes", help="results name under benchmarks/results/ ('': none)")
     a = ap.parse_args()
+    records: list = []
     print("| preset | params | positions before -> now | packet before | packet now | now / before | "
           + " | ".join(f"per round, R={r} (before -> now)" for r in a.replicas) + " | per param per inner step, "
           f"R={a.replicas[-1]} (before -> now) |")
@@ -69,23 +77,33 @@ def main() -> None:
             per_step = f"{(R - 1) * old.nbytes / n / H:.4f} -> {(R - 1) * new.nbytes / n / H:.4f}"
             print(f"| {name} ({d:g}, {b}-bit, H {H}) | {n:,} | {old.index_code} -> {new.index_code} | "
                   f"{old.nbytes:,} | {new.nbytes:,} | {new.nbytes / old.nbytes:.3f} | {rounds} | {per_step} |")
+            records.append({"table": "packet", "preset": name, "outer_density": d, "outer_value_bits": b,
+                            "local_steps": H, "params": n, "positions_before": old.index_code,
+                            "positions_now": new.index_code, "packet_bytes_before": old.nbytes,
+                            "packet_bytes_now": new.nbytes,
+                            "round_bytes_now": {str(r): (r - 1) * new.nbytes for r in a.replicas}})
     print()
     bits = (32, 16, 8, 4, 2)
     print("| outer_density | " + " | ".join(f"{b}-bit" for b in bits) + " |")
     print("|---|" + "---|" * len(bits))
     for d in (1.0, 0.1, 0.03, 0.01):
         print(f"| {d:g} | " + " | ".join(f"{wire_bytes_per_param(d, b):.3f}" for b in bits) + " |")
-    exchanges(a.params, a.exchange_replicas)
+        records.append({"table": "bytes_per_param", "outer_density": d,
+                        "bytes_per_param": {str(b): wire_bytes_per_param(d, b) for b in bits}})
+    records += exchanges(a.params, a.exchange_replicas)
+    if a.json:
+        print(write_results(a.json, records, sys.argv))
     if a.time:
         timing(a.time, a.repeats, a.threads)
 
 
-def exchanges(params, replicas) -> None:
+def exchanges(params, replicas) -> list:
     """Bytes per replica per outer round: all-gather / scale-free (ratio), and auto's choice."""
     print("\nBytes one replica sends per outer round: all-gather / scale-free (ratio), auto's pick; one process per "
           "node, the module buffers' all-reduce aside (it receives as many)\n")
     print("| preset | params | packet | unit | " + " | ".join(f"R = {r}" for r in replicas) + " |")
     print("|---|---|---|---|" + "---|" * len(replicas))
+    records = []
     for name, p in PRESETS.items():
         cfg = TopKConfig(**p)
         d, b, ch = p["outer_density"], p["outer_value_bits"], p["outer_chunk"]
@@ -97,7 +115,11 @@ def exchanges(params, replicas) -> None:
                 ag, sc = round_bytes_out(lay, r, "allgather"), round_bytes_out(lay, r, "scatter")
                 pick = "sc" if outer_exchange_for(cfg, r, lay) == "scatter" else "ag"
                 cells.append(f"{ag / unit:.2f} / {sc / unit:.2f} ({sc / ag:.2f}×, auto {pick})")
+                records.append({"table": "outer_exchange", "preset": name, "params": n, "replicas": r,
+                                "packet_bytes": lay.nbytes, "allgather_bytes": ag, "scatter_bytes": sc,
+                                "auto": "scatter" if pick == "sc" else "allgather"})
             print(f"| {name} ({d:g}, {b}-bit) | {n:,} | {lay.nbytes / unit:.2f} | {label} | " + " | ".join(cells) + " |")
+    return records
 
 
 def timing(n: int, repeats: int, threads: int) -> None:

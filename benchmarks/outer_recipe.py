@@ -35,6 +35,9 @@ sys.path.insert(0, ROOT)
 from lightning_topk.comm.local import PacketLayout, chunk_k, chunk_size, compress, outer_sgd_, sum_packets
 from lightning_topk.optim import LARS, param_groups
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _results import provenance
+
 OUTERS = {  # label -> (outer_lr, outer_momentum, outer_nesterov)
     "avg (1, 0)": (1.0, 0.0, False),
     "DiLoCo (0.7, 0.9 N)": (0.7, 0.9, True),
@@ -203,7 +206,7 @@ def lightning(out: str, epochs: int) -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     with open(out + ".json", "w") as f:
-        json.dump({"header": f"digits small CNN, SGD 0.05 momentum 0.9, batch 32, {epochs} epochs, local_steps=4 "
+        json.dump({**provenance(sys.argv), "header": f"digits small CNN, SGD 0.05 momentum 0.9, batch 32, {epochs} epochs, local_steps=4 "
                              f"and defaults; {time.strftime('%Y-%m-%d')}, torch {torch.__version__}", "rows": rows},
                   f, indent=1)
 
@@ -241,7 +244,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps({k: v for k, v in row.items() if k != "ratios_seed0"}), flush=True)
     with open(out + ".json", "w") as f:
-        json.dump({"header": f"{a.task}, seeds {seeds}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+        json.dump({**provenance(sys.argv), "header": f"{a.task}, seeds {seeds}, {time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
                              "density 0.1, 4-bit, chunk 4096, error feedback 1.0", "rows": rows}, f, indent=1)
     lines = ["| inner optimizer | R | H | outer (lr, momentum) | test acc | vs ddp | max ratio | final norm |",
              "|---|---|---|---|---|---|---|---|"]

@@ -1,6 +1,8 @@
 """Scale simulator: the exchanges' alpha-beta cost model (lightning_topk.comm.cost) from 2 to 1024 ranks.
 
-    python benchmarks/scale_sim.py             # table -> benchmarks/results/scale_sim.md, plot -> docs/scale_sim.png
+    python benchmarks/scale_sim.py             # table -> benchmarks/results/scale_sim.md, plot -> docs/scale_sim.png,
+                                               # data -> benchmarks/results/scale_sim.json
+    python benchmarks/scale_sim.py --json-only # only the data (tools/render_results.py plots it)
     python benchmarks/scale_sim.py --validate  # the model against the namespace cluster, 2 and 4 nodes x 1 process
 
 Simulation: 8 ranks per node (fewer ranks: one node), inter-node links of 10, 25 and 100 Gbit/s per
@@ -31,6 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+
+from _results import write_results
 
 from lightning_topk.comm.cost import CostModel, Link
 from lightning_topk.comm.exchanges.scatter import scatter_wire, slot_plan
@@ -204,6 +208,23 @@ def simulate() -> Dict[str, dict]:
             rows.append(row)
         out[name] = {"params": n_total, "buckets": len(bks), "powersgd_bytes": psgd_total, "rows": rows}
     return out
+
+
+def _finite(x: object) -> object:
+    """``x`` with NaN (a method that does not apply to the layout) as None, and dict keys as strings: JSON."""
+    if isinstance(x, dict):
+        return {str(k): _finite(v) for k, v in x.items()}
+    if isinstance(x, float) and x != x:
+        return None
+    return x
+
+
+def write_json(sim: Dict[str, dict], argv: List[str]) -> str:
+    """benchmarks/results/scale_sim.json: one row per model and rank count, with the constants assumed."""
+    rows = [{"model": name, **_finite(r)} for name, s in sim.items() for r in s["rows"]]  # type: ignore[dict-item]
+    models = {name: {k: v for k, v in s.items() if k != "rows"} for name, s in sim.items()}
+    return write_results("scale_sim", rows, argv, kind="cost model arithmetic, not a measurement", models=models,
+                         assumed=ASSUMED, ranks_per_node=PER_NODE, density=DENSITY, rates_gbit=list(RATES_GBIT))
 
 
 def _mb(x: float) -> str:
@@ -386,8 +407,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--run-dir", default="/tmp/ltk_scale_sim", help="validation logs and JSON")
     p.add_argument("--md", default=os.path.join(HERE, "results", "scale_sim.md"))
     p.add_argument("--png", default=os.path.join(ROOT, "docs", "scale_sim.png"))
+    p.add_argument("--json-only", action="store_true", help="only write benchmarks/results/scale_sim.json")
     a = p.parse_args(argv)
     sim = simulate()
+    print(f"[scale_sim] wrote {write_json(sim, sys.argv if argv is None else [sys.argv[0], *argv])}")
+    if a.json_only:
+        return 0
     text = render(sim)
     if a.validate or a.validate_from:
         os.makedirs(a.run_dir, exist_ok=True)

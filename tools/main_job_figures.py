@@ -7,6 +7,8 @@ into the README, so the README's figures for it are never copied by hand.
 Writes ``docs/main_job.json`` (the run's summary.json, the machine, the date and the wall time) and replaces the
 block between the ``main-job`` markers of README.md with the summary table rendered from it, as the job prints
 it. ``tests/app/test_main_job_figures.py`` checks that the README block is exactly that rendering.
+``tools/render_results.py`` renders the same block with :func:`block`, with every other recorded figure (one
+command re-renders them all, and its ``--check`` covers this block too); this tool is the one that runs the job.
 """
 from __future__ import annotations
 

@@ -1,18 +1,25 @@
-"""Render BENCHMARKS.md's result tables from the raw results in ``benchmarks/results/``, so no figure in them is
-copied by hand.
+"""Render every figure the documentation shows from the recorded results, so none of them is copied by hand:
+BENCHMARKS.md's and docs/local_sgd.md's result tables (from ``benchmarks/results/``), the README's default-job
+block (from ``docs/main_job.json``) and the plots of ``docs/plots/`` (from ``benchmarks/results/``).
 
-    .venv/bin/python tools/render_results.py            # rewrite every block (BENCHMARKS.md, docs/local_sgd.md)
-    .venv/bin/python tools/render_results.py --check    # exit 1 if a block differs from what its data renders
+    .venv/bin/python tools/render_results.py            # rewrite every block and plot
+    .venv/bin/python tools/render_results.py --check    # exit 1 if a block or plot differs from what its data renders
 
-Each block sits between ``<!-- results:NAME:begin (...) -->`` and ``<!-- results:NAME:end -->`` and is rendered
-from the JSON file(s) named in :data:`BLOCKS`. ``tests/app/test_render_results.py`` runs the check. The prose
-around the blocks (what was run, why, what it means) stays hand-written; tools/main_job_figures.py does the same
-for the README's default-job figures.
+Each table block sits between ``<!-- results:NAME:begin (...) -->`` and ``<!-- results:NAME:end -->`` and is
+rendered from the JSON file(s) named in :data:`BLOCKS`. The README's block is tools/main_job_figures.py's
+rendering of docs/main_job.json (that tool runs the job and records it; this one only renders). Each plot of
+:data:`PLOTS` is drawn from the data its function returns; ``docs/plots.json`` records a hash of that data (and
+of the code that draws it) per plot, and ``--check`` compares those hashes with the current data (a PNG's bytes depend on the matplotlib
+version, its data does not), so a plot left behind by newer results fails the check.
+``tests/app/test_render_results.py`` runs the check. The prose around the blocks (what was run, why, what it
+means) stays hand-written.
 """
 from __future__ import annotations
 
 import argparse
 import glob
+import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -21,6 +28,10 @@ from typing import Any, Callable, Dict, List, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCHMARKS = os.path.join(ROOT, "BENCHMARKS.md")
+README = os.path.join(ROOT, "README.md")
+MAIN_JOB = os.path.join(ROOT, "docs", "main_job.json")
+PLOTS_DIR = os.path.join(ROOT, "docs", "plots")
+PLOTS_JSON = os.path.join(ROOT, "docs", "plots.json")
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 
 
@@ -150,11 +161,71 @@ def outer_recipe_table() -> str:
     return "\n".join(rows)
 
 
+def hier_bytes() -> str:
+    """Inter- and intra-node payload bytes per step, flat against hierarchical (``bench_hier_bytes.py``)."""
+    d = _load("hier_bytes.json")
+    rows = ["| exchange | inter-node bytes / rank / step | inter-node bytes / node / step | intra-node bytes / rank "
+            "/ step |", "|---|---:|---:|---:|"]
+    for r in d["rows"]:
+        rows.append(f"| {r['exchange']} | {r['inter_bytes_per_rank'][0]:,} | {r['inter_bytes_per_node']:,} | "
+                    f"{r['intra_bytes_per_rank'][0]:,} |")
+    head = (f"`{d['command']}`, {d['date'][:10]}: {d['nodes']} nodes x {d['local']} processes, density "
+            f"{d['density']:g}, {d['params']:,} parameters (`benchmarks/results/hier_bytes.json`):")
+    tail = f"flat / hierarchical inter-node bytes: {d['flat_over_hierarchical']:.2f}x (expected about L = {d['local']})"
+    return "\n".join([head, "", *rows, "", tail])
+
+
+def _preset_label(r: Dict[str, Any]) -> str:
+    return f"{r['preset']} ({r['outer_density']:g}, {r['outer_value_bits']}-bit)"
+
+
+def outer_exchange_bytes() -> str:
+    """Bytes one replica sends per outer round, all-gather / scale-free, and auto's pick (``outer_packet_bytes.py``,
+    pure arithmetic)."""
+    d = _load("outer_packet_bytes.json")
+    bits = {(r["preset"], r["params"]): r for r in d["rows"] if r["table"] == "packet"}
+    cells: Dict[Tuple[str, int], Dict[int, Dict[str, Any]]] = {}
+    for r in d["rows"]:
+        if r["table"] == "outer_exchange":
+            cells.setdefault((r["preset"], r["params"]), {})[r["replicas"]] = r
+    replicas = sorted({rr for c in cells.values() for rr in c})
+    rows = ["| preset | params | packet | unit | " + " | ".join(f"R = {r}" for r in replicas) + " |",
+            "|---|---|---|---|" + "---|" * len(replicas)]
+    for (preset, n), c in cells.items():
+        nbytes = next(iter(c.values()))["packet_bytes"]
+        unit, label = (1e6, "MB") if nbytes >= 1e5 else (1e3, "kB")
+        row = []
+        for rep in replicas:
+            e = c[rep]
+            ag, sc = e["allgather_bytes"], e["scatter_bytes"]
+            row.append(f"{ag / unit:.2f} / {sc / unit:.2f} ({sc / ag:.2f}×, auto "
+                       f"{'sc' if e['auto'] == 'scatter' else 'ag'})")
+        rows.append(f"| {_preset_label(bits[(preset, n)])} | {n:,} | {nbytes / unit:.2f} | {label} | "
+                    + " | ".join(row) + " |")
+    return (f"`{d['command']}`, {d['date'][:10]} (`benchmarks/results/outer_packet_bytes.json`):\n\n"
+            + "\n".join(rows))
+
+
+def outer_bytes_per_param() -> str:
+    """Bytes per parameter of one outer packet per density and value width (``outer_packet_bytes.py``)."""
+    d = _load("outer_packet_bytes.json")
+    grid = [r for r in d["rows"] if r["table"] == "bytes_per_param"]
+    bits = list(grid[0]["bytes_per_param"])
+    rows = ["| outer_density | " + " | ".join(f"{b}-bit" for b in bits) + " |", "|---|" + "---|" * len(bits)]
+    for r in grid:
+        rows.append(f"| {r['outer_density']:g} | " + " | ".join(f"{r['bytes_per_param'][b]:.3f}" for b in bits) + " |")
+    return "\n".join(rows)
+
+
 # name: (the file the block is in, the data it is rendered from, the renderer)
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
     "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
     "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
+    "hier-bytes": ("BENCHMARKS.md", "benchmarks/results/hier_bytes.json", hier_bytes),
+    "outer-exchange-bytes": ("BENCHMARKS.md", "benchmarks/results/outer_packet_bytes.json", outer_exchange_bytes),
+    "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
+                              outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
 }
 
@@ -171,13 +242,191 @@ def block(name: str) -> str:
     return f"{begin(name)}\n{BLOCKS[name][2]()}\n{end(name)}"
 
 
+def _main_job_tool() -> Any:
+    """tools/main_job_figures.py, which runs the default job and renders the README block from its record."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)  # its rendering imports lightning_topk.app.summary
+    spec = importlib.util.spec_from_file_location("main_job_figures", os.path.join(ROOT, "tools", "main_job_figures.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def render_readme(text: str) -> str:
+    """README.md's ``text`` with its default-job block rendered from docs/main_job.json."""
+    tool = _main_job_tool()
+    with open(MAIN_JOB, encoding="utf-8") as f:
+        record = json.load(f)
+    return str(text.replace(tool.readme_block(text), tool.block(record)))
+
+
+# ---- plots: each from the data its function returns; docs/plots.json holds a hash of that data ----------------
+def _runs_mean(runs: List[Dict[str, Any]], x: str, y: str) -> List[List[float]]:
+    """(mean x, mean y) per evaluation over the seeds of one entry (the evaluations every seed reached)."""
+    n = min(len(r["rows"]) for r in runs)
+    return [[round(sum(r["rows"][i][x] for r in runs) / len(runs), 6), round(sum(r["rows"][i][y] for r in runs)
+             / len(runs), 6)] for i in range(n)]
+
+
+def _accuracy_over_time(name: str) -> Dict[str, Any]:
+    """Test accuracy against training time per entry of a ``cluster_compare.py`` result, per layout and rate, with
+    the target (entries that failed have no evaluations and are left out)."""
+    data = _load(name)
+    panels: Dict[str, Dict[str, List[List[float]]]] = {}
+    targets = set()
+    for key in sorted(data):
+        for entry in sorted(data[key]):
+            e = data[key][entry]
+            if e.get("target_acc") is not None:
+                targets.add(e["target_acc"])
+            if e.get("evals"):
+                panels.setdefault(key, {})[entry] = [[round(v["time"], 4), v["acc"]] for v in e["evals"]]
+    if len(targets) > 1:
+        raise SystemExit(f"render_results: {name} has several targets {sorted(targets)}")
+    return {"source": f"benchmarks/results/{name}", "target": targets.pop() if targets else None, "panels": panels}
+
+
+def time_to_accuracy_data() -> Dict[str, Any]:
+    """``cluster_compare.py`` at the defaults: 4x1 and 2x2 at 1 Gbit/s and 100 Mbit/s."""
+    return _accuracy_over_time("cluster_defaults_2026-11-27.json")
+
+
+def time_to_accuracy_local_data() -> Dict[str, Any]:
+    """``cluster_compare.py`` with the local-SGD entries: 4x1 at 100 and 10 Mbit/s."""
+    return _accuracy_over_time("cluster_local_compare.json")
+
+
+def draw_time_to_accuracy(d: Dict[str, Any], ax_grid: Any) -> None:
+    rate = {"1gbit": 0, "100mbit": 1, "10mbit": 2}
+    keys = sorted(d["panels"], key=lambda k: (rate.get(k.split()[1], 3), k.split()[0]))
+    names = sorted({n for p in d["panels"].values() for n in p})  # one colour per entry in every panel
+    for ax, key in zip(ax_grid.flat, keys):
+        for name, pts in sorted(d["panels"][key].items()):
+            ax.plot(*zip(*pts), marker="o", ms=3, label=name, color=f"C{names.index(name) % 10}")
+        if d["target"] is not None:
+            ax.axhline(d["target"], color="grey", ls="--", lw=0.8, label=f"target {d['target']:g}")
+        ax.set_title(key)
+        ax.set_xlabel("training time, s")
+        ax.set_ylabel("test accuracy")
+        ax.grid(True, lw=0.3)
+        ax.legend(fontsize=7)
+
+
+def bytes_per_step_data() -> Dict[str, Any]:
+    """Modelled bytes per step one node puts on its inter-node link against the node count (``scale_sim.py``,
+    8 ranks per node, from 2 nodes)."""
+    d = _load("scale_sim.json")
+    out: Dict[str, Dict[str, List[List[float]]]] = {}
+    for r in sorted(d["rows"], key=lambda r: (r["model"], r["P"])):
+        if r["nodes"] < 2:
+            continue
+        for meth, b in sorted(r["bytes_node"].items()):
+            if b is not None and b > 0:
+                out.setdefault(r["model"], {}).setdefault(meth, []).append([r["nodes"], round(b)])
+    return {"source": "benchmarks/results/scale_sim.json", "models": out}
+
+
+def draw_bytes_per_step(d: Dict[str, Any], ax_grid: Any) -> None:
+    for ax, model in zip(ax_grid.flat, sorted(d["models"])):
+        for meth, pts in sorted(d["models"][model].items()):
+            ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", ms=3, label=meth)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("nodes (8 ranks each)")
+        ax.set_ylabel("MB per step on one node's inter-node link")
+        ax.set_title(f"{model} (cost model, density 0.01)")
+        ax.grid(True, which="both", lw=0.3)
+        ax.legend(fontsize=7)
+
+
+def loss_curves_data() -> Dict[str, Any]:
+    """Held-out loss against tokens per entry, mean over seeds (``local_accuracy.py --task lm``)."""
+    d = _load("local_accuracy_lm.json")
+    curves = {name: _runs_mean(runs, "tokens", "val/loss") for name, runs in sorted(d["results"]["lm"].items())}
+    return {"source": "benchmarks/results/local_accuracy_lm.json", "header": d["header"].split(";")[0],
+            "curves": curves}
+
+
+def draw_loss_curves(d: Dict[str, Any], ax_grid: Any) -> None:
+    ax = ax_grid.flat[0]
+    for name, pts in sorted(d["curves"].items()):
+        ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+    ax.set_xlabel("tokens seen, millions")
+    ax.set_ylabel("held-out loss (mean over seeds)")
+    ax.set_title(f"byte-level LM, {d['header']}", fontsize=9)
+    ax.grid(True, lw=0.3)
+    ax.legend(fontsize=7)
+
+
+# name: (the data function, the drawing function, subplot grid (rows, columns), figure size in inches)
+PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], Any], None], Tuple[int, int],
+                       Tuple[float, float]]] = {
+    "time_to_accuracy": (time_to_accuracy_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
+    "time_to_accuracy_local": (time_to_accuracy_local_data, draw_time_to_accuracy, (1, 2), (11.0, 4.5)),
+    "bytes_per_step": (bytes_per_step_data, draw_bytes_per_step, (1, 2), (12.0, 5.0)),
+    "loss_curves": (loss_curves_data, draw_loss_curves, (1, 1), (7.0, 5.0)),
+}
+
+
+def plot_hash(name: str) -> str:
+    """A hash of the plot's data and of the code that draws it: what ``docs/plots.json`` records."""
+    data_fn, draw, grid, size = PLOTS[name]
+    import inspect
+
+    blob = json.dumps({"data": data_fn(), "draw": inspect.getsource(draw), "grid": grid, "size": size},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def draw_plot(name: str) -> str:
+    """Draw ``docs/plots/NAME.png`` (fixed size and dpi, no date in its metadata); return its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data_fn, draw, grid, size = PLOTS[name]
+    fig, axes = plt.subplots(*grid, figsize=size, squeeze=False)
+    draw(data_fn(), axes)
+    fig.tight_layout()
+    os.makedirs(PLOTS_DIR, exist_ok=True)
+    path = os.path.join(PLOTS_DIR, f"{name}.png")
+    fig.savefig(path + ".tmp", format="png", dpi=100, metadata={"Software": None})
+    plt.close(fig)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def plots_record() -> Dict[str, Any]:
+    return {name: {"png": f"docs/plots/{name}.png", "from": PLOTS[name][0]()["source"],
+                   "sha256": plot_hash(name)} for name in PLOTS}
+
+
+def stale_plots() -> List[str]:
+    """The plots whose recorded hash is not their current data's, or whose PNG is missing."""
+    try:
+        with open(PLOTS_JSON, encoding="utf-8") as f:
+            recorded = json.load(f)
+    except FileNotFoundError:
+        recorded = {}
+    now = plots_record()
+    return [n for n in PLOTS if recorded.get(n) != now[n] or not os.path.exists(os.path.join(ROOT, now[n]["png"]))]
+
+
 def files() -> List[str]:
     """The files that hold blocks, relative to the repository root."""
-    return list(dict.fromkeys(v[0] for v in BLOCKS.values()))
+    return ["README.md", *dict.fromkeys(v[0] for v in BLOCKS.values())]
+
+
+def _path(rel: str) -> str:
+    return {"README.md": README, "BENCHMARKS.md": BENCHMARKS}.get(rel, os.path.join(ROOT, rel))
 
 
 def render(text: str, path: str = "BENCHMARKS.md") -> str:
     """``text`` (the file ``path``) with each of its blocks replaced by its rendering; each must be there once."""
+    if path == "README.md":
+        return render_readme(text)
     for name in (n for n, v in BLOCKS.items() if v[0] == path):
         pattern = re.escape(f"<!-- results:{name}:begin") + r".*?" + re.escape(end(name))
         found = re.findall(pattern, text, flags=re.S)
@@ -193,7 +442,7 @@ def main(argv: Any = None) -> int:
     a = ap.parse_args(argv)
     bad = []
     for rel in files():
-        path = BENCHMARKS if rel == "BENCHMARKS.md" else os.path.join(ROOT, rel)
+        path = _path(rel)
         with open(path, encoding="utf-8") as f:
             text = f.read()
         new = render(text, rel)
@@ -201,13 +450,24 @@ def main(argv: Any = None) -> int:
             continue
         bad.append(rel)
         if not a.check:
-            with open(path, "w", encoding="utf-8") as f:
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
                 f.write(new)
+            os.replace(path + ".tmp", path)
+    stale = stale_plots()
     if a.check:
-        print("render_results: " + (f"{', '.join(bad)} differ(s) from benchmarks/results/ (run tools/render_results.py)"
-                                    if bad else f"{', '.join(files())} match benchmarks/results/"))
+        bad += [f"docs/plots/{n}.png" for n in stale]
+        print("render_results: " + (f"{', '.join(bad)} differ(s) from the recorded results (run tools/render_results.py)"
+                                    if bad else f"{', '.join(files())} and {len(PLOTS)} plots match the results"))
         return 1 if bad else 0
-    print(f"render_results: {len(BLOCKS)} blocks in {', '.join(files())}; rewrote {', '.join(bad) or 'none'}")
+    for name in stale:
+        draw_plot(name)
+    if stale:
+        with open(PLOTS_JSON + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(plots_record(), f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(PLOTS_JSON + ".tmp", PLOTS_JSON)
+    print(f"render_results: {len(BLOCKS) + 1} blocks in {', '.join(files())}, {len(PLOTS)} plots in docs/plots/; "
+          f"rewrote {', '.join(bad + [f'docs/plots/{n}.png' for n in stale]) or 'none'}")
     return 0
 
 
