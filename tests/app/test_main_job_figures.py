@@ -1,16 +1,12 @@
 """The README's figures for the default job are what the job printed: ``tools/main_job_figures.py`` wrote them
 from one run, and nobody edited them by hand since."""
-import importlib.util
 import json
 
-from tests.helpers.procs import ROOT
+from tests.helpers.procs import ROOT, load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("main_job_figures", ROOT / "tools" / "main_job_figures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("main_job_figures")
 
 
 def test_readme_block_is_the_rendering_of_the_recorded_run():

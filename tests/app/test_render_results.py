@@ -1,18 +1,14 @@
 """The result tables of BENCHMARKS.md (and docs/local_sgd.md's outer-step table), the README's default-job block
 and the plots of docs/plots/ are what ``tools/render_results.py`` renders from the recorded results, and the
 documentation's build command is the same in the README and in CI."""
-import importlib.util
 import json
 import sys
 
-from tests.helpers.procs import ROOT
+from tests.helpers.procs import ROOT, load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("render_results", ROOT / "tools" / "render_results.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("render_results")
 
 
 def test_benchmarks_tables_are_the_rendering_of_the_results():

@@ -1,12 +1,11 @@
 """The digits shipped in the package equal scikit-learn's, and need no scikit-learn to load."""
-import importlib.util
 import subprocess
 import sys
 
 import numpy as np
 
 from lightning_topk.data.datasets import digits_from_sklearn, load_arrays
-from tests.helpers.procs import ROOT, blocking_env
+from tests.helpers.procs import ROOT, blocking_env, load_tool
 
 
 def test_shipped_digits_equal_what_the_generator_makes_from_sklearn(capsys):
@@ -16,9 +15,7 @@ def test_shipped_digits_equal_what_the_generator_makes_from_sklearn(capsys):
     assert shipped_images.shape == (1797, 8, 8)
     assert np.array_equal(shipped_images, images) and np.array_equal(shipped_labels, labels)
     # the tool's own --check, in this process (a fresh interpreter only re-imported numpy and scikit-learn)
-    spec = importlib.util.spec_from_file_location("make_packaged_data", ROOT / "tools" / "make_packaged_data.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("make_packaged_data")
     assert tool.main(["--check"]) == 0
     assert "matches" in capsys.readouterr().out
 

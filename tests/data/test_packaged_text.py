@@ -1,6 +1,5 @@
 """The byte-level text shipped in the package (data=bytes_text): it loads, is bytes, splits deterministically,
 and the preset experiment=transformer_lm_bytes learns from it with topk_local at 2 nodes through the CLI."""
-import importlib.util
 import json
 import math
 import os
@@ -13,7 +12,7 @@ import pytest
 from lightning_topk.data import byte_sequences, ensure_text_shards, load_text
 from lightning_topk.data.text import VOCAB_SIZE
 from tests.helpers.dist import free_port
-from tests.helpers.procs import ROOT
+from tests.helpers.procs import ROOT, load_tool
 
 
 def test_packaged_text_loads_as_bytes_with_a_deterministic_split():
@@ -45,9 +44,7 @@ def test_text_shards_and_the_tool_check(tmp_path, capsys):
     shards = ensure_text_shards(str(tmp_path), seq_len=129, num_shards=2)
     assert len(shards["train"]) == 2 and len(shards["val"]) == 1 and all(os.path.isfile(p) for p in shards["train"])
     assert ensure_text_shards(str(tmp_path), seq_len=129, num_shards=2) == shards  # written once
-    spec = importlib.util.spec_from_file_location("make_packaged_text", ROOT / "tools" / "make_packaged_text.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("make_packaged_text")
     if sys.version.split()[0] == tool.SOURCE_VERSION:
         assert tool.main(["--check"]) == 0 and "matches" in capsys.readouterr().out
     else:

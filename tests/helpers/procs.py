@@ -85,3 +85,13 @@ def fake_scontrol(tmp_path):
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> "{log}"\n')
     scontrol.chmod(scontrol.stat().st_mode | stat.S_IEXEC)
     return {"PATH": f"{fakebin}{os.pathsep}{os.environ['PATH']}"}, log
+
+
+def load_tool(name):
+    """The module ``tools/<name>.py`` (the repository's tools are scripts, not a package), loaded in this process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
