@@ -217,6 +217,71 @@ def outer_bytes_per_param() -> str:
     return "\n".join(rows)
 
 
+def _host_line(d: Dict[str, Any]) -> str:
+    """``command``, date, host (cores, torch) of a result record, for the line above a rendered table."""
+    h = d["host"]
+    return (f"`{d['command']}`, {d['date'][:10]}, {h['cpus']}-core {h['machine']}, torch {h['torch']}, "
+            f"{'CUDA' if h['cuda'] else 'no GPU'}")
+
+
+def data_pipeline() -> str:
+    """Samples/s per pipeline, cold epoch against the warm ones (``bench_data.py``)."""
+    d = _load("data.json")
+    rows = ["| pipeline | epoch 1 (cold) | epochs 2+ (mean) | epochs 2+ / own epoch 1 "
+            "| epochs 2+ / DataModule streaming cold |", "|---|---:|---:|---:|---:|"]
+    cold = next(r for r in d["rows"] if r["pipeline"] == "WebDataModule, streaming")["samples_per_s"][0]
+    for r in d["rows"]:
+        rates = r["samples_per_s"]
+        warm = sum(rates[1:]) / max(len(rates) - 1, 1)
+        rows.append(f"| {r['pipeline']} | {rates[0]:,.0f} | {warm:,.0f} | {warm / rates[0]:.1f}x | {warm / cold:.1f}x |")
+    head = (f"{_host_line(d)}: {d['samples']} samples, {d['epochs']} epochs, {d['workers']} workers, batch "
+            f"{d['batch']}, {d['seconds']:.0f} s in all (`benchmarks/results/data.json`):")
+    tail = f"1-minute load average at the end of the run: {d['load_after']:.1f}."
+    return "\n".join([head, "", *rows, "", tail])
+
+
+def optim_step() -> str:
+    """Milliseconds per ``step()`` over ResNet-50's shapes, per optimizer and form (``bench_optim.py``)."""
+    d = _load("optim.json")
+    rows = ["| optimizer | ms / step | speed-up vs per-parameter loop |", "|---|---:|---:|"]
+    for r in d["rows"]:
+        x = r["speedup_vs_loop"]
+        rows.append(f"| {r['optimizer']} | {1e3 * r['step_s']:.1f} | {'–' if x is None else f'{x:.2f}x'} |")
+    head = (f"{_host_line(d)}, {d['threads']} threads: {d['tensors']} tensors, {d['values']:,} values, fastest of "
+            f"{d['repeats']} steps (`benchmarks/results/optim.json`):")
+    return "\n".join([head, "", *rows])
+
+
+def memory() -> str:
+    """Peak RSS per rank above plain DDP per model size and configuration (``bench_memory.py``)."""
+    d = _load("memory.json")
+    rows = ["| params | config | peak RSS / rank (MB) | above `ddp` (B/param) | step (s) |", "|---:|---|---:|---:|---:|"]
+    for r in d["rows"]:
+        rows.append(f"| {r['params'] / 1e6:.0f}M | `{r['config']}` | {r['peak_rss_bytes_per_rank'] / 2**20:,.0f} | "
+                    f"{r['above_ddp_bytes_per_param']:.1f} | {r['step_s']:.2f} |")
+    head = (f"{_host_line(d)}, {d['ranks']} ranks; load average {d['load_before']:.1f} before, "
+            f"{d['load_after']:.1f} after (`benchmarks/results/memory.json`):")
+    return "\n".join([head, "", *rows])
+
+
+def select() -> str:
+    """Top-k selection time against ``torch.topk`` per size and density (``bench_select.py``)."""
+    d = _load("select.json")
+    recs = [r for r in d["rows"] if r.get("table") == "select"]
+    labels = [k[:-2] for k in recs[0] if k.endswith(" s") and k != "torch_topk_s"]
+    rows = ["| n | density | k | torch.topk ms | " + " | ".join(f"{lab} ms | x" for lab in labels)
+            + " | " + " | ".join(f"{k[:-9]} L2 mass" for k in recs[0] if k.endswith(" l2_share")) + " |",
+            "|---:|---:|---:|---:|" + "---:|---:|" * len(labels) + "---:|" * sum(k.endswith(" l2_share") for k in recs[0])]
+    for r in recs:
+        t = r["torch_topk_s"]
+        cells = [f"{1e3 * r[lab + ' s']:.1f} | {t / r[lab + ' s']:.1f}x" for lab in labels]
+        cells += [f"{100 * r[k]:.3f}%" for k in r if k.endswith(" l2_share")]
+        rows.append(f"| {r['n']:,} | {r['density']:g} | {r['k']:,} | {1e3 * t:.1f} | " + " | ".join(cells) + " |")
+    head = (f"{_host_line(d)}, {d['device']} (topk_select: {d['select_threads']}), best of {d['repeats']}; load "
+            f"average {d['load_before']:.1f} before, {d['load_after']:.1f} after (`benchmarks/results/select.json`):")
+    return "\n".join([head, "", *rows])
+
+
 # name: (the file the block is in, the data it is rendered from, the renderer)
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
@@ -227,6 +292,10 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
                               outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
+    "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
+    "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
+    "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
+    "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
 }
 
 
