@@ -279,7 +279,17 @@ def select() -> str:
         rows.append(f"| {r['n']:,} | {r['density']:g} | {r['k']:,} | {1e3 * t:.1f} | " + " | ".join(cells) + " |")
     head = (f"{_host_line(d)}, {d['device']} (topk_select: {d['select_threads']}), best of {d['repeats']}; load "
             f"average {d['load_before']:.1f} before, {d['load_after']:.1f} after (`benchmarks/results/select.json`):")
-    return "\n".join([head, "", *rows])
+    reuse = [r for r in d["rows"] if r.get("table") == "reuse"]
+    if not reuse:
+        return "\n".join([head, "", *rows])
+    more = ["| n | density | k | torch.topk ms | exact ms | x | exact + hint ms | x | hint / exact | hint hits |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in reuse:
+        t, e, h = r["torch_topk_s"], r["exact_s"], r["exact_hint_s"]
+        more.append(f"| {r['n']:,} | {r['density']:g} | {r['k']:,} | {1e3 * t:.1f} | {1e3 * e:.1f} | {t / e:.1f}x | "
+                    f"{1e3 * h:.1f} | {t / h:.1f}x | {h / e:.2f} | {r['hint_hits']}/{r['hint_steps']} |")
+    return "\n".join([head, "", *rows, "", f"Threshold reuse in the same run, x <- 0.9 x + noise, "
+                       f"{reuse[0]['hint_steps']} timed steps after one warm-up step:", "", *more])
 
 
 # name: (the file the block is in, the data it is rendered from, the renderer)
