@@ -1,7 +1,8 @@
 """Scale simulator: the exchanges' alpha-beta cost model (lightning_topk.comm.cost) from 2 to 1024 ranks.
 
-    python benchmarks/scale_sim.py             # table -> benchmarks/results/scale_sim.md, plot -> docs/scale_sim.png,
-                                               # data -> benchmarks/results/scale_sim.json
+    python benchmarks/scale_sim.py             # table -> benchmarks/results/scale_sim.md,
+                                               # data -> benchmarks/results/scale_sim.json (tools/render_results.py
+                                               # draws docs/plots/scale_sim.png from it)
     python benchmarks/scale_sim.py --json-only # only the data (tools/render_results.py plots it)
     python benchmarks/scale_sim.py --validate  # the model against the namespace cluster, 2 and 4 nodes x 1 process
 
@@ -271,39 +272,10 @@ def render(sim: Dict[str, dict]) -> str:
                 lines.append(f"| {r['P']} | " + " | ".join(_ms(t[m]) for m in METHODS) + f" | {_ms(t['auto'])} | "
                              f"{picks} |")
         lines.append("")
-    lines += ["![per-rank and per-node wire bytes vs ranks](../../docs/scale_sim.png)", ""]
+    lines += ["![per-rank and per-node wire bytes vs ranks](../../docs/plots/scale_sim.png)", ""]
     return "\n".join(lines)
 
 
-def plot(sim: Dict[str, dict], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, len(sim), figsize=(6 * len(sim), 8.5), squeeze=False)
-    for j, (name, s) in enumerate(sim.items()):
-        ps = [r["P"] for r in s["rows"]]
-        for i, (key, label) in enumerate((("bytes_rank", "per rank, any link"), ("bytes_node", "per node, inter-node link"))):
-            ax = axes[i][j]
-            for m in METHODS:
-                ys = [r[key][m] / 1e6 for r in s["rows"]]
-                pts = [(p, y) for p, y in zip(ps, ys) if y == y and y > 0]
-                if pts:
-                    ax.plot(*zip(*pts), marker="o", ms=3, label=m)
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
-            ax.set_xlabel("ranks P (8 per node)")
-            ax.set_ylabel("MB per step")
-            ax.set_title(f"{name}: wire bytes {label}")
-            ax.grid(True, which="both", lw=0.3)
-            ax.legend(fontsize=7)
-    fig.suptitle(f"Cost model, density 0.01, 25 MB buckets ({DATE})")
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
-
-
-# ---- validation against the namespace cluster ---------------------------------------------------
 def validate(a: argparse.Namespace) -> str:
     import cluster
 
@@ -406,7 +378,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--steps", type=int, default=15, help="validation steps per run")
     p.add_argument("--run-dir", default="/tmp/ltk_scale_sim", help="validation logs and JSON")
     p.add_argument("--md", default=os.path.join(HERE, "results", "scale_sim.md"))
-    p.add_argument("--png", default=os.path.join(ROOT, "docs", "scale_sim.png"))
     p.add_argument("--json-only", action="store_true", help="only write benchmarks/results/scale_sim.json")
     a = p.parse_args(argv)
     sim = simulate()
@@ -421,8 +392,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(a.md + ".tmp", "w") as f:
         f.write(text)
     os.replace(a.md + ".tmp", a.md)
-    plot(sim, a.png)
-    print(f"[scale_sim] wrote {a.md} and {a.png}")
+    print(f"[scale_sim] wrote {a.md}; the plot docs/plots/scale_sim.png is drawn from the JSON by "
+          "tools/render_results.py")
     return 0
 
 

@@ -392,28 +392,47 @@ def draw_time_to_accuracy(d: Dict[str, Any], ax_grid: Any) -> None:
         ax.legend(fontsize=7)
 
 
-def bytes_per_step_data() -> Dict[str, Any]:
-    """Modelled bytes per step one node puts on its inter-node link against the node count (``scale_sim.py``,
-    8 ranks per node, from 2 nodes)."""
+def _wire_bytes(key: str, x: str, min_nodes: int) -> Dict[str, Dict[str, List[List[float]]]]:
+    """Modelled bytes per step (``key``: ``bytes_rank`` or ``bytes_node``) against ``x`` (``P`` or ``nodes``) per
+    model and exchange, the layouts of ``min_nodes`` nodes or more (``scale_sim.json``)."""
     d = _load("scale_sim.json")
     out: Dict[str, Dict[str, List[List[float]]]] = {}
     for r in sorted(d["rows"], key=lambda r: (r["model"], r["P"])):
-        if r["nodes"] < 2:
+        if r["nodes"] < min_nodes:
             continue
-        for meth, b in sorted(r["bytes_node"].items()):
+        for meth, b in sorted(r[key].items()):
             if b is not None and b > 0:
-                out.setdefault(r["model"], {}).setdefault(meth, []).append([r["nodes"], round(b)])
-    return {"source": "benchmarks/results/scale_sim.json", "models": out}
+                out.setdefault(r["model"], {}).setdefault(meth, []).append([r[x], round(b)])
+    return out
+
+
+def bytes_per_step_data() -> Dict[str, Any]:
+    """Modelled bytes per step one node puts on its inter-node link against the node count (``scale_sim.py``,
+    8 ranks per node, from 2 nodes)."""
+    return {"source": "benchmarks/results/scale_sim.json", "xlabel": "nodes (8 ranks each)",
+            "ylabel": "MB per step on one node's inter-node link", "models": _wire_bytes("bytes_node", "nodes", 2)}
+
+
+def scale_sim_data() -> Dict[str, Any]:
+    """Modelled wire bytes per step per rank (any link) and per node (inter-node link) against the rank count,
+    every layout (``scale_sim.py``; the plot its section of BENCHMARKS.md shows, which it no longer draws itself)."""
+    panels: Dict[str, Dict[str, List[List[float]]]] = {}
+    for key, label in (("bytes_rank", "per rank, any link"), ("bytes_node", "per node, inter-node link")):
+        for model, lines in _wire_bytes(key, "P", 1).items():
+            panels[f"{model}: {label}"] = lines
+    return {"source": "benchmarks/results/scale_sim.json", "xlabel": "ranks P (8 per node)", "ylabel": "MB per step",
+            "models": panels}
 
 
 def draw_bytes_per_step(d: Dict[str, Any], ax_grid: Any) -> None:
+    """One panel per entry of ``d["models"]`` (in name order, row by row): MB per step of each exchange, log-log."""
     for ax, model in zip(ax_grid.flat, sorted(d["models"])):
         for meth, pts in sorted(d["models"][model].items()):
             ax.plot([p[0] for p in pts], [p[1] / 1e6 for p in pts], marker="o", ms=3, label=meth)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("nodes (8 ranks each)")
-        ax.set_ylabel("MB per step on one node's inter-node link")
+        ax.set_xlabel(d["xlabel"])
+        ax.set_ylabel(d["ylabel"])
         ax.set_title(f"{model} (cost model, density 0.01)")
         ax.grid(True, which="both", lw=0.3)
         ax.legend(fontsize=7)
@@ -444,6 +463,7 @@ PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], A
     "time_to_accuracy": (time_to_accuracy_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
     "time_to_accuracy_local": (time_to_accuracy_local_data, draw_time_to_accuracy, (1, 2), (11.0, 4.5)),
     "bytes_per_step": (bytes_per_step_data, draw_bytes_per_step, (1, 2), (12.0, 5.0)),
+    "scale_sim": (scale_sim_data, draw_bytes_per_step, (2, 2), (12.0, 9.0)),
     "loss_curves": (loss_curves_data, draw_loss_curves, (1, 1), (7.0, 5.0)),
 }
 
