@@ -54,11 +54,15 @@ class StepController:
         state: the hooks' state.
         device: device of the reduced flag tensor (must suit the group's backend); default: the device the
             hooks' flags are on, else CUDA's current device for NCCL groups, else CPU.
+        group: the decision's process group, when it is not the exchange's :meth:`decision_group
+            <lightning_topk.comm.exchanges.base.Exchange.decision_group>` (sharded models: every rank, while the
+            exchange runs among the ranks that hold one shard).
     """
 
-    def __init__(self, state: TopKState, device: Optional[torch.device] = None) -> None:
+    def __init__(self, state: TopKState, device: Optional[torch.device] = None, group: Any = None) -> None:
         self.state = state
         self.device = device
+        self._group = group
         self._scaler = False
         self.last_decision: Optional[Decision] = None  # of the last finish_step (the strategy resets it)
         self.skipped_steps = 0  # optimizer steps this rank skipped (nonfinite="skip" or a loss scaler's skip)
@@ -72,6 +76,8 @@ class StepController:
         """The group of the per-step decision: the exchange's :meth:`decision_group
         <lightning_topk.comm.exchanges.base.Exchange.decision_group>` (all ranks, except under local SGD:
         the node's ranks, or ``None``, this process alone, with one process per node)."""
+        if self._group is not None:
+            return self._group
         ex = self.state.exchange
         if ex is not None:
             return ex.decision_group(self.state)

@@ -1,0 +1,189 @@
+"""Top-k for sharded models (torch only): FSDP2 shards the model over the node's processes and reduce-scatters
+the gradients over the fast link; only the cross-node step uses this project's exchanges.
+
+The mesh is 2-D, ``(replicate, shard)`` = (nodes, processes per node). The model is ``fully_shard``-ed on the
+``shard`` dimension only (a 1-D mesh per node): native HSDP would all-reduce densely across nodes before any
+hook could see the gradient. :class:`ShardedTopK` then runs, on every rank:
+
+* per step (``local_steps=0``): the state's exchange on each group's gradient shard, among the ranks that hold
+  that shard on the other nodes (:mod:`~lightning_topk.comm.shard`), one step decision over every rank, and the
+  residuals (4 B per parameter / processes per node) in a sharded checkpoint;
+* local SGD (``local_steps>0``): plain FSDP inner steps inside the node (no cross-node traffic), and every H
+  steps the outer round (:class:`~lightning_topk.comm.local.OuterState`) on this rank's parameter shard with its
+  replicate group.
+
+With one node there is nothing to exchange across nodes: the model trains as FSDP alone (no hook).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.exchanges import exchange_hook, registry
+from lightning_topk.comm.exchanges.auto import build_auto
+from lightning_topk.comm.exchanges.base import Layout
+from lightning_topk.comm.local import OuterState
+from lightning_topk.comm.shard import ShardHooks, fsdp_groups
+from lightning_topk.comm.state import TopKState
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("replicate", "shard")
+NODE_TIER = ("hierarchical", "hierarchical_scatter")
+
+
+def make_mesh(device_type: str, nodes: int, local: int) -> Any:
+    """The ``(replicate, shard)`` mesh of ``nodes`` x ``local`` processes (node-major global ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if nodes < 1 or local < 1 or nodes * local != world:
+        raise ValueError(f"topk_fsdp: num_nodes={nodes} x devices={local} processes per node must equal the world "
+                         f"size ({world}): the mesh is (replicate=num_nodes, shard=processes per node)")
+    return init_device_mesh(device_type, (nodes, local), mesh_dim_names=MESH_DIMS)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or one of its submodules."""
+    return any(hasattr(m, "_get_fsdp_state") for m in module.modules())
+
+
+def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[str]] = None,
+                mp_policy: Any = None) -> None:
+    """``fully_shard`` a LightningModule's network on the node's processes (``mesh["shard"]``): first every
+    submodule whose class name is in ``shard_modules``, or, by default, every child of each ``nn.ModuleList`` (a
+    Transformer's blocks), then each direct child of ``module`` that holds parameters (what is left: embeddings,
+    head). ``module`` itself is not sharded: Lightning calls ``training_step``, not its ``forward``, so its
+    children are FSDP's roots. ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``."""
+    from torch.distributed.fsdp import fully_shard
+
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(f"topk_fsdp: {type(module).__name__} holds parameters {own} itself, which FSDP cannot shard "
+                         "(Lightning never calls its forward); put them in a submodule, or shard in configure_model")
+    kw: Dict[str, Any] = {"mesh": mesh["shard"]}
+    if mp_policy is not None:
+        kw["mp_policy"] = mp_policy
+    wanted = set(shard_modules or ())
+    if wanted:
+        known = {type(m).__name__ for m in module.modules()}
+        missing = sorted(wanted - known)
+        if missing:
+            raise ValueError(f"topk_fsdp: shard_modules names {missing}, which no submodule of "
+                             f"{type(module).__name__} is; its module classes are {sorted(known)}")
+        parts = [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
+    else:
+        parts = [c for m in module.modules() if isinstance(m, nn.ModuleList) for c in m]
+    for m in parts:
+        fully_shard(m, **kw)
+    for child in module.children():
+        if any(True for _ in child.parameters()) and not hasattr(child, "_get_fsdp_state"):
+            fully_shard(child, **kw)
+
+
+def check_sharding(module: nn.Module, mesh: Any) -> None:
+    """Refuse groups sharded on another mesh than the node's (e.g. the 2-D mesh: native HSDP)."""
+    node = mesh["shard"]
+    for _, g in fsdp_groups(module):
+        m = g.mesh_info.mesh
+        if m.ndim != 1 or m.mesh.flatten().tolist() != node.mesh.flatten().tolist():
+            raise ValueError(
+                "topk_fsdp: shard the model on the node's processes, fully_shard(module, mesh=self.device_mesh['shard'])"
+                f"; a group was sharded on the mesh {m.mesh.tolist()} (the 2-D mesh gives torch's HSDP, whose dense "
+                "cross-node all-reduce runs before the sparse exchange could)")
+
+
+class ShardedTopK:
+    """The top-k exchange (or local SGD) of one ``fully_shard``-ed model on a ``(replicate, shard)`` mesh (see
+    the module docstring). ``optimizers``: the inner optimizers (local SGD's ``outer_recipe="auto"``)."""
+
+    def __init__(self, config: TopKConfig, module: nn.Module, mesh: Any,
+                 optimizers: Optional[Sequence[Any]] = None) -> None:
+        check_sharding(module, mesh)
+        if config.exchange in NODE_TIER:
+            raise ValueError(f"topk_fsdp: exchange={config.exchange!r} is what topk_fsdp does already (FSDP's "
+                             "reduce-scatter is the node tier); choose the cross-node exchange: 'auto', 'allgather', "
+                             "'scatter', 'dense' or 'dense_bf16'")
+        self.config, self.module, self.mesh = config, module, mesh
+        rep = mesh["replicate"]
+        self.replicas, self.replica, self.local = rep.size(), rep.get_local_rank(), mesh["shard"].size()
+        self.inter = rep.get_group()
+        self.groups = fsdp_groups(module)
+        names = {id(p): n for n, p in module.named_parameters()}
+        self.specs = [([names[id(fp.sharded_param)] for fp in g.fsdp_params],
+                       [fp.padded_sharded_param_size.numel() for fp in g.fsdp_params]) for _, g in self.groups]
+        self.device = next(module.parameters()).device
+        self.state: Optional[TopKState] = None
+        self.hooks: Optional[ShardHooks] = None
+        self.controller: Optional[StepController] = None
+        self.outer: Optional[OuterState] = None
+        if config.local_steps > 0:
+            self._attach_local(optimizers)
+        elif self.replicas > 1:
+            self._attach_step()
+
+    # ---- per step -------------------------------------------------------------------------------------
+    def _attach_step(self) -> None:
+        cfg = self.config
+        st = TopKState(cfg, process_group=self.inter, num_nodes=self.replicas)
+        self.hooks = ShardHooks(st, self.specs, exchange_hook)
+        for slots in self.hooks.slots:  # every rank holds every key of the sharded checkpoint
+            st.buffers(slots, self.device)
+        layout = Layout(self.replicas, 1, self.replica)
+        ex = cfg.exchange
+        if ex == "auto":
+            st.exchange = st.exchanges["auto"] = build_auto(st, cfg, layout, self.device, saved=st.take_section("auto"))
+        else:
+            registry.check(cfg, layout, ex)
+            st.exchange = st.exchange_for(ex, layout=layout)
+        for i, (m, _) in enumerate(self.groups):
+            m.set_all_reduce_hook(self.hooks.hook(i))
+        self.state = st
+        self.controller = StepController(st, device=self.device, group=dist.group.WORLD)
+
+    def before_optimizer_step(self) -> Decision:
+        """After the backward, before the optimizer step: the step's one decision (every rank alike); a skipped
+        step has its residuals rolled back and its gradients dropped (the optimizer leaves every parameter)."""
+        if self.controller is None or self.hooks is None:
+            return Decision.COMMIT
+        self.hooks.end_step()
+        decision = self.controller.finish_step(self.module.named_parameters())
+        if decision is Decision.SKIP:
+            for p in self.module.parameters():
+                p.grad = None
+        return decision
+
+    # ---- local SGD ------------------------------------------------------------------------------------
+    def _attach_local(self, optimizers: Optional[Sequence[Any]]) -> None:
+        named = [(n, p._local_tensor if hasattr(p, "_local_tensor") else p) for n, p in self.module.named_parameters()]
+        self.outer = OuterState(self.config, named, inter=self.inter, flag_group=dist.group.WORLD,
+                                buffers=list(self.module.named_buffers()), optimizers=optimizers)
+        if self.config.dense_steps > 0 and self.replicas > 1:  # post-local SGD: the first steps all-reduce
+            for m, _ in self.groups:
+                m.set_all_reduce_hook(self._synchronous_hook)
+
+    def _synchronous_hook(self, reduce_output: torch.Tensor) -> None:
+        if self.outer is not None and self.outer.synchronous:
+            dist.all_reduce(reduce_output, group=self.inter)
+            reduce_output.div_(self.replicas)
+
+    def after_optimizer_step(self) -> bool:
+        """After an optimizer-step attempt: local SGD counts it and runs the outer round at the H-th. Returns
+        whether a round ran."""
+        return self.outer.step() if self.outer is not None else False
+
+    def end_training(self) -> None:
+        """Apply a streamed outer exchange still in flight (local SGD), so the final weights hold every round."""
+        if self.outer is not None:
+            self.outer.apply_in_flight()
+
+    # ---- telemetry --------------------------------------------------------------------------------------
+    def param_groups_numel(self) -> List[int]:
+        """Entries of each group's gradient shard on this rank (padded)."""
+        return [sum(n) for _, n in self.specs]

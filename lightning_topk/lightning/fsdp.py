@@ -1,0 +1,171 @@
+"""Lightning glue of ``topk_fsdp``: Lightning's FSDP2 strategy (``ModelParallelStrategy``) with a 2-D mesh
+``(replicate, shard)`` = (nodes, processes per node), FSDP2 inside the node and the top-k exchange (or sparse
+local SGD) across nodes. The algorithm is :class:`~lightning_topk.comm.sharded.ShardedTopK`; this module only
+builds the mesh, shards the model when ``configure_model`` did not, and calls it around the optimizer step and
+in the distributed checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Generator, Optional, Sequence
+
+import pytorch_lightning as pl
+import torch
+from typing_extensions import override
+
+from lightning_topk.comm import shard_checkpoint
+from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.controller import Decision
+from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
+
+log = logging.getLogger(__name__)
+META_KEY = "lightning_topk_fsdp"
+
+
+def mixed_precision_policy(precision: Optional[str]) -> Any:
+    """FSDP2's policy for Lightning's ``precision=`` flag: bf16 parameters with fp32 reduction for
+    ``"bf16-mixed"``; None (the module's own dtype) otherwise."""
+    if precision != "bf16-mixed":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+class TopKFSDPMixin:
+    """FSDP2 inside the node, the top-k exchange across nodes (see the module docstring).
+
+    Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (``config=`` as
+    for ``topk_ddp``); ``shard_modules``: class names of the submodules to ``fully_shard`` when
+    ``configure_model`` shards nothing (default: every child of each ``nn.ModuleList``, then the root). Other
+    keywords go to Lightning's ``ModelParallelStrategy`` (``timeout``, ``process_group_backend``).
+    """
+
+    def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
+                 **kwargs: Any) -> None:
+        if config is not None and not isinstance(config, TopKConfig):
+            raise ValueError(f"topk_fsdp: config must be a lightning_topk.TopKConfig, got {type(config).__name__}")
+        tp = kwargs.pop("tensor_parallel_size", "auto")
+        dp = kwargs.pop("data_parallel_size", "auto")
+        if tp != "auto" or dp != "auto":
+            raise ValueError("topk_fsdp: the mesh is (replicate=num_nodes, shard=devices per node); "
+                             "data_parallel_size and tensor_parallel_size cannot be set (tensor parallelism is "
+                             "not supported)")
+        if kwargs.get("save_distributed_checkpoint", True) is not True:
+            raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
+                             "and outer state are sharded with the parameters")
+        options = {k: kwargs.pop(k) for k in TopKConfig.option_names() if k in kwargs}
+        self.topk_config = replace(config, **options) if config is not None else TopKConfig(**options)
+        self.topk_shard_modules = list(shard_modules) if shard_modules else None
+        self.topk: Optional[ShardedTopK] = None
+        super().__init__(**kwargs)
+
+    @property
+    def topk_state(self) -> Any:
+        """The per-step exchange's state (None under local SGD or on one node)."""
+        return self.topk.state if self.topk is not None else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        # every process reads its own batches: FSDP shards parameters, not data
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._device_mesh = make_mesh(self.root_device.type, self.num_nodes, self.num_processes)
+        self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning_fabric.utilities.init import _materialize_distributed_module
+        from lightning_fabric.utilities.optimizer import _optimizers_to_device
+
+        if getattr(self.precision_plugin, "finishes_topk_step", False):
+            raise ValueError("topk_fsdp: TopKPrecision is not supported; use Lightning's precision flag "
+                             "(precision='bf16-mixed' gives FSDP2's bf16 parameters with fp32 reduction)")
+        self.accelerator.setup(trainer)
+        if not is_sharded(self.model):
+            policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", None))
+            shard_model(self.model, self.device_mesh, self.topk_shard_modules, policy)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        fitting = trainer.state.fn == pl.trainer.states.TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+            self.topk = ShardedTopK(self.topk_config, self.model, self.device_mesh, optimizers=self.optimizers)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        top = self.topk
+
+        def closure_then_decide() -> Any:
+            out = closure()
+            if top is not None and top.before_optimizer_step() is Decision.SKIP:
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.grad = None
+            return out
+
+        out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
+        if top is not None:
+            top.after_optimizer_step()
+        return out
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation: no reduce-scatter (and no exchange) until the last micro-batch."""
+        mods = [m for m in self.model.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for m in mods:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for m in mods:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def on_train_end(self) -> None:
+        if self.topk is not None:
+            self.topk.end_training()
+        super().on_train_end()
+
+    # ---- distributed checkpoints ----------------------------------------------------------------------
+    @override
+    def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        if self.topk is not None:
+            checkpoint[META_KEY] = shard_checkpoint.meta(self.topk)
+            checkpoint["state_dict"].update(shard_checkpoint.tensors(self.topk))
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        out = super().load_checkpoint(checkpoint_path, weights_only)
+        if self.topk is not None:
+            path = Path(self.broadcast(checkpoint_path))
+            if not path.is_dir():
+                raise ValueError(f"topk_fsdp: {path} is not a distributed checkpoint (a folder); topk_fsdp resumes "
+                                 "from the folders it saves")
+            note = shard_checkpoint.load(self.topk, path, out.get(META_KEY), wrap=lambda d: {"state_dict": d})
+            if self.global_rank == 0:
+                log.info("topk_fsdp: %s (%s)", note, path)
+        return out
+
+
+class TopKFSDPStrategy(TopKFSDPMixin, pl.strategies.ModelParallelStrategy):
+    """FSDP2 inside each node, the top-k exchange (``local_steps=0``) or sparse local SGD across nodes.
+
+    ``Trainer(strategy="topk_fsdp", num_nodes=N, devices=L)``; the options are :class:`TopKFSDPMixin`'s.
+    """
+
+    strategy_name = "topk_fsdp"

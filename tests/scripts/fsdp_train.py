@@ -1,0 +1,138 @@
+"""A small Transformer LM trained with a Trainer on an FSDP2 layout, as simulated nodes (start with
+tests.helpers.procs.run_nodes; --devices processes per node). Rank 0 writes OUT: the final full parameters, and
+every rank its residual sum and step counters in OUT.rank<r>.
+
+  --strategy topk | hsdp      TopKFSDPStrategy(...), or Lightning's ModelParallelStrategy with torch's HSDP
+                              (fully_shard on the 2-D mesh in configure_model): the reference
+  --density D --value-dtype V --exchange E --local-steps H --outer-value-bits B  top-k options
+  --user-shard                configure_model shards the blocks itself (fully_shard on device_mesh["shard"])
+  --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
+  --inject-step S             rank 0's loss is inf at global step S (nonfinite="skip": skipped on every rank)
+  --bad-mesh                  configure_model shards on the 2-D mesh under topk (must be refused)
+
+Every rank reads its own fixed batches (global rank r: rows r, r + W, ...; no sampler), in both strategies.
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from lightning_topk.lightning.fsdp import TopKFSDPStrategy  # noqa: E402
+from lightning_topk.models.components.transformer import TransformerLM  # noqa: E402
+
+warnings.filterwarnings("ignore")
+VOCAB, T = 64, 16
+
+
+class LM(pl.LightningModule):
+    def __init__(self, args):
+        super().__init__()
+        self.args = args
+        torch.manual_seed(0)
+        self.net = TransformerLM(VOCAB, d_model=32, layers=2, heads=2, ff_mult=2, max_len=T, dropout=0.0)
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        a = self.args
+        if a.strategy == "hsdp" or a.bad_mesh:
+            mesh = self.device_mesh
+        elif a.user_shard:
+            mesh = self.device_mesh["shard"]
+        else:
+            return  # topk_fsdp shards the blocks, then the root
+        for block in self.net.blocks.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, i):
+        (x,) = batch
+        logits = self.net(x[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        if self.args.inject_step == self.global_step and self.global_rank == 0:
+            loss = loss * float("inf")
+        self.log("loss", loss.detach(), prog_bar=False)
+        return loss
+
+    def configure_optimizers(self):
+        if self.args.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, foreach=False)
+
+
+def data(rank, world, n=64 * 8):
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randint(0, VOCAB, (n, T + 1), generator=g)
+    x[:, 1::2] = (x[:, 0::2][:, : x[:, 1::2].shape[1]] * 3 + 1) % VOCAB  # learnable structure
+    return TensorDataset(x[rank::world])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--strategy", default="topk")
+    p.add_argument("--out", required=True)
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--nodes", type=int, default=2)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--value-dtype", default="bf16")
+    p.add_argument("--exchange", default="auto")
+    p.add_argument("--local-steps", type=int, default=0)
+    p.add_argument("--outer-value-bits", type=int, default=4)
+    p.add_argument("--outer-density", type=float, default=0.1)
+    p.add_argument("--optimizer", default="sgd")
+    p.add_argument("--user-shard", action="store_true")
+    p.add_argument("--bad-mesh", action="store_true")
+    p.add_argument("--save")
+    p.add_argument("--resume")
+    p.add_argument("--inject-step", type=int, default=-1)
+    p.add_argument("--nonfinite", default="skip")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    if a.strategy == "hsdp":
+        strategy = pl.strategies.ModelParallelStrategy()
+    else:
+        opts = dict(density=a.density, value_dtype=a.value_dtype, exchange=a.exchange, nonfinite=a.nonfinite,
+                    min_sparse_numel=0, local_steps=a.local_steps)
+        if a.local_steps:
+            opts.update(outer_value_bits=a.outer_value_bits, outer_density=a.outer_density, outer_chunk=64,
+                        outer_recipe="average")
+        strategy = TopKFSDPStrategy(**opts)
+    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy,
+                         max_steps=a.steps, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+    model = LM(a)
+    world = a.devices * a.nodes
+    node = int(os.environ.get("NODE_RANK", 0))
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    rank = node * a.devices + local
+    loader = DataLoader(data(rank, world), batch_size=8, shuffle=False)
+    trainer.fit(model, loader, ckpt_path=a.resume)
+    if a.save:
+        trainer.save_checkpoint(a.save)
+    full = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
+            for n, p in model.named_parameters()}
+    st = getattr(trainer.strategy, "topk_state", None)
+    info = {"step": trainer.global_step, "loss": float(trainer.callback_metrics.get("loss", float("nan")))}
+    if st is not None:
+        res = st.residuals()
+        info.update(exchange_step=st.step, residual_sum=float(sum(t.double().sum() for t in res.values())),
+                    residual_abs=float(sum(t.double().abs().sum() for t in res.values())),
+                    residuals={k: v.clone() for k, v in res.items()},
+                    skipped=trainer.strategy.topk.controller.skipped_steps)
+    top = getattr(trainer.strategy, "topk", None)
+    if top is not None and top.outer is not None:
+        info.update(rounds=top.outer.stats.rounds)
+    torch.save(info, f"{a.out}.rank{trainer.global_rank}")
+    if trainer.global_rank == 0:
+        torch.save(full, a.out)
+
+
+if __name__ == "__main__":
+    main()
