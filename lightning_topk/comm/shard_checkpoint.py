@@ -3,13 +3,17 @@
 
 * ``_topk.residual.<replica>.<name>`` (and ``_topk.velocity.``): each replica's residual of a parameter, a
   ``DTensor`` sharded as the parameter is (each rank writes its shard: 4 B per parameter / processes per node);
-* ``_topk.rank<r>``: rank r's step counter and exchange sections (``exchange="auto"``'s plan, owner residuals);
-* ``_topk.outer.rank<r>``: rank r's local SGD outer state (θ_outer, momentum, error feedback of its shard).
 
-:func:`meta` (the layout) goes in the checkpoint's metadata. Loading at the saved layout restores every rank
+and, in files of their own inside the checkpoint folder (the checkpoint writer saves a plain tensor or object
+from the coordinator only), ``topk-rank<r>.pt``: rank r's step counter and exchange sections (``exchange="auto"``'s
+plan, owner residuals) or its local SGD outer state (θ_outer, momentum, error feedback of its shard), each with
+the save key of the checkpoint, written atomically.
+
+:func:`meta` (the layout and the save key) goes in the checkpoint's metadata. Loading at the saved layout restores every rank
 exactly. Per step, another number of nodes or of processes per node gives every new replica the average of the
 saved replicas' residuals, re-sharded by the checkpoint reader (the pending update, ``(1/R) Σ_r residual_r``,
-is unchanged); the exchange sections are dropped. Local SGD's outer state is restored at the saved layout only.
+is unchanged); the exchange sections are dropped. On one node (no cross-node exchange) the residuals are sent,
+densely, with the next step's gradient. Local SGD's outer state is restored at the saved layout only.
 """
 from __future__ import annotations
 
@@ -20,13 +24,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk import files
+
 PREFIX = "_topk"
 log = logging.getLogger(__name__)
 
 
-def meta(top: Any) -> Dict[str, Any]:
-    """The layout that a load compares with (the same on every rank)."""
-    return {"version": 1, "replicas": top.replicas, "local": top.local, "local_steps": top.config.local_steps,
+def meta(top: Any, key: str) -> Dict[str, Any]:
+    """The layout that a load compares with, and the save ``key`` the rank files must carry (the same on every
+    rank)."""
+    return {"version": 1, "key": key, "replicas": top.replicas, "local": top.local, "local_steps": top.config.local_steps,
             "residuals": top.state is not None, "velocity": bool(top.state is not None
                                                                 and top.state.config.momentum_correction)}
 
@@ -48,20 +55,41 @@ def _views(top: Any) -> List[Tuple[str, str, Any, Tensor]]:
     return out
 
 
+def rank_path(path: Any, rank: int) -> str:
+    return files.join(path, f"topk-rank{rank}.pt")
+
+
 def tensors(top: Any) -> Dict[str, Any]:
-    """This rank's entries of the distributed checkpoint (see the module docstring)."""
+    """This rank's ``DTensor`` entries of the distributed checkpoint (see the module docstring)."""
     out: Dict[str, Any] = {}
-    rank = dist.get_rank()
     if top.state is not None:
-        st = top.state
-        st.finish_in_flight()
+        top.state.finish_in_flight()
         for kind, name, fp, view in _views(top):
             out[f"{PREFIX}.{kind}.{top.replica}.{name}"] = fp.to_sharded_dtensor(view)
-        sections = {n: ex.state_dict() for n, ex in st.exchanges.items()}
-        out[f"{PREFIX}.rank{rank}"] = {"step": st.step, "exchanges": {n: sd for n, sd in sections.items() if sd}}
-    if top.outer is not None:
-        out[f"{PREFIX}.outer.rank{rank}"] = top.outer.state_dict()
     return out
+
+
+def save_rank(top: Any, path: Any, key: str) -> None:
+    """Write this rank's file into the checkpoint folder ``path`` (after the checkpoint writer made it)."""
+    sd: Dict[str, Any] = {"key": key}
+    if top.state is not None:
+        sections = {n: ex.state_dict() for n, ex in top.state.exchanges.items()}
+        sd.update(step=top.state.step, exchanges={n: s for n, s in sections.items() if s})
+    if top.outer is not None:
+        sd["outer"] = top.outer.state_dict()
+    files.atomic_torch_save(sd, rank_path(path, dist.get_rank()))
+
+
+def _read_rank(path: Any, rank: int, key: str) -> Dict[str, Any]:
+    where = rank_path(path, rank)
+    if not files.isfile(where):
+        raise ValueError(f"topk_fsdp: {where} is missing; the checkpoint's top-k state cannot be restored")
+    with files.open_read(where) as f:
+        sd = torch.load(f, map_location="cpu", weights_only=True)
+    if sd.get("key") != key:
+        raise ValueError(f"topk_fsdp: {where} belongs to another save ({sd.get('key')!r}, the checkpoint is {key!r}): "
+                         "a rank died before overwriting it")
+    return sd
 
 
 def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None) -> str:
@@ -82,12 +110,11 @@ def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None)
                 f"{saved['local']} processes, local_steps={saved.get('local_steps', 0)}; this run has "
                 f"{top.replicas} x {top.local}, local_steps={top.config.local_steps}. topk_fsdp restores local SGD's "
                 "outer state at the saved layout only")
-        box = {f"{PREFIX}.outer.rank{rank}": {}}
-        dcp_load(wrap(box), checkpoint_id=path)
-        top.outer.load_state_dict(box[f"{PREFIX}.outer.rank{rank}"])  # DCP sets loaded objects in place
+        top.outer.load_state_dict(_read_rank(path, rank, saved["key"])["outer"])
         return "local SGD's outer state restored"
-    if top.state is None or not saved.get("residuals"):
+    if not saved.get("residuals"):
         return "no residuals to restore"
+    top.carry_residuals()
     st = top.state
     views = _views(top)
     kinds = ["residual"] + (["velocity"] if saved.get("velocity") else [])
@@ -98,8 +125,6 @@ def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None)
             continue
         for r in replicas:
             box[f"{PREFIX}.{kind}.{r}.{name}"] = fp.to_sharded_dtensor(torch.zeros_like(view))
-    key = f"{PREFIX}.rank{rank if same else 0}"
-    box[key] = {}
     dcp_load(wrap(box), checkpoint_id=path)
     got = box
     for kind, name, fp, view in views:
@@ -108,7 +133,7 @@ def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None)
             continue
         parts = [got[f"{PREFIX}.{kind}.{r}.{name}"].to_local() for r in replicas]
         view.copy_(parts[0] if same else torch.stack(parts).mean(0))
-    own = got[key]
+    own = _read_rank(path, rank if same else 0, saved["key"])
     st.step = int(own["step"])
     st.undo.step = st.step
     if same:

@@ -129,14 +129,14 @@ class ShardedTopK:
             self._attach_step()
 
     # ---- per step -------------------------------------------------------------------------------------
-    def _attach_step(self) -> None:
+    def _attach_step(self, exchange: Optional[str] = None) -> None:
         cfg = self.config
         st = TopKState(cfg, process_group=self.inter, num_nodes=self.replicas)
         self.hooks = ShardHooks(st, self.specs, exchange_hook)
         for slots in self.hooks.slots:  # every rank holds every key of the sharded checkpoint
             st.buffers(slots, self.device)
         layout = Layout(self.replicas, 1, self.replica)
-        ex = cfg.exchange
+        ex = exchange or cfg.exchange
         if ex == "auto":
             st.exchange = st.exchanges["auto"] = build_auto(st, cfg, layout, self.device, saved=st.take_section("auto"))
         else:
@@ -146,6 +146,12 @@ class ShardedTopK:
             m.set_all_reduce_hook(self.hooks.hook(i))
         self.state = st
         self.controller = StepController(st, device=self.device, group=dist.group.WORLD)
+
+    def carry_residuals(self) -> None:
+        """One node, resuming a checkpoint that holds residuals: a dense exchange over the node's shard group of one
+        sends them with the next gradient (then they are zero, and each step is FSDP's own)."""
+        if self.state is None and self.outer is None:
+            self._attach_step("dense")
 
     def before_optimizer_step(self) -> Decision:
         """After the backward, before the optimizer step: the step's one decision (every rank alike); a skipped

@@ -143,10 +143,14 @@ class TopKFSDPMixin:
     # ---- distributed checkpoints ----------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        key = f"step{checkpoint.get('global_step')}-epoch{checkpoint.get('epoch')}"
         if self.topk is not None:
-            checkpoint[META_KEY] = shard_checkpoint.meta(self.topk)
+            checkpoint[META_KEY] = shard_checkpoint.meta(self.topk, key)
             checkpoint["state_dict"].update(shard_checkpoint.tensors(self.topk))
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.topk is not None:
+            shard_checkpoint.save_rank(self.topk, Path(self.broadcast(filepath)), key)
+            self.barrier()  # every rank's file is there before anyone reads the checkpoint
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -169,3 +173,11 @@ class TopKFSDPStrategy(TopKFSDPMixin, pl.strategies.ModelParallelStrategy):
     """
 
     strategy_name = "topk_fsdp"
+
+
+def unified_fsdp_class() -> type:
+    """The same strategy on ``lightning.pytorch``'s ``ModelParallelStrategy`` (the unified package)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return type("UnifiedTopKFSDPStrategy", (TopKFSDPMixin, ModelParallelStrategy),
+                {"__doc__": TopKFSDPStrategy.__doc__, "strategy_name": "topk_fsdp", "__module__": __name__})

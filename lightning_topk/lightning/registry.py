@@ -1,4 +1,5 @@
-"""Registers ``topk_ddp`` / ``topk_ddp_spawn`` / ``topk_local`` and ``topk_local_wan`` (sparse local SGD presets) in
+"""Registers ``topk_ddp`` / ``topk_ddp_spawn`` / ``topk_local`` and ``topk_local_wan`` (sparse local SGD presets), and
+``topk_fsdp`` / ``topk_fsdp_local`` (FSDP2 inside the node) in
 Lightning's strategy registries, idempotently.
 
 ``pytorch_lightning`` and ``lightning.pytorch`` keep separate registries with separate DDPStrategy base
@@ -19,6 +20,8 @@ LOCAL_DEFAULTS = dict(local_steps=16, outer_recipe="auto", outer_density=0.1, ou
 # parameter per inner step, against 0.011 for topk_local; outer.wire_bytes_per_param / local_steps).
 WAN_DEFAULTS = dict(LOCAL_DEFAULTS, local_steps=64, outer_density=0.02, outer_value_bits=2)
 PRESETS = {"topk_local": LOCAL_DEFAULTS, "topk_local_wan": WAN_DEFAULTS}
+# FSDP2 inside the node (lightning_topk.lightning.fsdp): per step, and the local SGD preset.
+FSDP_PRESETS = {"topk_fsdp": {}, "topk_fsdp_local": LOCAL_DEFAULTS}
 DESCRIPTIONS = {
     name: "Sparse local SGD (lightning_topk): {H} local steps, then a top-k outer step of {d:g} at {b} bits".format(
         H=p["local_steps"], d=p["outer_density"], b=p["outer_value_bits"]) for name, p in PRESETS.items()}
@@ -35,12 +38,21 @@ def _register(registry, cls) -> None:
         )
 
 
+def _register_fsdp(registry, cls) -> None:
+    for name, extra in FSDP_PRESETS.items():
+        if name not in registry:
+            what = "sparse local SGD across nodes" if extra else "the top-k exchange across nodes"
+            registry.register(name, cls, description=f"FSDP2 inside the node, {what} (lightning_topk)", **extra)
+
+
 def register_strategies() -> None:
     from pytorch_lightning.strategies import StrategyRegistry
 
+    from lightning_topk.lightning.fsdp import TopKFSDPStrategy, unified_fsdp_class
     from lightning_topk.lightning.strategy import TopKDDPStrategy
 
     _register(StrategyRegistry, TopKDDPStrategy)
+    _register_fsdp(StrategyRegistry, TopKFSDPStrategy)
     if importlib.util.find_spec("lightning") is not None:
         try:
             from lightning.pytorch.strategies import StrategyRegistry as LRegistry
@@ -49,6 +61,7 @@ def register_strategies() -> None:
         from lightning_topk.lightning.unified import UnifiedTopKDDPStrategy
 
         _register(LRegistry, UnifiedTopKDDPStrategy)
+        _register_fsdp(LRegistry, unified_fsdp_class())
     _register_fabric()
 
 

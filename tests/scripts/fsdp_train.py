@@ -2,8 +2,10 @@
 tests.helpers.procs.run_nodes; --devices processes per node). Rank 0 writes OUT: the final full parameters, and
 every rank its residual sum and step counters in OUT.rank<r>.
 
-  --strategy topk | hsdp      TopKFSDPStrategy(...), or Lightning's ModelParallelStrategy with torch's HSDP
-                              (fully_shard on the 2-D mesh in configure_model): the reference
+  --strategy topk | hsdp | avg  TopKFSDPStrategy(...); or Lightning's ModelParallelStrategy with torch's HSDP
+                              (fully_shard on the 2-D mesh in configure_model): the per-step reference; or
+                              (avg) FSDP on each node's processes and, every --local-steps steps, each parameter
+                              shard averaged over the nodes with torch.distributed.all_reduce: local SGD's
   --density D --value-dtype V --exchange E --local-steps H --outer-value-bits B  top-k options
   --user-shard                configure_model shards the blocks itself (fully_shard on device_mesh["shard"])
   --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
@@ -43,6 +45,8 @@ class LM(pl.LightningModule):
         a = self.args
         if a.strategy == "hsdp" or a.bad_mesh:
             mesh = self.device_mesh
+        elif a.strategy == "avg":
+            mesh = self.device_mesh["tensor_parallel"]  # ModelParallelStrategy's inner dimension: the node
         elif a.user_shard:
             mesh = self.device_mesh["shard"]
         else:
@@ -60,13 +64,23 @@ class LM(pl.LightningModule):
         self.log("loss", loss.detach(), prog_bar=False)
         return loss
 
+    def on_train_batch_end(self, outputs, batch, i):
+        if self.args.strategy == "avg" and (self.global_step % self.args.local_steps) == 0:
+            import torch.distributed as dist
+
+            group = self.device_mesh["data_parallel"].get_group()
+            with torch.no_grad():
+                for p in self.parameters():
+                    dist.all_reduce(p._local_tensor, group=group)
+                    p._local_tensor.div_(dist.get_world_size(group))
+
     def configure_optimizers(self):
         if self.args.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, foreach=False)
 
 
-def data(rank, world, n=64 * 8):
+def data(rank, world, n=256):
     g = torch.Generator().manual_seed(1234)
     x = torch.randint(0, VOCAB, (n, T + 1), generator=g)
     x[:, 1::2] = (x[:, 0::2][:, : x[:, 1::2].shape[1]] * 3 + 1) % VOCAB  # learnable structure
@@ -95,7 +109,7 @@ def main():
     p.add_argument("--nonfinite", default="skip")
     a = p.parse_args()
     torch.set_num_threads(1)
-    if a.strategy == "hsdp":
+    if a.strategy in ("hsdp", "avg"):
         strategy = pl.strategies.ModelParallelStrategy()
     else:
         opts = dict(density=a.density, value_dtype=a.value_dtype, exchange=a.exchange, nonfinite=a.nonfinite,
