@@ -23,6 +23,7 @@ from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shar
 
 log = logging.getLogger(__name__)
 META_KEY = "lightning_topk_fsdp"
+DDP_ONLY = ("start_method", "bucket_cap_mb", "find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
 
 def mixed_precision_policy(precision: Optional[str]) -> Any:
@@ -54,6 +55,9 @@ class TopKFSDPMixin:
             raise ValueError("topk_fsdp: the mesh is (replicate=num_nodes, shard=devices per node); "
                              "data_parallel_size and tensor_parallel_size cannot be set (tensor parallelism is "
                              "not supported)")
+        for name in DDP_ONLY:  # the Hydra config shares topk_ddp's file, where these stay null for topk_fsdp
+            if kwargs.pop(name, None) not in (None, False):
+                raise ValueError(f"topk_fsdp: {name} is an option of DDP, which topk_fsdp does not use")
         if kwargs.get("save_distributed_checkpoint", True) is not True:
             raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
                              "and outer state are sharded with the parameters")

@@ -105,13 +105,16 @@ def test_every_experiment_composes_with_every_strategy(cfg_env):
     experiment, `strategy=topk_local` used to fail (its pinned exchange contradicts local_steps) and
     `strategy=ddp` handed DistributedDataParallel a `density` keyword."""
     from lightning_topk.comm import TopKConfig
+    from lightning_topk.lightning.fsdp import TopKFSDPStrategy
 
     topk_keys = set(TopKConfig.option_names())
     for exp in options("experiment"):
         for name in options("strategy"):
             node = cfg_env(f"experiment={exp}", f"strategy={name}").strategy
             s = instantiate(node)  # TopKConfig validates here
-            if not isinstance(s, lightning_topk.TopKDDPStrategy):
+            if isinstance(s, TopKFSDPStrategy):  # topk_ddp's options, DDP's own left out
+                assert name.startswith("topk_fsdp") and s.topk_config.density == 0.01, (exp, name)
+            elif not isinstance(s, lightning_topk.TopKDDPStrategy):
                 assert not topk_keys & set(node), (exp, name, sorted(topk_keys & set(node)))
             elif name == "topk_ddp" and exp == "quick":
                 assert s.topk_config.exchange == "allgather" and s.topk_config.min_sparse_numel == 4096
