@@ -61,7 +61,7 @@ class ShardHooks:
         self.state = state
         self._exchange_hook = exchange_hook
         self.slots: List[List[ShardSlot]] = []
-        named = []
+        named: List[Tuple[str, Any]] = []
         for names, numels in groups:
             slots = [ShardSlot(n) for n in numels]
             self.slots.append(slots)

@@ -1,39 +1,39 @@
-"""Sharded checkpoints of :class:`~lightning_topk.comm.sharded.ShardedTopK` through ``torch.distributed.checkpoint``
-(torch only). The entries go beside the model's in the same distributed checkpoint, under ``_topk.``:
+"""Sharded checkpoints of :class:`~lightning_topk.comm.sharded.ShardedTopK` (torch only), in a ``topk/`` folder
+inside the model's distributed checkpoint folder (Lightning's and Fabric's alike):
 
-* ``_topk.residual.<replica>.<name>`` (and ``_topk.velocity.``): each replica's residual of a parameter, a
-  ``DTensor`` sharded as the parameter is (each rank writes its shard: 4 B per parameter / processes per node);
+* a ``torch.distributed.checkpoint`` of the residuals: ``_topk.residual.<replica>.<name>`` (and ``_topk.velocity.``),
+  each replica's residual of a parameter as a ``DTensor`` sharded as the parameter is (each rank writes its shard:
+  4 B per parameter / processes per node);
+* ``rank<r>.pt`` (the checkpoint writer saves plain tensors and objects from the coordinator only, so these are
+  files of their own, written atomically): rank r's layout (:func:`meta`), step counter and exchange sections
+  (``exchange="auto"``'s plan, owner residuals) or its local SGD outer state (θ_outer, momentum, error feedback of
+  its shard), with the save's key, so a stale file (a rank that died before overwriting it) is detected.
 
-and, in files of their own inside the checkpoint folder (the checkpoint writer saves a plain tensor or object
-from the coordinator only), ``topk-rank<r>.pt``: rank r's step counter and exchange sections (``exchange="auto"``'s
-plan, owner residuals) or its local SGD outer state (θ_outer, momentum, error feedback of its shard), each with
-the save key of the checkpoint, written atomically.
-
-:func:`meta` (the layout and the save key) goes in the checkpoint's metadata. Loading at the saved layout restores every rank
-exactly. Per step, another number of nodes or of processes per node gives every new replica the average of the
-saved replicas' residuals, re-sharded by the checkpoint reader (the pending update, ``(1/R) Σ_r residual_r``,
-is unchanged); the exchange sections are dropped. On one node (no cross-node exchange) the residuals are sent,
-densely, with the next step's gradient. Local SGD's outer state is restored at the saved layout only.
+Loading at the saved layout restores every rank exactly. Per step, another number of nodes or of processes per node
+gives every new replica the average of the saved replicas' residuals, re-sharded by the checkpoint reader (the
+pending update, ``(1/R) Σ_r residual_r``, is unchanged); the exchange sections are dropped. On one node (no cross-node
+exchange) the residuals are sent, densely, with the next step's gradient. Local SGD's outer state is restored at the
+saved layout only.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Tuple
+import uuid
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk import files
+import lightning_topk.files as files
 
 PREFIX = "_topk"
 log = logging.getLogger(__name__)
 
 
-def meta(top: Any, key: str) -> Dict[str, Any]:
-    """The layout that a load compares with, and the save ``key`` the rank files must carry (the same on every
-    rank)."""
-    return {"version": 1, "key": key, "replicas": top.replicas, "local": top.local, "local_steps": top.config.local_steps,
+def meta(top: Any) -> Dict[str, Any]:
+    """The layout that a load compares with (the same on every rank)."""
+    return {"version": 1, "replicas": top.replicas, "local": top.local, "local_steps": top.config.local_steps,
             "residuals": top.state is not None, "velocity": bool(top.state is not None
                                                                 and top.state.config.momentum_correction)}
 
@@ -55,8 +55,13 @@ def _views(top: Any) -> List[Tuple[str, str, Any, Tensor]]:
     return out
 
 
+def folder(path: Any) -> str:
+    """Where the top-k state of the checkpoint folder ``path`` lives."""
+    return files.join(path, "topk")
+
+
 def rank_path(path: Any, rank: int) -> str:
-    return files.join(path, f"topk-rank{rank}.pt")
+    return files.join(folder(path), f"rank{rank}.pt")
 
 
 def tensors(top: Any) -> Dict[str, Any]:
@@ -69,39 +74,48 @@ def tensors(top: Any) -> Dict[str, Any]:
     return out
 
 
-def save_rank(top: Any, path: Any, key: str) -> None:
-    """Write this rank's file into the checkpoint folder ``path`` (after the checkpoint writer made it)."""
-    sd: Dict[str, Any] = {"key": key}
+def save(top: Any, path: Any) -> None:
+    """Save ``top``'s state into the checkpoint folder ``path`` (a collective: every rank, after the model's
+    checkpoint was written there)."""
+    from torch.distributed.checkpoint import save as dcp_save
+
+    box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    sd: Dict[str, Any] = {"key": box[0], "meta": meta(top)}
+    dtensors = tensors(top)
+    if dtensors:
+        dcp_save(dtensors, checkpoint_id=folder(path))
     if top.state is not None:
         sections = {n: ex.state_dict() for n, ex in top.state.exchanges.items()}
         sd.update(step=top.state.step, exchanges={n: s for n, s in sections.items() if s})
     if top.outer is not None:
         sd["outer"] = top.outer.state_dict()
     files.atomic_torch_save(sd, rank_path(path, dist.get_rank()))
+    dist.barrier()  # every rank's file is written before anyone reads the checkpoint
 
 
-def _read_rank(path: Any, rank: int, key: str) -> Dict[str, Any]:
+def _read_rank(path: Any, rank: int, key: Any = None) -> Dict[str, Any]:
     where = rank_path(path, rank)
     if not files.isfile(where):
         raise ValueError(f"topk_fsdp: {where} is missing; the checkpoint's top-k state cannot be restored")
     with files.open_read(where) as f:
         sd = torch.load(f, map_location="cpu", weights_only=True)
-    if sd.get("key") != key:
+    if key is not None and sd.get("key") != key:
         raise ValueError(f"topk_fsdp: {where} belongs to another save ({sd.get('key')!r}, the checkpoint is {key!r}): "
                          "a rank died before overwriting it")
     return sd
 
 
-def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None) -> str:
-    """Restore this rank's state from the distributed checkpoint at ``path`` whose metadata ``saved`` is
-    :func:`meta`'s (None: a checkpoint without top-k state: residuals start at zero). ``wrap``: how the caller
-    nests its entries in the checkpoint (Lightning: under ``state_dict``). Returns what was done, in words."""
+def load(top: Any, path: Any) -> str:
+    """Restore this rank's state from the checkpoint folder ``path`` (a collective). A checkpoint without top-k
+    state (plain FSDP) leaves the residuals at zero. Returns what was done, in words."""
     from torch.distributed.checkpoint import load as dcp_load
 
-    wrap = wrap or (lambda d: d)
     rank = dist.get_rank()
-    if saved is None:
+    if not files.isfile(rank_path(path, 0)):
         return "the checkpoint holds no top-k state: residuals start at zero"
+    first = _read_rank(path, 0)
+    saved, key = first["meta"], first["key"]
     same = saved["replicas"] == top.replicas and saved["local"] == top.local
     if top.outer is not None or saved.get("local_steps", 0) > 0:
         if not (same and top.outer is not None and saved.get("local_steps", 0) > 0):
@@ -110,7 +124,7 @@ def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None)
                 f"{saved['local']} processes, local_steps={saved.get('local_steps', 0)}; this run has "
                 f"{top.replicas} x {top.local}, local_steps={top.config.local_steps}. topk_fsdp restores local SGD's "
                 "outer state at the saved layout only")
-        top.outer.load_state_dict(_read_rank(path, rank, saved["key"])["outer"])
+        top.outer.load_state_dict(_read_rank(path, rank, key)["outer"])
         return "local SGD's outer state restored"
     if not saved.get("residuals"):
         return "no residuals to restore"
@@ -125,15 +139,15 @@ def load(top: Any, path: Any, saved: Optional[Dict[str, Any]], wrap: Any = None)
             continue
         for r in replicas:
             box[f"{PREFIX}.{kind}.{r}.{name}"] = fp.to_sharded_dtensor(torch.zeros_like(view))
-    dcp_load(wrap(box), checkpoint_id=path)
+    dcp_load(box, checkpoint_id=folder(path))
     got = box
-    for kind, name, fp, view in views:
+    for kind, name, _, view in views:
         if kind not in kinds:
             view.zero_()
             continue
         parts = [got[f"{PREFIX}.{kind}.{r}.{name}"].to_local() for r in replicas]
         view.copy_(parts[0] if same else torch.stack(parts).mean(0))
-    own = _read_rank(path, rank if same else 0, saved["key"])
+    own = _read_rank(path, rank, key) if same else first
     st.step = int(own["step"])
     st.undo.step = st.step
     if same:

@@ -134,7 +134,7 @@ class ShardedTopK:
         st = TopKState(cfg, process_group=self.inter, num_nodes=self.replicas)
         self.hooks = ShardHooks(st, self.specs, exchange_hook)
         for slots in self.hooks.slots:  # every rank holds every key of the sharded checkpoint
-            st.buffers(slots, self.device)
+            st.buffers(slots, self.device)  # type: ignore[arg-type]  # slots read as parameters (numel)
         layout = Layout(self.replicas, 1, self.replica)
         ex = exchange or cfg.exchange
         if ex == "auto":

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Generator, Optional, Sequence
 
@@ -20,9 +19,10 @@ from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
+from lightning_topk.lightning.strategy import config_from
+from lightning_topk.lightning.telemetry import TelemetryMixin
 
 log = logging.getLogger(__name__)
-META_KEY = "lightning_topk_fsdp"
 DDP_ONLY = ("start_method", "bucket_cap_mb", "find_unused_parameters", "static_graph", "gradient_as_bucket_view")
 
 
@@ -36,7 +36,25 @@ def mixed_precision_policy(precision: Optional[str]) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-class TopKFSDPMixin:
+def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any]) -> TopKConfig:
+    """The options of a ``topk_fsdp`` strategy (Trainer or Fabric), taken out of ``kwargs``; refuses what does not
+    apply (a mesh of other sizes, tensor parallelism, DDP's options, full-state checkpoints)."""
+    tp = kwargs.pop("tensor_parallel_size", "auto")
+    dp = kwargs.pop("data_parallel_size", "auto")
+    if tp != "auto" or dp != "auto":
+        raise ValueError("topk_fsdp: the mesh is (replicate=num_nodes, shard=devices per node); "
+                         "data_parallel_size and tensor_parallel_size cannot be set (tensor parallelism is "
+                         "not supported)")
+    for name in DDP_ONLY:  # the Hydra config shares topk_ddp's file, where these stay null for topk_fsdp
+        if kwargs.pop(name, None) not in (None, False):
+            raise ValueError(f"topk_fsdp: {name} is an option of DDP, which topk_fsdp does not use")
+    if kwargs.get("save_distributed_checkpoint", True) is not True:
+        raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
+                         "and outer state are sharded with the parameters")
+    return config_from(config, kwargs, "topk_fsdp")
+
+
+class TopKFSDPMixin(TelemetryMixin):
     """FSDP2 inside the node, the top-k exchange across nodes (see the module docstring).
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (``config=`` as
@@ -47,22 +65,7 @@ class TopKFSDPMixin:
 
     def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
                  **kwargs: Any) -> None:
-        if config is not None and not isinstance(config, TopKConfig):
-            raise ValueError(f"topk_fsdp: config must be a lightning_topk.TopKConfig, got {type(config).__name__}")
-        tp = kwargs.pop("tensor_parallel_size", "auto")
-        dp = kwargs.pop("data_parallel_size", "auto")
-        if tp != "auto" or dp != "auto":
-            raise ValueError("topk_fsdp: the mesh is (replicate=num_nodes, shard=devices per node); "
-                             "data_parallel_size and tensor_parallel_size cannot be set (tensor parallelism is "
-                             "not supported)")
-        for name in DDP_ONLY:  # the Hydra config shares topk_ddp's file, where these stay null for topk_fsdp
-            if kwargs.pop(name, None) not in (None, False):
-                raise ValueError(f"topk_fsdp: {name} is an option of DDP, which topk_fsdp does not use")
-        if kwargs.get("save_distributed_checkpoint", True) is not True:
-            raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
-                             "and outer state are sharded with the parameters")
-        options = {k: kwargs.pop(k) for k in TopKConfig.option_names() if k in kwargs}
-        self.topk_config = replace(config, **options) if config is not None else TopKConfig(**options)
+        self.topk_config = fsdp_options(config, kwargs)
         self.topk_shard_modules = list(shard_modules) if shard_modules else None
         self.topk: Optional[ShardedTopK] = None
         super().__init__(**kwargs)
@@ -123,6 +126,7 @@ class TopKFSDPMixin:
         out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
         if top is not None:
             top.after_optimizer_step()
+        self._log_topk()
         return out
 
     @contextmanager
@@ -147,28 +151,24 @@ class TopKFSDPMixin:
     # ---- distributed checkpoints ----------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: Dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        key = f"step{checkpoint.get('global_step')}-epoch{checkpoint.get('epoch')}"
-        if self.topk is not None:
-            checkpoint[META_KEY] = shard_checkpoint.meta(self.topk, key)
-            checkpoint["state_dict"].update(shard_checkpoint.tensors(self.topk))
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.topk is not None:
-            shard_checkpoint.save_rank(self.topk, Path(self.broadcast(filepath)), key)
-            self.barrier()  # every rank's file is there before anyone reads the checkpoint
+            shard_checkpoint.save(self.topk, Path(self.broadcast(filepath)))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         out = super().load_checkpoint(checkpoint_path, weights_only)
         if self.topk is not None:
-            path = Path(self.broadcast(checkpoint_path))
-            if not path.is_dir():
-                raise ValueError(f"topk_fsdp: {path} is not a distributed checkpoint (a folder); topk_fsdp resumes "
-                                 "from the folders it saves")
-            note = shard_checkpoint.load(self.topk, path, out.get(META_KEY), wrap=lambda d: {"state_dict": d})
-            if self.global_rank == 0:
-                log.info("topk_fsdp: %s (%s)", note, path)
+            self._load_topk(Path(self.broadcast(checkpoint_path)))
         return out
 
+    def _load_topk(self, path: Path) -> None:
+        if not path.is_dir():
+            raise ValueError(f"topk_fsdp: {path} is not a distributed checkpoint (a folder); topk_fsdp resumes "
+                             "from the folders it saves")
+        note = shard_checkpoint.load(self.topk, path)
+        if self.global_rank == 0:
+            log.info("topk_fsdp: %s (%s)", note, path)
 
 class TopKFSDPStrategy(TopKFSDPMixin, pl.strategies.ModelParallelStrategy):
     """FSDP2 inside each node, the top-k exchange (``local_steps=0``) or sparse local SGD across nodes.

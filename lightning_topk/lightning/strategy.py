@@ -22,7 +22,6 @@ from lightning_topk.comm.exchanges import Layout, exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
 from lightning_topk.comm.state import TopKState
-from lightning_topk.comm.telemetry import StepStats
 from lightning_topk.lightning.faults import Heartbeat
 from lightning_topk.lightning.strategy_concerns import (
     BucketsMixin,
@@ -31,12 +30,13 @@ from lightning_topk.lightning.strategy_concerns import (
     ReducerBypassMixin,
     RunEventsMixin,
 )
-from lightning_topk.lightning.telemetry import attach
+from lightning_topk.lightning.telemetry import TelemetryMixin
 
 log = logging.getLogger(__name__)
 
 
-class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin):
+class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin,
+                        TelemetryMixin):
     """Adds the top-k exchange to a DDPStrategy subclass.
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (documented
@@ -51,10 +51,7 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
         for bad in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if kwargs.get(bad) is not None:
                 raise ValueError(f"topk_ddp: {bad} cannot be set; the strategy registers its own top-k comm hook")
-        if config is not None and not isinstance(config, TopKConfig):
-            raise ValueError(f"topk_ddp: config must be a lightning_topk.TopKConfig, got {type(config).__name__}")
-        options = {k: kwargs.pop(k) for k in TopKConfig.option_names() if k in kwargs}
-        self.topk_config = replace(config, **options) if config is not None else TopKConfig(**options)
+        self.topk_config = config_from(config, kwargs, "topk_ddp")
         self.topk_state: Optional[TopKState] = None
         self.topk_controller: Optional[StepController] = None
         self._pending_topk_state: Optional[Dict[str, Any]] = None
@@ -67,10 +64,6 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
         if "bucket_cap_mb" in kwargs and kwargs["bucket_cap_mb"] is None:
             del kwargs["bucket_cap_mb"]  # null in a config: the bucket rule's choice
         super().__init__(**kwargs)
-
-    @property
-    def log_telemetry(self) -> bool:
-        return self.topk_config.log_telemetry
 
     @override
     def _configure_launcher(self) -> None:
@@ -165,17 +158,6 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
         """Whether every bucket takes a hierarchical exchange (see :meth:`TopKConfig.use_hierarchical`)."""
         return self.topk_config.use_hierarchical(self.num_nodes, self.num_processes)
 
-    # ---- telemetry ----------------------------------------------------------------------------
-    @property
-    def topk_stats(self) -> StepStats:
-        """Telemetry of the last completed exchange on this rank (bytes, density, times)."""
-        return self.topk_state.last.resolve() if self.topk_state is not None else StepStats()
-
-    @property
-    def topk_totals(self) -> StepStats:
-        """Telemetry summed over all exchanges since the state was created."""
-        return self.topk_state.totals.resolve() if self.topk_state is not None else StepStats()
-
     # ---- one decision per step ----------------------------------------------------------------
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -246,12 +228,13 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
         """The exchange of the hooks' state (None before the hooks exist)."""
         return self.topk_state.exchange if self.topk_state is not None else None
 
-    def _log_topk(self) -> None:
-        """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
-        ``LightningModule.log``: see :mod:`lightning_topk.lightning.telemetry`). Called after each step."""
-        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
-        if self.log_telemetry and trainer is not None:
-            attach(self, trainer)
+
+def config_from(config: Optional[TopKConfig], kwargs: Dict[str, Any], strategy: str) -> TopKConfig:
+    """The strategy's options: ``config`` with the keywords named like its fields taken out of ``kwargs``."""
+    if config is not None and not isinstance(config, TopKConfig):
+        raise ValueError(f"{strategy}: config must be a lightning_topk.TopKConfig, got {type(config).__name__}")
+    options = {k: kwargs.pop(k) for k in TopKConfig.option_names() if k in kwargs}
+    return replace(config, **options) if config is not None else TopKConfig(**options)
 
 
 def ddp_super(strategy: Any) -> Any:

@@ -107,3 +107,29 @@ def _callback_base(trainer) -> type:
     else:
         from pytorch_lightning import Callback
     return Callback
+
+
+class TelemetryMixin:
+    """The strategies' telemetry: ``topk_stats`` / ``topk_totals`` read the hooks' state (``topk_state``), and
+    :meth:`_log_topk`, called after each optimizer step, keeps the logging callback in ``trainer.callbacks``."""
+
+    @property
+    def log_telemetry(self) -> bool:
+        return self.topk_config.log_telemetry
+
+    @property
+    def topk_stats(self) -> StepStats:
+        """Telemetry of the last completed exchange on this rank (bytes, density, times)."""
+        return self.topk_state.last.resolve() if self.topk_state is not None else StepStats()
+
+    @property
+    def topk_totals(self) -> StepStats:
+        """Telemetry summed over all exchanges since the state was created."""
+        return self.topk_state.totals.resolve() if self.topk_state is not None else StepStats()
+
+    def _log_topk(self) -> None:
+        """Make sure the telemetry callback is in ``trainer.callbacks`` (it logs ``topk/*`` through
+        ``LightningModule.log``). Called after each step."""
+        trainer = getattr(self.lightning_module, "_trainer", None) if self.lightning_module is not None else None
+        if self.log_telemetry and trainer is not None:
+            attach(self, trainer)

@@ -25,8 +25,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from lightning_topk.lightning.fsdp import TopKFSDPStrategy  # noqa: E402
-from lightning_topk.models.components.transformer import TransformerLM  # noqa: E402
+from lightning_topk.lightning.fsdp import TopKFSDPStrategy
+from lightning_topk.models.components.transformer import TransformerLM
 
 warnings.filterwarnings("ignore")
 VOCAB, T = 64, 16
