@@ -55,16 +55,17 @@ def is_sharded(module: nn.Module) -> bool:
 
 
 def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[str]] = None,
-                mp_policy: Any = None) -> None:
+                mp_policy: Any = None, root: bool = False) -> None:
     """``fully_shard`` a LightningModule's network on the node's processes (``mesh["shard"]``): first every
     submodule whose class name is in ``shard_modules``, or, by default, every child of each ``nn.ModuleList`` (a
     Transformer's blocks), then each direct child of ``module`` that holds parameters (what is left: embeddings,
     head). ``module`` itself is not sharded: Lightning calls ``training_step``, not its ``forward``, so its
-    children are FSDP's roots. ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``."""
+    children are FSDP's roots. ``root``: the caller calls ``module``'s forward (Fabric): it is sharded last, as the
+    one root. ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``."""
     from torch.distributed.fsdp import fully_shard
 
     own = [n for n, _ in module.named_parameters(recurse=False)]
-    if own:
+    if own and not root:
         raise ValueError(f"topk_fsdp: {type(module).__name__} holds parameters {own} itself, which FSDP cannot shard "
                          "(Lightning never calls its forward); put them in a submodule, or shard in configure_model")
     kw: Dict[str, Any] = {"mesh": mesh["shard"]}
@@ -82,6 +83,9 @@ def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[s
         parts = [c for m in module.modules() if isinstance(m, nn.ModuleList) for c in m]
     for m in parts:
         fully_shard(m, **kw)
+    if root:
+        fully_shard(module, **kw)
+        return
     for child in module.children():
         if any(True for _ in child.parameters()) and not hasattr(child, "_get_fsdp_state"):
             fully_shard(child, **kw)
@@ -152,6 +156,11 @@ class ShardedTopK:
         sends them with the next gradient (then they are zero, and each step is FSDP's own)."""
         if self.state is None and self.outer is None:
             self._attach_step("dense")
+
+    def use_optimizers(self, optimizers: Sequence[Any]) -> None:
+        """The inner optimizers, once known (Fabric sets them up after the module): local SGD's outer step."""
+        if self.outer is not None:
+            self.outer.use_optimizers(optimizers)
 
     def before_optimizer_step(self) -> Decision:
         """After the backward, before the optimizer step: the step's one decision (every rank alike); a skipped

@@ -67,6 +67,7 @@ def register_strategies() -> None:
 
 def _register_fabric() -> None:
     from lightning_topk.lightning.fabric import FABRIC_PACKAGES, fabric_strategy_class
+    from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
 
     for package in FABRIC_PACKAGES:
         try:
@@ -76,3 +77,4 @@ def _register_fabric() -> None:
         except ImportError:  # a broken or partial install must not break ours
             continue
         _register(registry, fabric_strategy_class(package))
+        _register_fsdp(registry, fabric_fsdp_class(package))

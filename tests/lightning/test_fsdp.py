@@ -84,3 +84,21 @@ def test_local_sgd_with_dense_outer_values_equals_per_shard_averaging(tmp_path):
     assert max_diff(ref, ours) <= 2e-6
     low, _ = train(tmp_path, "local4", "--local-steps", "4", "--steps", "8")
     assert max_diff(ref, low) > 1e-5  # the compressed outer round is in the loop
+
+
+def _fabric(tmp_path, tag, *args):
+    out = tmp_path / f"{tag}.pt"
+    run_nodes(["tests/scripts/fsdp_fabric.py", "--out", out, *args], num_nodes=2, timeout=400)
+    return torch.load(out), [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(4)]
+
+
+def test_fabric_density_one_equals_torch_hsdp_and_resumes_exactly(tmp_path):
+    ref, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
+    dense, ranks = _fabric(tmp_path, "fdense", "--density", "1", "--value-dtype", "fp32", "--steps", "8")
+    assert ranks[0]["exchange_step"] == 8
+    assert max_diff(ref, dense) <= 1e-6
+    ck = tmp_path / "fck"
+    full, fr = _fabric(tmp_path, "ffull", "--density", "0.05", "--steps", "8", "--save-at", "4", "--save", ck)
+    resumed, rr = _fabric(tmp_path, "fres", "--density", "0.05", "--steps", "8", "--resume", ck)
+    assert max_diff(full, resumed) == 0.0
+    assert [r["residual_sum"] for r in rr] == [r["residual_sum"] for r in fr] and fr[0]["residual_sum"] != 0.0

@@ -101,8 +101,7 @@ class OuterState:
         self.flight = Flight()
         self._unapplied: Optional[Dict[str, Any]] = None  # the state before apply_in_flight (what a checkpoint keeps)
         self.stats = OuterStats()
-        self.rule = outer_step_for(config, optimizers, R)  # the outer step: lr, momentum, Nesterov, or identity
-        self.guard = AmplifyGuard(self.rule, first_replica)
+        self.use_optimizers(optimizers)
         if first_replica():
             log.info("topk_local: outer step lr=%g momentum=%g nesterov=%s%s (%s)", self.rule.lr, self.rule.momentum,
                      self.rule.nesterov, " identity" if self.rule.identity else "", self.rule.why)
@@ -110,6 +109,12 @@ class OuterState:
             log.warning("topk_local: outer_streaming with outer_momentum=%g: outer momentum applied one round late "
                         "diverged on the namespace cluster (docs/local_sgd.md); use outer_momentum=0 with streaming",
                         self.rule.momentum)
+
+    def use_optimizers(self, optimizers: Optional[Sequence[Any]]) -> None:
+        """The outer step for these inner optimizers (``outer_recipe="auto"``; None: unknown): lr, momentum,
+        Nesterov, or the identity. Fabric sets the optimizers up after the module, so it is chosen again then."""
+        self.rule = outer_step_for(self.config, optimizers, replica_count(self.inter))
+        self.guard = AmplifyGuard(self.rule, first_replica)
 
     @property
     def owner_ef(self) -> Tensor:

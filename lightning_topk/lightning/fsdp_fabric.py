@@ -1,0 +1,108 @@
+"""``Fabric(strategy="topk_fsdp")``: FSDP2 inside the node and the top-k exchange (or local SGD) across nodes, for
+Lightning Fabric (``lightning.fabric`` and the standalone ``lightning_fabric``). As with the Trainer
+(:mod:`lightning_topk.lightning.fsdp`), the algorithm is :class:`~lightning_topk.comm.sharded.ShardedTopK`:
+
+* ``fabric.setup_module(model)`` shards ``model`` on the node's processes: by ``parallelize_fn(model, mesh)`` when
+  given (``mesh`` is the ``(replicate, shard)`` mesh: shard on ``mesh["shard"]``), else every child of each
+  ``nn.ModuleList``, then ``model`` itself;
+* ``optimizer.step()`` takes the step's decision first (a skipped step leaves every parameter), and counts local SGD's
+  inner steps;
+* ``fabric.save(path, state)`` / ``fabric.load(path, state)`` write and read the residuals and outer state in the
+  distributed checkpoint folder (:mod:`lightning_topk.comm.shard_checkpoint`).
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Sequence
+
+from lightning_topk.comm import shard_checkpoint
+from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.controller import Decision
+from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
+from lightning_topk.lightning.fabric import FABRIC_PACKAGES
+from lightning_topk.lightning.fsdp import fsdp_options, mixed_precision_policy
+
+
+class _FabricTopKFSDPMixin:
+    """The Fabric adapter (see the module docstring)."""
+
+    def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
+                 parallelize_fn: Optional[Callable[[Any, Any], Any]] = None, **kwargs: Any) -> None:
+        self.topk_config = fsdp_options(config, kwargs)
+        self.topk_shard_modules = list(shard_modules) if shard_modules else None
+        self._topk_user_parallelize = parallelize_fn
+        self.topk: Optional[ShardedTopK] = None
+        super().__init__(parallelize_fn=self._topk_parallelize, **kwargs)
+
+    @property
+    def topk_state(self) -> Any:
+        return self.topk.state if self.topk is not None else None
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._device_mesh = make_mesh(self.root_device.type, self.num_nodes, self.num_processes)
+
+    def _topk_parallelize(self, module: Any, mesh: Any) -> Any:
+        if self._topk_user_parallelize is not None:
+            module = self._topk_user_parallelize(module, mesh)
+        if not is_sharded(module):
+            policy = mixed_precision_policy(getattr(self.precision, "precision", None))
+            shard_model(module, mesh, self.topk_shard_modules, policy, root=True)
+        return module
+
+    def setup_module(self, module: Any) -> Any:
+        module = super().setup_module(module)
+        self.topk = ShardedTopK(self.topk_config, module, self.device_mesh)
+        return module
+
+    def setup_optimizer(self, optimizer: Any) -> Any:
+        optimizer = super().setup_optimizer(optimizer)
+        if self.topk is not None:
+            self.topk.use_optimizers([optimizer])
+        return optimizer
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        top = self.topk
+        if top is not None and top.before_optimizer_step() is Decision.SKIP:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None
+        out = super().optimizer_step(optimizer, **kwargs)
+        if top is not None:
+            top.after_optimizer_step()
+        return out
+
+    def save_checkpoint(self, path: Any, state: Dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[Dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+        if self.topk is not None:
+            shard_checkpoint.save(self.topk, Path(self.broadcast(path)))
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: Optional[bool] = None) -> Dict[str, Any]:
+        out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if self.topk is not None:
+            shard_checkpoint.load(self.topk, Path(self.broadcast(path)))
+        return out
+
+    def on_train_end(self) -> None:
+        """Call at the end of the loop under local SGD with ``outer_streaming``: the last round's update lands."""
+        if self.topk is not None:
+            self.topk.end_training()
+
+
+@functools.lru_cache(maxsize=None)
+def fabric_fsdp_class(package: str) -> type:
+    """``topk_fsdp`` for the Fabric package ``package`` (``lightning.fabric`` or ``lightning_fabric``)."""
+    if package not in FABRIC_PACKAGES:
+        raise ValueError(f"fabric_fsdp_class: package must be one of {FABRIC_PACKAGES}, got {package!r}")
+    base = importlib.import_module(f"{package}.strategies").ModelParallelStrategy
+    return type("TopKFSDPStrategy", (_FabricTopKFSDPMixin, base), {
+        "__doc__": f"FSDP2 inside the node, the top-k exchange across nodes, for ``{package}.Fabric``.",
+        "__module__": __name__, "strategy_name": "topk_fsdp"})

@@ -1,0 +1,79 @@
+"""``Fabric(strategy="topk_fsdp")`` with a hand-written loop on tests/scripts/fsdp_train.py's model and batches, as
+simulated nodes (tests.helpers.procs.run_nodes; 2 processes per node). Rank 0 writes OUT: the final full
+parameters (named as under the Trainer script's LightningModule, ``net.``), and every rank OUT.rank<r>: its step
+counter and residual sum.
+
+  --density D --value-dtype V --exchange E   top-k options
+  --steps N                                  optimizer steps
+  --save-at S --save PATH                    fabric.save(PATH, ...) after step S
+  --resume PATH                              fabric.load(PATH, ...) first (then steps from the saved step on)
+"""
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import lightning_topk  # noqa: E402,F401  (registers topk_fsdp)
+from fsdp_train import VOCAB, T, data  # noqa: E402
+from lightning_topk.models.components.transformer import TransformerLM  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def main():
+    from lightning.fabric import Fabric
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--value-dtype", default="bf16")
+    p.add_argument("--exchange", default="allgather")
+    p.add_argument("--save-at", type=int, default=-1)
+    p.add_argument("--save")
+    p.add_argument("--resume")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
+
+    strategy = fabric_fsdp_class("lightning.fabric")(density=a.density, value_dtype=a.value_dtype,
+                                                     exchange=a.exchange, min_sparse_numel=0)
+    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(TransformerLM(VOCAB, d_model=32, layers=2, heads=2, ff_mult=2, max_len=T, dropout=0.0))
+    opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False))
+    state = {"model": model, "optimizer": opt, "step": 0}
+    if a.resume:
+        fabric.load(a.resume, state)
+    loader = DataLoader(data(fabric.global_rank, fabric.world_size), batch_size=8, shuffle=False)
+    batches = list(loader)
+    step = state["step"]
+    while step < a.steps:
+        (x,) = batches[step % len(batches)]
+        logits = model(x[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        fabric.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        step += 1
+        if step == a.save_at:
+            state["step"] = step
+            fabric.save(a.save, state)
+    full = {f"net.{n}": q.full_tensor().detach().clone() for n, q in getattr(model, "module", model).named_parameters()}
+    st = fabric.strategy.topk_state
+    info = {"exchange_step": st.step if st is not None else None,
+            "residual_sum": float(sum(t.double().sum() for t in st.residuals().values())) if st is not None else 0.0}
+    torch.save(info, f"{a.out}.rank{fabric.global_rank}")
+    if fabric.global_rank == 0:
+        torch.save(full, a.out)
+
+
+if __name__ == "__main__":
+    main()
