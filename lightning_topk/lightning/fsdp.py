@@ -19,6 +19,7 @@ from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
+from lightning_topk.lightning.precision import TopKPrecisionMixin
 from lightning_topk.lightning.strategy import config_from
 from lightning_topk.lightning.telemetry import TelemetryMixin
 
@@ -92,7 +93,7 @@ class TopKFSDPMixin(TelemetryMixin):
         from lightning_fabric.utilities.init import _materialize_distributed_module
         from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
-        if getattr(self.precision_plugin, "finishes_topk_step", False):
+        if isinstance(self.precision_plugin, TopKPrecisionMixin):
             raise ValueError("topk_fsdp: TopKPrecision is not supported; use Lightning's precision flag "
                              "(precision='bf16-mixed' gives FSDP2's bf16 parameters with fp32 reduction)")
         self.accelerator.setup(trainer)

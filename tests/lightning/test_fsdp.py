@@ -102,3 +102,22 @@ def test_fabric_density_one_equals_torch_hsdp_and_resumes_exactly(tmp_path):
     resumed, rr = _fabric(tmp_path, "fres", "--density", "0.05", "--steps", "8", "--resume", ck)
     assert max_diff(full, resumed) == 0.0
     assert [r["residual_sum"] for r in rr] == [r["residual_sum"] for r in fr] and fr[0]["residual_sum"] != 0.0
+
+
+def test_bf16_mixed_accumulation_and_last_checkpoint(tmp_path):
+    _, ranks = train(tmp_path, "bf16", "--precision", "bf16-mixed", "--density", "0.05", "--exchange", "allgather",
+                     "--steps", "3", "--accumulate", "2")
+    assert ranks[0]["param_dtype"] == "torch.bfloat16"  # FSDP2's MixedPrecisionPolicy, fp32 reduction
+    assert ranks[0]["exchange_step"] == 3  # one exchange per optimizer step, none per micro-batch
+    ck = tmp_path / "ckpts"
+    full, fr = train(tmp_path, "full", "--density", "0.05", "--exchange", "allgather", "--steps", "9")
+    train(tmp_path, "first", "--density", "0.05", "--exchange", "allgather", "--steps", "8", "--ckpt-dir", ck)
+    assert (ck / "last.ckpt" / "topk" / "rank3.pt").is_file()
+    last, lr = train(tmp_path, "last", "--density", "0.05", "--exchange", "allgather", "--steps", "9",
+                     "--ckpt-dir", ck, "--last")
+    assert max_diff(full, last) == 0.0 and lr[0]["residual_sum"] == fr[0]["residual_sum"]
+
+
+def test_topk_precision_is_refused(tmp_path):
+    with pytest.raises(AssertionError, match="TopKPrecision is not supported"):
+        train(tmp_path, "tp", "--topk-precision", "--steps", "1")

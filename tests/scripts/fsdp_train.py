@@ -11,6 +11,10 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
   --inject-step S             rank 0's loss is inf at global step S (nonfinite="skip": skipped on every rank)
   --bad-mesh                  configure_model shards on the 2-D mesh under topk (must be refused)
+  --precision P               Lightning's precision flag (bf16-mixed: FSDP2's MixedPrecisionPolicy)
+  --accumulate K              accumulate_grad_batches
+  --ckpt-dir D                ModelCheckpoint(dirpath=D, save_last=True) every step; --last: ckpt_path="last"
+  --topk-precision            plugins=[TopKPrecision("32-true")] (must be refused)
 
 Every rank reads its own fixed batches (global rank r: rows r, r + W, ...; no sampler), in both strategies.
 """
@@ -107,6 +111,11 @@ def main():
     p.add_argument("--resume")
     p.add_argument("--inject-step", type=int, default=-1)
     p.add_argument("--nonfinite", default="skip")
+    p.add_argument("--precision", default="32-true")
+    p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--ckpt-dir")
+    p.add_argument("--last", action="store_true")
+    p.add_argument("--topk-precision", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.strategy in ("hsdp", "avg"):
@@ -118,8 +127,17 @@ def main():
             opts.update(outer_value_bits=a.outer_value_bits, outer_density=a.outer_density, outer_chunk=64,
                         outer_recipe="average")
         strategy = TopKFSDPStrategy(**opts)
+    callbacks, plugins = [], []
+    if a.ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=a.ckpt_dir, save_last=True, every_n_train_steps=1))
+    if a.topk_precision:
+        from lightning_topk import TopKPrecision
+
+        plugins.append(TopKPrecision("32-true"))
     trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy,
-                         max_steps=a.steps, use_distributed_sampler=False, logger=False, enable_checkpointing=False,
+                         max_steps=a.steps, use_distributed_sampler=False, logger=False,
+                         enable_checkpointing=bool(a.ckpt_dir), callbacks=callbacks, plugins=plugins,
+                         precision=None if a.topk_precision else a.precision, accumulate_grad_batches=a.accumulate,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     model = LM(a)
     world = a.devices * a.nodes
@@ -127,13 +145,15 @@ def main():
     local = int(os.environ.get("LOCAL_RANK", 0))
     rank = node * a.devices + local
     loader = DataLoader(data(rank, world), batch_size=8, shuffle=False)
-    trainer.fit(model, loader, ckpt_path=a.resume)
+    trainer.fit(model, loader, ckpt_path="last" if a.last else a.resume)
     if a.save:
         trainer.save_checkpoint(a.save)
     full = {n: p.full_tensor().detach().clone() if hasattr(p, "full_tensor") else p.detach().clone()
             for n, p in model.named_parameters()}
     st = getattr(trainer.strategy, "topk_state", None)
-    info = {"step": trainer.global_step, "loss": float(trainer.callback_metrics.get("loss", float("nan")))}
+    info = {"step": trainer.global_step, "loss": float(trainer.callback_metrics.get("loss", float("nan"))),
+            "param_dtype": str(next(iter(model.net.blocks.layers[0]._get_fsdp_state()._fsdp_param_groups))
+                               .mp_policy.param_dtype)}
     if st is not None:
         res = st.residuals()
         info.update(exchange_step=st.step, residual_sum=float(sum(t.double().sum() for t in res.values())),
