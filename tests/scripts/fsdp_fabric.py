@@ -19,9 +19,10 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lightning_topk  # noqa: E402,F401  (registers topk_fsdp)
-from fsdp_train import VOCAB, T, data  # noqa: E402
-from lightning_topk.models.components.transformer import TransformerLM  # noqa: E402
+from fsdp_train import VOCAB, T, data
+
+import lightning_topk  # noqa: F401  (registers topk_fsdp)
+from lightning_topk.models.components.transformer import TransformerLM
 
 warnings.filterwarnings("ignore")
 
