@@ -438,23 +438,33 @@ def draw_bytes_per_step(d: Dict[str, Any], ax_grid: Any) -> None:
         ax.legend(fontsize=7)
 
 
+def cluster_data() -> Dict[str, Any]:
+    """``cluster_compare.py`` with every entry (2026-11-23): 2x2 and 4x1 at 1 Gbit/s and 100 Mbit/s."""
+    return _accuracy_over_time("cluster.json")
+
+
 def loss_curves_data() -> Dict[str, Any]:
-    """Held-out loss against tokens per entry, mean over seeds (``local_accuracy.py --task lm``)."""
+    """Held-out loss against training time and against tokens per entry, mean over seeds (``local_accuracy.py
+    --task lm``)."""
     d = _load("local_accuracy_lm.json")
-    curves = {name: _runs_mean(runs, "tokens", "val/loss") for name, runs in sorted(d["results"]["lm"].items())}
+    runs = sorted(d["results"]["lm"].items())
+    panels = [{"xlabel": xlabel, "scale": scale, "curves": {name: _runs_mean(r, x, "val/loss") for name, r in runs}}
+              for x, xlabel, scale in (("train_s", "training time, s (4 processes on one 2-core machine)", 1.0),
+                                       ("tokens", "tokens seen, millions", 1e6))]
     return {"source": "benchmarks/results/local_accuracy_lm.json", "header": d["header"].split(";")[0],
-            "curves": curves}
+            "panels": panels}
 
 
 def draw_loss_curves(d: Dict[str, Any], ax_grid: Any) -> None:
-    ax = ax_grid.flat[0]
-    for name, pts in sorted(d["curves"].items()):
-        ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-    ax.set_xlabel("tokens seen, millions")
-    ax.set_ylabel("held-out loss (mean over seeds)")
-    ax.set_title(f"byte-level LM, {d['header']}", fontsize=9)
-    ax.grid(True, lw=0.3)
-    ax.legend(fontsize=7)
+    """One panel per entry of ``d["panels"]``: held-out loss of each entry against that panel's x."""
+    for ax, panel in zip(ax_grid.flat, d["panels"]):
+        for name, pts in sorted(panel["curves"].items()):
+            ax.plot([p[0] / panel["scale"] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        ax.set_xlabel(panel["xlabel"])
+        ax.set_ylabel("held-out loss, nats/byte (mean over seeds)")
+        ax.set_title(f"byte-level LM, {d['header']}", fontsize=8, wrap=True)
+        ax.grid(True, lw=0.3)
+        ax.legend(fontsize=7)
 
 
 # name: (the data function, the drawing function, subplot grid (rows, columns), figure size in inches)
@@ -462,9 +472,10 @@ PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], A
                        Tuple[float, float]]] = {
     "time_to_accuracy": (time_to_accuracy_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
     "time_to_accuracy_local": (time_to_accuracy_local_data, draw_time_to_accuracy, (1, 2), (11.0, 4.5)),
+    "cluster": (cluster_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
     "bytes_per_step": (bytes_per_step_data, draw_bytes_per_step, (1, 2), (12.0, 5.0)),
     "scale_sim": (scale_sim_data, draw_bytes_per_step, (2, 2), (12.0, 9.0)),
-    "loss_curves": (loss_curves_data, draw_loss_curves, (1, 1), (7.0, 5.0)),
+    "loss_curves": (loss_curves_data, draw_loss_curves, (1, 2), (12.0, 5.0)),
 }
 
 

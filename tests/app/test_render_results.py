@@ -51,7 +51,7 @@ def test_one_command_renders_the_readme_block_with_main_job_figures(tmp_path, mo
 def test_plots_record_their_data_and_a_stale_plot_fails(tmp_path, monkeypatch):
     tool = _tool()
     recorded = json.loads((ROOT / "docs" / "plots.json").read_text())
-    assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "time_to_accuracy_local", "bytes_per_step",
+    assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "time_to_accuracy_local", "cluster", "bytes_per_step",
                                                  "scale_sim", "loss_curves"}
     for name, rec in recorded.items():
         assert (ROOT / rec["png"]).is_file() and rec["sha256"] == tool.plot_hash(name)
@@ -84,8 +84,12 @@ def test_plot_data_is_what_the_results_hold():
     assert "topk_local" in local["4x1 10mbit"] and "ddp_fp16" in local["4x1 100mbit"]
     b = tool.bytes_per_step_data()["models"]["ResNet-50"]
     assert b["hierarchical"][0][0] == 2 and b["all-gather"][-1][0] == 128  # 2 to 128 nodes of 8 ranks
-    assert set(tool.loss_curves_data()["curves"]) == {"ddp", "topk_local (transformer_lm_bytes preset)",
-                                                      "topk_local (registered defaults)"}
+    time, tokens = tool.loss_curves_data()["panels"]  # against training time, then against tokens
+    assert set(tokens["curves"]) == set(time["curves"]) == {"ddp", "topk_local (transformer_lm_bytes preset)",
+                                                            "topk_local (registered defaults)"}
+    c = tool.cluster_data()
+    assert set(c["panels"]) == {"4x1 1gbit", "2x2 1gbit", "4x1 100mbit", "2x2 100mbit"}
+    assert "topk_hier_0.01" in c["panels"]["2x2 100mbit"] and "topk_hier_0.01" not in c["panels"]["4x1 100mbit"]
 
 
 def test_benchmarks_write_results_with_date_host_and_command(tmp_path):
