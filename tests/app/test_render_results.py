@@ -35,6 +35,16 @@ def test_check_fails_on_a_hand_edited_table(tmp_path, monkeypatch):
     assert tool.main(["--check"]) == 1
 
 
+def test_check_fails_on_a_stale_summary_row(tmp_path, monkeypatch):
+    tool = _tool()
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert tool.block("summary") in text and "| 19.2x and 26.0x | yes | `select.json` |" in tool.summary()
+    edited = tmp_path / "BENCHMARKS.md"
+    edited.write_text(text.replace("| 19.2x and 26.0x |", "| 16.5x and 18.6x |", 1))  # an older host's figures
+    monkeypatch.setattr(tool, "BENCHMARKS", str(edited))
+    assert tool.main(["--check"]) == 1
+
+
 def test_one_command_renders_the_readme_block_with_main_job_figures(tmp_path, monkeypatch):
     tool = _tool()
     readme = (ROOT / "README.md").read_text()
