@@ -256,7 +256,10 @@ def data_pipeline() -> str:
     head = (f"{_host_line(d)}: {d['samples']} samples, {d['epochs']} epochs, {d['workers']} workers, batch "
             f"{d['batch']}, {d['seconds']:.0f} s in all (`benchmarks/results/data.json`):")
     tail = f"1-minute load average at the end of the run: {d['load_after']:.1f}."
-    return "\n".join([head, "", *rows, "", tail])
+    counters = [f"- {r['pipeline']}: {({k: v for k, v in r['cache_stats'].items() if v}) or 'no cache activity'}"
+                for r in d["rows"] if r["cache_stats"] is not None]
+    return "\n".join([head, "", *rows, "", tail, "", "Cache counters after the run (this process is rank 0 of 1):",
+                      "", *counters])
 
 
 def optim_step() -> str:
@@ -309,6 +312,14 @@ def select() -> str:
                     f"{1e3 * h:.1f} | {t / h:.1f}x | {h / e:.2f} | {r['hint_hits']}/{r['hint_steps']} |")
     return "\n".join([head, "", *rows, "", f"Threshold reuse in the same run, x <- 0.9 x + noise, "
                        f"{reuse[0]['hint_steps']} timed steps after one warm-up step:", "", *more])
+
+
+def convergence() -> str:
+    """Steps to 80% / 90% against dense, per density and recipe (``convergence.py``, its own table)."""
+    conv = _module("benchmarks/convergence.py")
+    runs = conv.from_json(_load(CONVERGENCE))
+    seeds = sum(r.density == 1.0 for r in runs)
+    return f"Mean over {seeds} seeds (`benchmarks/results/{CONVERGENCE}`):\n\n" + conv.table(runs)
 
 
 def _met(ok: bool, why_not: str = "") -> str:
@@ -410,6 +421,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
                               outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
+    "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
