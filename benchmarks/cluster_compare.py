@@ -163,12 +163,20 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
         "includes waiting for the other ranks); *link ms* is the time one node's link needs for its share of "
         "the veth bytes at the nominal rate; *auto picked* lists `exchange=\"auto\"`'s choice per bucket.",
         "",
+        sections(results),
     ]
+    return "\n".join(lines)
+
+
+def sections(results: Dict[str, Dict[str, dict]], heading: str = "##") -> str:
+    """Per layout and rate of a result: the table of every entry, `auto`'s picks, the issues' targets checked and
+    where ``topk_0.01``'s step goes (also rendered into BENCHMARKS.md by tools/render_results.py)."""
+    lines: List[str] = []
     for key, rows in results.items():
         rate = key.split()[-1]
         ddp = rows.get("ddp", {}).get("samples_per_s")
         bound = rows.get("local", {}).get("samples_per_s")
-        lines += [f"## {key.split()[0]}, link rate {rate}", "",
+        lines += [f"{heading} {key.split()[0]}, link rate {rate}", "",
                   "| entry | samples/s | x ddp | % bound | step s | inter-node MB/step | wire MB | link ms | select ms "
                   "| comm ms | steps to target | time to target s | final acc |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -322,6 +322,16 @@ def convergence() -> str:
     return f"Mean over {seeds} seeds (`benchmarks/results/{CONVERGENCE}`):\n\n" + conv.table(runs)
 
 
+def cluster_tables(name: str, heading: str) -> Callable[[], str]:
+    """The renderer of one ``cluster_compare.py`` result's tables, through that script's own ``sections``; its
+    layouts and rates get ``heading``."""
+    def render() -> str:
+        tables = _module("benchmarks/cluster_compare.py").sections(_load(name), heading)
+        return f"From `benchmarks/results/{name}`:\n\n{tables.rstrip()}"
+    render.__doc__ = f"The tables of ``{name}`` (``cluster_compare.py``)."
+    return render
+
+
 def _met(ok: bool, why_not: str = "") -> str:
     return "yes" if ok else f"**no**{why_not}"
 
@@ -421,6 +431,13 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
                               outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
+    "cluster": ("BENCHMARKS.md", "benchmarks/results/cluster.json", cluster_tables("cluster.json", "###")),
+    "cluster-1gbit-2026-11-25": ("BENCHMARKS.md", "benchmarks/results/cluster_1gbit_2026-11-25.json",
+                                 cluster_tables("cluster_1gbit_2026-11-25.json", "####")),
+    "cluster-local-2026-11-25-100mbit": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-25_100mbit.json",
+                                         cluster_tables("cluster_local_2026-11-25_100mbit.json", "####")),
+    "cluster-local-2026-11-25-10mbit": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-25_10mbit.json",
+                                        cluster_tables("cluster_local_2026-11-25_10mbit.json", "####")),
     "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
