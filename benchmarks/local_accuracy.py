@@ -61,6 +61,24 @@ def verdict(task: str, value: float, ref: float) -> str:
     return f"{d:+.2f} points vs ddp ({'within' if d >= -1.0 else 'misses'} the 1-point target)"
 
 
+def table(results: dict) -> str:
+    """The markdown table of a run's ``results`` (task -> entry -> runs per seed); also rendered into
+    BENCHMARKS.md from the JSON by tools/render_results.py."""
+    lines = ["| task | strategy | steps | samples (tokens) | metric | final, mean over seeds | per seed "
+             "| vs ddp | training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    for task, by in results.items():
+        mean = {s: sum(r["final"] for r in runs) / len(runs) for s, runs in by.items()}
+        for strategy, runs in by.items():
+            last = runs[0]["rows"][-1]
+            size = f"{last['samples']:,}" + (f" ({last['tokens']:,})" if task == "lm" else "")
+            vs = "" if strategy == "ddp" or "ddp" not in mean else verdict(task, mean[strategy], mean["ddp"])
+            per_seed = ", ".join(f"{r['final']:.4f}" for r in runs)
+            secs = sum(r["train_s"] for r in runs) / len(runs)
+            lines.append(f"| {task} | {strategy} | {runs[0]['steps']} | {size} | {METRIC[task]} | {mean[strategy]:.4f} "
+                         f"| {per_seed} | {vs} | {secs:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tasks", default="digits,mnist5k,lm")
@@ -96,18 +114,7 @@ def main() -> None:
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     head = (f"{a.nodes} nodes x 1 process (gloo, loopback), same seeds and samples per entry; "
             f"{time.strftime('%Y-%m-%d')}, 2-core x86_64, no GPU, torch {torch.__version__}; load at the end: {up}")
-    lines = [head, "", "| task | strategy | steps | samples (tokens) | metric | final, mean over seeds | per seed "
-             "| vs ddp | training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
-    for task, by in results.items():
-        mean = {s: sum(r["final"] for r in runs) / len(runs) for s, runs in by.items()}
-        for strategy, runs in by.items():
-            last = runs[0]["rows"][-1]
-            size = f"{last['samples']:,}" + (f" ({last['tokens']:,})" if task == "lm" else "")
-            vs = "" if strategy == "ddp" or "ddp" not in mean else verdict(task, mean[strategy], mean["ddp"])
-            per_seed = ", ".join(f"{r['final']:.4f}" for r in runs)
-            secs = sum(r["train_s"] for r in runs) / len(runs)
-            lines.append(f"| {task} | {strategy} | {runs[0]['steps']} | {size} | {METRIC[task]} | {mean[strategy]:.4f} "
-                         f"| {per_seed} | {vs} | {secs:.1f} |")
+    lines = [head, "", table(results)]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({**provenance(sys.argv), "header": head, "results": results}, f, indent=1)

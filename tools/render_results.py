@@ -332,6 +332,16 @@ def cluster_tables(name: str, heading: str) -> Callable[[], str]:
     return render
 
 
+def local_accuracy_table(name: str) -> Callable[[], str]:
+    """The renderer of one ``local_accuracy.py`` result: its header line and that script's own table."""
+    def render() -> str:
+        d = _load(name)
+        return f"{d['header']} (`benchmarks/results/{name}`)\n\n" + _module("benchmarks/local_accuracy.py").table(
+            d["results"])
+    render.__doc__ = f"The table of ``{name}`` (``local_accuracy.py``)."
+    return render
+
+
 def _met(ok: bool, why_not: str = "") -> str:
     return "yes" if ok else f"**no**{why_not}"
 
@@ -443,6 +453,10 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "cluster-local-2026-11-27-2x2-100mbit": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_2x2_100mbit.json", cluster_tables("cluster_local_2026-11-27_2x2_100mbit.json", "####")),
     "cluster-local-2026-11-27-2x2-ceiling": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_2x2_ceiling.json", cluster_tables("cluster_local_2026-11-27_2x2_ceiling.json", "####")),
     "cluster-local-2026-11-27-outer-exchange": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_outer_exchange.json", cluster_tables("cluster_local_2026-11-27_outer_exchange.json", "####")),
+    "local-accuracy": ("BENCHMARKS.md", "benchmarks/results/local_accuracy.json", local_accuracy_table("local_accuracy.json")),
+    "local-accuracy-lm": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_lm.json", local_accuracy_table("local_accuracy_lm.json")),
+    "local-accuracy-lm-variants": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_lm_variants.json", local_accuracy_table("local_accuracy_lm_variants.json")),
+    "local-accuracy-sparseloco": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_sparseloco.json", local_accuracy_table("local_accuracy_sparseloco.json")),
     "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
