@@ -342,6 +342,17 @@ def local_accuracy_table(name: str) -> Callable[[], str]:
     return render
 
 
+def scale_sim_tables() -> str:
+    """The first model's wire bytes, then each model's exchange time at 10 Gbit/s per node (``scale_sim.py``'s own
+    tables, from its JSON)."""
+    mod = _module("benchmarks/scale_sim.py")
+    lines = []
+    for i, (name, s) in enumerate(mod.from_json(_load("scale_sim.json")).items()):
+        lines += [f"{name}, {s['params']:,} parameters in {s['buckets']} buckets (`benchmarks/results/scale_sim.json`):",
+                  "", *mod.model_tables(s, (10,), wire=i == 0), ""]
+    return "\n".join(lines).rstrip()
+
+
 def _met(ok: bool, why_not: str = "") -> str:
     return "yes" if ok else f"**no**{why_not}"
 
@@ -457,6 +468,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "local-accuracy-lm": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_lm.json", local_accuracy_table("local_accuracy_lm.json")),
     "local-accuracy-lm-variants": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_lm_variants.json", local_accuracy_table("local_accuracy_lm_variants.json")),
     "local-accuracy-sparseloco": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_sparseloco.json", local_accuracy_table("local_accuracy_sparseloco.json")),
+    "scale-sim": ("BENCHMARKS.md", "benchmarks/results/scale_sim.json", scale_sim_tables),
     "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
