@@ -452,22 +452,6 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
                               outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
-    "cluster": ("BENCHMARKS.md", "benchmarks/results/cluster.json", cluster_tables("cluster.json", "###")),
-    "cluster-1gbit-2026-11-25": ("BENCHMARKS.md", "benchmarks/results/cluster_1gbit_2026-11-25.json",
-                                 cluster_tables("cluster_1gbit_2026-11-25.json", "####")),
-    "cluster-local-2026-11-25-100mbit": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-25_100mbit.json",
-                                         cluster_tables("cluster_local_2026-11-25_100mbit.json", "####")),
-    "cluster-local-2026-11-25-10mbit": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-25_10mbit.json",
-                                        cluster_tables("cluster_local_2026-11-25_10mbit.json", "####")),
-    "cluster-local-compare": ("BENCHMARKS.md", "benchmarks/results/cluster_local_compare.json", cluster_tables("cluster_local_compare.json", "####")),
-    "cluster-local-2026-11-27-100mbit-rounds": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_100mbit_rounds.json", cluster_tables("cluster_local_2026-11-27_100mbit_rounds.json", "####")),
-    "cluster-local-2026-11-27-2x2-100mbit": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_2x2_100mbit.json", cluster_tables("cluster_local_2026-11-27_2x2_100mbit.json", "####")),
-    "cluster-local-2026-11-27-2x2-ceiling": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_2x2_ceiling.json", cluster_tables("cluster_local_2026-11-27_2x2_ceiling.json", "####")),
-    "cluster-local-2026-11-27-outer-exchange": ("BENCHMARKS.md", "benchmarks/results/cluster_local_2026-11-27_outer_exchange.json", cluster_tables("cluster_local_2026-11-27_outer_exchange.json", "####")),
-    "local-accuracy": ("BENCHMARKS.md", "benchmarks/results/local_accuracy.json", local_accuracy_table("local_accuracy.json")),
-    "local-accuracy-lm": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_lm.json", local_accuracy_table("local_accuracy_lm.json")),
-    "local-accuracy-lm-variants": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_lm_variants.json", local_accuracy_table("local_accuracy_lm_variants.json")),
-    "local-accuracy-sparseloco": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_sparseloco.json", local_accuracy_table("local_accuracy_sparseloco.json")),
     "scale-sim": ("BENCHMARKS.md", "benchmarks/results/scale_sim.json", scale_sim_tables),
     "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
@@ -475,6 +459,23 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
     "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
 }
+
+# the runs rendered through their benchmark script's own table, named after their results file: cluster_compare.py's
+# sections (at the heading level of their place in BENCHMARKS.md) and local_accuracy.py's table
+CLUSTER_RUNS = [("cluster", "###"), ("cluster_1gbit_2026-11-25", "####"), ("cluster_local_2026-11-25_100mbit", "####"),
+                ("cluster_local_2026-11-25_10mbit", "####"), ("cluster_local_compare", "####"),
+                ("cluster_local_2026-11-27_100mbit_rounds", "####"), ("cluster_local_2026-11-27_2x2_100mbit", "####"),
+                ("cluster_local_2026-11-27_2x2_ceiling", "####"), ("cluster_local_2026-11-27_outer_exchange", "####")]
+LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_variants", "local_accuracy_sparseloco",
+                       "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
+                           "owner1x", "owner2x", "owner4x", "issue21", "issue21_factors", "issue21_wan_owner4x_xp",
+                           "issue21_wan_owner4bit_xp", "issue21_wan_owner4bit"))]
+for _name, _heading in CLUSTER_RUNS:
+    BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
+                                       cluster_tables(f"{_name}.json", _heading))
+for _name in LOCAL_ACCURACY_RUNS:
+    BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
+                                       local_accuracy_table(f"{_name}.json"))
 
 
 def begin(name: str) -> str:
