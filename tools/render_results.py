@@ -353,6 +353,25 @@ def scale_sim_tables() -> str:
     return "\n".join(lines).rstrip()
 
 
+def local_accuracy_explore() -> str:
+    """The one-knob exploration (``local_accuracy.py --variant`` runs): mean final metric per entry and its verdict
+    against ddp at the same seeds (the LM's ddp from ``local_accuracy_lm.json``), with ``local_accuracy.py``'s rule."""
+    la = _module("benchmarks/local_accuracy.py")
+    d = _load("local_accuracy_explore.json")
+    ddp_lm = {r["seed"]: r["final"] for r in _load("local_accuracy_lm.json")["results"]["lm"]["ddp"]}
+    rows = ["| task | entry | overrides (of the registered defaults) | seeds | final, mean | vs ddp |",
+            "|---|---|---|---|---|---|"]
+    for task, runs in d["runs"].items():
+        for name, r in runs.items():
+            mean = sum(r["final"]) / len(r["final"])
+            ref = (sum(ddp_lm[s] for s in r["seeds"]) / len(r["seeds"]) if task == "lm"
+                   else sum(runs["ddp"]["final"]) / len(runs["ddp"]["final"]))
+            over = ", ".join(f"`{o.removeprefix('strategy.')}`" for o in r["overrides"]) or "–"
+            vs = "" if name == "ddp" else la.verdict(task, mean, ref)
+            rows.append(f"| {task} | {name} | {over} | {', '.join(map(str, r['seeds']))} | {mean:.4f} | {vs} |")
+    return f"{d['header']} (`benchmarks/results/local_accuracy_explore.json`):\n\n" + "\n".join(rows)
+
+
 def _met(ok: bool, why_not: str = "") -> str:
     return "yes" if ok else f"**no**{why_not}"
 
@@ -452,6 +471,8 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
                               outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
+    "local-accuracy-explore": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_{explore,lm}.json",
+                               local_accuracy_explore),
     "scale-sim": ("BENCHMARKS.md", "benchmarks/results/scale_sim.json", scale_sim_tables),
     "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
