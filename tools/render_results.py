@@ -6,7 +6,8 @@ block (from ``docs/main_job.json``) and the plots of ``docs/plots/`` (from ``ben
     .venv/bin/python tools/render_results.py --check    # exit 1 if a block or plot differs from what its data renders
 
 Each table block sits between ``<!-- results:NAME:begin (...) -->`` and ``<!-- results:NAME:end -->`` and is
-rendered from the JSON file(s) named in :data:`BLOCKS`. The README's block is tools/main_job_figures.py's
+rendered from the JSON file(s) named in :data:`BLOCKS`; where a benchmark script already renders its own table
+(cluster_compare.py, local_accuracy.py, convergence.py, scale_sim.py), the block uses that function. The README's block is tools/main_job_figures.py's
 rendering of docs/main_job.json (that tool runs the job and records it; this one only renders). Each plot of
 :data:`PLOTS` is drawn from the data its function returns; ``docs/plots.json`` records a hash of that data (and
 of the code that draws it) per plot, and ``--check`` compares those hashes with the current data (a PNG's bytes depend on the matplotlib
