@@ -102,6 +102,15 @@ def test_plot_data_is_what_the_results_hold():
     assert "topk_hier_0.01" in c["panels"]["2x2 100mbit"] and "topk_hier_0.01" not in c["panels"]["4x1 100mbit"]
 
 
+def test_only_render_results_draws():
+    """The benchmark scripts write results; every plot people look at is drawn from them by one tool."""
+    drawing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if "matplotlib" in p.read_text()]
+    assert drawing == []
+    assert sorted(p.name for p in (ROOT / "docs" / "plots").glob("*.png")) == sorted(
+        f"{name}.png" for name in _tool().PLOTS)
+    assert not list((ROOT / "benchmarks" / "results").glob("*.png"))
+
+
 def test_benchmarks_write_results_with_date_host_and_command(tmp_path):
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
