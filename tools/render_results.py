@@ -315,12 +315,16 @@ def select() -> str:
                        f"{reuse[0]['hint_steps']} timed steps after one warm-up step:", "", *more])
 
 
-def convergence() -> str:
-    """Steps to 80% / 90% against dense, per density and recipe (``convergence.py``, its own table)."""
-    conv = _module("benchmarks/convergence.py")
-    runs = conv.from_json(_load(CONVERGENCE))
-    seeds = sum(r.density == 1.0 for r in runs)
-    return f"Mean over {seeds} seeds (`benchmarks/results/{CONVERGENCE}`):\n\n" + conv.table(runs)
+def convergence_table(name: str) -> Callable[[], str]:
+    """The renderer of one ``convergence.py --json`` result: steps to 80% / 90% against dense per density and
+    recipe, that script's own table."""
+    def render() -> str:
+        conv = _module("benchmarks/convergence.py")
+        runs = conv.from_json(_load(name))
+        seeds = sum(r.density == 1.0 for r in runs)
+        return f"Mean over {seeds} seeds (`benchmarks/results/{name}`):\n\n" + conv.table(runs)
+    render.__doc__ = f"The table of ``{name}`` (``convergence.py``)."
+    return render
 
 
 def cluster_tables(name: str, heading: str) -> Callable[[], str]:
@@ -475,7 +479,11 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "local-accuracy-explore": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_{explore,lm}.json",
                                local_accuracy_explore),
     "scale-sim": ("BENCHMARKS.md", "benchmarks/results/scale_sim.json", scale_sim_tables),
-    "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence),
+    "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence_table(CONVERGENCE)),
+    "convergence-lookahead": ("BENCHMARKS.md", "benchmarks/results/convergence_sgd_lookahead.json",
+                              convergence_table("convergence_sgd_lookahead.json")),
+    "convergence-before": ("BENCHMARKS.md", "benchmarks/results/convergence_sgd_auto.json",
+                           convergence_table("convergence_sgd_auto.json")),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
