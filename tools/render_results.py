@@ -495,9 +495,10 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
 CLUSTER_RUNS = [("cluster", "###"), ("cluster_1gbit_2026-11-25", "####"), ("cluster_local_2026-11-25_100mbit", "####"),
                 ("cluster_local_2026-11-25_10mbit", "####"), ("cluster_local_compare", "####"),
                 ("cluster_local_2026-11-27_100mbit_rounds", "####"), ("cluster_local_2026-11-27_2x2_100mbit", "####"),
-                ("cluster_local_2026-11-27_2x2_ceiling", "####"), ("cluster_local_2026-11-27_outer_exchange", "####")]
-LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_variants", "local_accuracy_sparseloco",
-                       "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
+                ("cluster_local_2026-11-27_2x2_ceiling", "####"), ("cluster_local_2026-11-27_outer_exchange", "####"),
+                ("cluster_local_2026-11-27_wan_outer_exchange", "####"), ("cluster_local_2026-11-27_wan_owner4bit", "####")]
+LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_seed2", "local_accuracy_lm_variants",
+                       "local_accuracy_sparseloco", "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
                            "owner1x", "owner2x", "owner4x", "issue21", "issue21_factors", "issue21_wan_owner4x_xp",
                            "issue21_wan_owner4bit_xp", "issue21_wan_owner4bit"))]
 for _name, _heading in CLUSTER_RUNS:
