@@ -3,12 +3,12 @@ scale-free, hierarchical), local.
 
     python benchmarks/cluster_compare.py                      # full run (~35 min): both layouts and rates
     python benchmarks/cluster_compare.py --rates 1gbit --only ddp,local --max-time 30   # a quick subset
-    python benchmarks/cluster_compare.py --from-json results.json   # re-render table/plot only
+    python benchmarks/cluster_compare.py --from-json results.json   # re-render the tables only
 
 Every entry runs on each layout (default 2 nodes x 2 processes and 4 nodes x 1 process; benchmarks/
 cluster.py) until it reaches --target-acc (after at least --min-steps steps), or --max-time seconds of
-training, or --max-steps. Writes the markdown tables to benchmarks/results/cluster.md, the plot to
-benchmarks/results/cluster.png and all raw figures to --json.
+training, or --max-steps. Writes the markdown tables to benchmarks/results/cluster.md and all raw figures to
+--json; tools/render_results.py draws the plots from that JSON.
 """
 from __future__ import annotations
 
@@ -163,12 +163,20 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
         "includes waiting for the other ranks); *link ms* is the time one node's link needs for its share of "
         "the veth bytes at the nominal rate; *auto picked* lists `exchange=\"auto\"`'s choice per bucket.",
         "",
+        sections(results),
     ]
+    return "\n".join(lines)
+
+
+def sections(results: Dict[str, Dict[str, dict]], heading: str = "##") -> str:
+    """Per layout and rate of a result: the table of every entry, `auto`'s picks, the issues' targets checked and
+    where ``topk_0.01``'s step goes (also rendered into BENCHMARKS.md by tools/render_results.py)."""
+    lines: List[str] = []
     for key, rows in results.items():
         rate = key.split()[-1]
         ddp = rows.get("ddp", {}).get("samples_per_s")
         bound = rows.get("local", {}).get("samples_per_s")
-        lines += [f"## {key.split()[0]}, link rate {rate}", "",
+        lines += [f"{heading} {key.split()[0]}, link rate {rate}", "",
                   "| entry | samples/s | x ddp | % bound | step s | inter-node MB/step | wire MB | link ms | select ms "
                   "| comm ms | steps to target | time to target s | final acc |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -194,7 +202,6 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
             lines += ["", f"`topk_0.01` (exchange=\"auto\") picked per bucket: {picks}."]
         lines += ["", *targets(rows, cluster.parse_rate(rate)), *local_targets(rows, cluster.parse_rate(rate)), "",
                   *profile(rows), ""]
-    lines += ["![samples/s and accuracy over time](cluster.png)", ""]
     return "\n".join(lines)
 
 
@@ -303,40 +310,6 @@ def local_targets(rows: Dict[str, dict], rate_bits: Optional[float]) -> List[str
     return []
 
 
-def plot(results: Dict[str, Dict[str, dict]], path: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rates = list(results)  # "<layout> <rate>" keys
-    fig, axes = plt.subplots(1, 1 + len(rates), figsize=(6 + 5 * len(rates), 4.5))
-    names = [n for n in ENTRIES if any(n in rows for rows in results.values())]
-    w = 0.8 / max(1, len(rates))
-    for j, rate in enumerate(rates):
-        vals = [results[rate].get(n, {}).get("samples_per_s") or 0 for n in names]
-        axes[0].bar([i + j * w for i in range(len(names))], vals, w, label=rate)
-    axes[0].set_xticks([i + w * (len(rates) - 1) / 2 for i in range(len(names))], names, rotation=40, ha="right")
-    axes[0].set_ylabel("samples/s (4 processes)")
-    axes[0].set_title("throughput")
-    axes[0].legend(fontsize=7)
-    for j, rate in enumerate(rates):
-        ax = axes[1 + j]
-        for n in names:
-            ev = results[rate].get(n, {}).get("evals")
-            if ev:
-                ax.plot([e["time"] for e in ev], [e["acc"] for e in ev], marker=".", label=n)
-        target = first(results, "target_acc")
-        ax.axhline(target, color="grey", ls="--", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_xlabel("training time (s, log)")
-        ax.set_ylabel("test accuracy")
-        ax.set_title(f"accuracy vs time at {rate}")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path + ".tmp.png", dpi=110)
-    os.replace(path + ".tmp.png", path)
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="100mbit,1gbit", help="comma-separated link rates (tc syntax, e.g. 10mbit)")
@@ -353,11 +326,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--run-dir", default="/tmp/ltk_cluster_compare", help="per-entry logs and rank JSON")
     p.add_argument("--json", default=None, help="raw results JSON (default: <run-dir>/results.json)")
-    p.add_argument("--from-json", default=None, help="skip running; render table and plot from this JSON")
+    p.add_argument("--from-json", default=None, help="skip running; render the tables from this JSON")
     p.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
                    help="the run's date for the table header (default: today, UTC; give it with --from-json)")
     p.add_argument("--md", default=os.path.join(HERE, "results", "cluster.md"))
-    p.add_argument("--png", default=os.path.join(HERE, "results", "cluster.png"))
     a = p.parse_args(argv)
     a.rates = [r.strip() for r in a.rates.split(",") if r.strip()]
     a.only = [n.strip() for n in a.only.split(",") if n.strip()]
@@ -393,8 +365,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(a.md + ".tmp", "w") as f:
         f.write(render(results, a))
     os.replace(a.md + ".tmp", a.md)
-    plot(results, a.png)
-    print(f"[compare] wrote {a.md} and {a.png}")
+    print(f"[compare] wrote {a.md}")
     return 0
 
 

@@ -276,6 +276,17 @@ def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
     return sum(x for x in xs if x is not None) / len(xs)
 
 
+def mean_steps_to(runs: Sequence[Run], target: float) -> Optional[float]:
+    """The mean over seeds of the steps to ``target``; None if a seed never reached it."""
+    return _mean([r.steps_to(target) for r in runs])
+
+
+def from_json(rows: Sequence[Dict[str, Any]]) -> List[Run]:
+    """The runs of a ``--json`` file (curves only)."""
+    return [Run(r["task"], r["opt"], r["density"], r["recipe"], steps=r["curve"][-1][0],
+                curve=[(int(s), float(a)) for s, a in r["curve"]]) for r in rows]
+
+
 def table(runs: Sequence[Run]) -> str:
     """Markdown: per task/optimizer/density/recipe, the mean over seeds of steps to each target (and the
     ratio to dense's), and the final accuracy."""
@@ -288,8 +299,8 @@ def table(runs: Sequence[Run]) -> str:
         dense = keys.get((task, opt, 1.0, "dense"), [])
         cells = []
         for t in TARGETS[task]:
-            s = _mean([r.steps_to(t) for r in rs])
-            d = _mean([r.steps_to(t) for r in dense])
+            s = mean_steps_to(rs, t)
+            d = mean_steps_to(dense, t)
             if s is None:
                 cells.append(f"{int(t * 100)}%: not reached")
             else:

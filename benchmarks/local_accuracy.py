@@ -3,7 +3,7 @@ on loopback (gloo, one machine, no network shaping: accuracy only), the same see
 every entry.
 
     nice -n 10 python benchmarks/local_accuracy.py [--tasks digits,mnist5k,lm] [--strategies ddp,topk_local]
-        [--seeds 0,1,2] [--lm-seeds 0] [--nodes 4] [--out benchmarks/results/local_accuracy] [--plot docs/local_sgd_lm.png]
+        [--seeds 0,1,2] [--lm-seeds 0] [--nodes 4] [--out benchmarks/results/local_accuracy]
 
 Tasks (benchmarks/local_accuracy_worker.py runs each entry):
 - digits: MLP 64-128-10, AdamW 3e-3, 240 samples per step, 96 steps (16 epochs); test accuracy (20% held out);
@@ -15,8 +15,8 @@ Tasks (benchmarks/local_accuracy_worker.py runs each entry):
 `--variant` adds entries with Hydra overrides (diagnostics; the registered defaults stay the `topk_local` row).
 Strategies are the Hydra groups: ddp, topk_local (the registered defaults: H 16, outer density 0.1, 4-bit,
 outer lr 0.7, Nesterov 0.9), topk_ddp (per-step top-k, density 0.01). Evaluations every 32 steps (outer-round
-ends). Writes OUT.json (every entry's rows, with the date, host and command), OUT.md (the table) and the LM's
-loss-vs-time/tokens plot.
+ends). Writes OUT.json (every entry's rows, with the date, host and command) and OUT.md (the table);
+tools/render_results.py draws the LM's loss curves from the JSON.
 Training seconds exclude evaluations; on one shared machine they compare compute, not a slow link.
 """
 from __future__ import annotations
@@ -61,27 +61,22 @@ def verdict(task: str, value: float, ref: float) -> str:
     return f"{d:+.2f} points vs ddp ({'within' if d >= -1.0 else 'misses'} the 1-point target)"
 
 
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for strategy, runs in results.items():
-        rows = runs[0]["rows"]
-        style = dict(marker="o", label=strategy, ls="-" if strategy in ("ddp", "topk_local", "topk_ddp") else "--")
-        ax1.plot([x["train_s"] for x in rows], [x["val/loss"] for x in rows], **style)
-        ax2.plot([x["tokens"] / 1e6 for x in rows], [x["val/loss"] for x in rows], **style)
-    ax1.set_xlabel("training time (s, 4 processes on one shared 2-core machine)")
-    ax2.set_xlabel("tokens trained (millions, all ranks)")
-    for ax in (ax1, ax2):
-        ax.set_ylabel("held-out loss (nats/byte)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Transformer LM (transformer_lm_bytes) on the packaged byte-level text, 4 nodes x 1 process")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def table(results: dict) -> str:
+    """The markdown table of a run's ``results`` (task -> entry -> runs per seed); also rendered into
+    BENCHMARKS.md from the JSON by tools/render_results.py."""
+    lines = ["| task | strategy | steps | samples (tokens) | metric | final, mean over seeds | per seed "
+             "| vs ddp | training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
+    for task, by in results.items():
+        mean = {s: sum(r["final"] for r in runs) / len(runs) for s, runs in by.items()}
+        for strategy, runs in by.items():
+            last = runs[0]["rows"][-1]
+            size = f"{last['samples']:,}" + (f" ({last['tokens']:,})" if task == "lm" else "")
+            vs = "" if strategy == "ddp" or "ddp" not in mean else verdict(task, mean[strategy], mean["ddp"])
+            per_seed = ", ".join(f"{r['final']:.4f}" for r in runs)
+            secs = sum(r["train_s"] for r in runs) / len(runs)
+            lines.append(f"| {task} | {strategy} | {runs[0]['steps']} | {size} | {METRIC[task]} | {mean[strategy]:.4f} "
+                         f"| {per_seed} | {vs} | {secs:.1f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -96,7 +91,6 @@ def main() -> None:
                          "'dense fp32|topk_local|strategy.outer_density=1.0;strategy.outer_value_bits=32'")
     ap.add_argument("--steps", type=int, default=0, help="max_steps for every task (0: each task's default)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "local_accuracy"))
-    ap.add_argument("--plot", default=os.path.join(ROOT, "docs", "local_sgd_lm.png"))
     a = ap.parse_args()
     tasks, strategies = a.tasks.split(","), [s for s in a.strategies.split(",") if s]
     variants = {}
@@ -120,26 +114,12 @@ def main() -> None:
     up = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     head = (f"{a.nodes} nodes x 1 process (gloo, loopback), same seeds and samples per entry; "
             f"{time.strftime('%Y-%m-%d')}, 2-core x86_64, no GPU, torch {torch.__version__}; load at the end: {up}")
-    lines = [head, "", "| task | strategy | steps | samples (tokens) | metric | final, mean over seeds | per seed "
-             "| vs ddp | training s (mean) |", "|---|---|---|---|---|---|---|---|---|"]
-    for task, by in results.items():
-        mean = {s: sum(r["final"] for r in runs) / len(runs) for s, runs in by.items()}
-        for strategy, runs in by.items():
-            last = runs[0]["rows"][-1]
-            size = f"{last['samples']:,}" + (f" ({last['tokens']:,})" if task == "lm" else "")
-            vs = "" if strategy == "ddp" or "ddp" not in mean else verdict(task, mean[strategy], mean["ddp"])
-            per_seed = ", ".join(f"{r['final']:.4f}" for r in runs)
-            secs = sum(r["train_s"] for r in runs) / len(runs)
-            lines.append(f"| {task} | {strategy} | {runs[0]['steps']} | {size} | {METRIC[task]} | {mean[strategy]:.4f} "
-                         f"| {per_seed} | {vs} | {secs:.1f} |")
+    lines = [head, "", table(results)]
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump({**provenance(sys.argv), "header": head, "results": results}, f, indent=1)
     with open(a.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
-    if "lm" in results and a.plot:
-        plot(results["lm"], a.plot)
-        print(f"wrote {a.plot}")
     print("\n".join(lines))
 
 

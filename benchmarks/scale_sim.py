@@ -28,7 +28,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -236,6 +236,43 @@ def _ms(x: float) -> str:
     return "–" if x != x else f"{1e3 * x:.1f}"
 
 
+def model_tables(s: dict, rates: Sequence[float], wire: bool = True) -> List[str]:
+    """One model's tables: wire bytes per step per rank and per node (``wire``), then exchange time per step at
+    each rate of ``rates`` (also rendered into BENCHMARKS.md by tools/render_results.py)."""
+    lines: List[str] = []
+    if wire:
+        lines += ["Wire bytes per step, MB: per rank on any link / per node on its inter-node link.", "",
+                  "| P | nodes | " + " | ".join(METHODS) + " |", "|---:|---:|" + "---:|" * len(METHODS)]
+        for r in s["rows"]:
+            lines.append(f"| {r['P']} | {r['nodes']} | " + " | ".join(
+                f"{_mb(r['bytes_rank'][m])} / {_mb(r['bytes_node'][m])}" for m in METHODS) + " |")
+    for gbit in rates:
+        lines += ["", f"Exchange time per step at {gbit} Gbit/s per node, ms (auto: the model's choice per "
+                  "bucket, never predicted slower than a dense all-reduce).", "",
+                  "| P | " + " | ".join(METHODS) + " | auto | auto picks |", "|---:|" + "---:|" * (len(METHODS) + 1)
+                  + "---|"]
+        for r in s["rows"]:
+            t = r["time"][gbit]
+            picks = ", ".join(f"{c} x{v}" for c, v in sorted(r["auto"][gbit].items()))
+            lines.append(f"| {r['P']} | " + " | ".join(_ms(t[m]) for m in METHODS) + f" | {_ms(t['auto'])} | "
+                         f"{picks} |")
+    return lines[1:] if not wire else lines
+
+
+def from_json(d: dict) -> Dict[str, dict]:
+    """The simulation of a ``scale_sim.json`` record, as :func:`simulate` returns it (None back to NaN)."""
+    def nan(x: dict) -> dict:
+        return {k: float("nan") if v is None else v for k, v in x.items()}
+
+    rates = {str(g): g for g in d["rates_gbit"]}
+    sim = {name: {**m, "rows": []} for name, m in d["models"].items()}
+    for r in d["rows"]:
+        sim[r["model"]]["rows"].append({**r, "bytes_rank": nan(r["bytes_rank"]), "bytes_node": nan(r["bytes_node"]),
+                                        "time": {rates[g]: nan(t) for g, t in r["time"].items()},
+                                        "auto": {rates[g]: a for g, a in r["auto"].items()}})
+    return sim
+
+
 def render(sim: Dict[str, dict]) -> str:
     a = ASSUMED
     lines = [
@@ -255,23 +292,7 @@ def render(sim: Dict[str, dict]) -> str:
         "",
     ]
     for name, s in sim.items():
-        lines += [f"## {name} ({s['params']:,} parameters, {s['buckets']} buckets)", "",
-                  "Wire bytes per step, MB: per rank on any link / per node on its inter-node link.", "",
-                  "| P | nodes | " + " | ".join(METHODS) + " |", "|---:|---:|" + "---:|" * len(METHODS)]
-        for r in s["rows"]:
-            lines.append(f"| {r['P']} | {r['nodes']} | " + " | ".join(
-                f"{_mb(r['bytes_rank'][m])} / {_mb(r['bytes_node'][m])}" for m in METHODS) + " |")
-        for gbit in RATES_GBIT:
-            lines += ["", f"Exchange time per step at {gbit} Gbit/s per node, ms (auto: the model's choice per "
-                      "bucket, never predicted slower than a dense all-reduce).", "",
-                      "| P | " + " | ".join(METHODS) + " | auto | auto picks |", "|---:|" + "---:|" * (len(METHODS) + 1)
-                      + "---|"]
-            for r in s["rows"]:
-                t = r["time"][gbit]
-                picks = ", ".join(f"{c} x{v}" for c, v in sorted(r["auto"][gbit].items()))
-                lines.append(f"| {r['P']} | " + " | ".join(_ms(t[m]) for m in METHODS) + f" | {_ms(t['auto'])} | "
-                             f"{picks} |")
-        lines.append("")
+        lines += [f"## {name} ({s['params']:,} parameters, {s['buckets']} buckets)", "", *model_tables(s, RATES_GBIT), ""]
     lines += ["![per-rank and per-node wire bytes vs ranks](../../docs/plots/scale_sim.png)", ""]
     return "\n".join(lines)
 

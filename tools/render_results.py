@@ -6,7 +6,8 @@ block (from ``docs/main_job.json``) and the plots of ``docs/plots/`` (from ``ben
     .venv/bin/python tools/render_results.py --check    # exit 1 if a block or plot differs from what its data renders
 
 Each table block sits between ``<!-- results:NAME:begin (...) -->`` and ``<!-- results:NAME:end -->`` and is
-rendered from the JSON file(s) named in :data:`BLOCKS`. The README's block is tools/main_job_figures.py's
+rendered from the JSON file(s) named in :data:`BLOCKS`; where a benchmark script already renders its own table
+(cluster_compare.py, local_accuracy.py, convergence.py, scale_sim.py), the block uses that function. The README's block is tools/main_job_figures.py's
 rendering of docs/main_job.json (that tool runs the job and records it; this one only renders). Each plot of
 :data:`PLOTS` is drawn from the data its function returns; ``docs/plots.json`` records a hash of that data (and
 of the code that draws it) per plot, and ``--check`` compares those hashes with the current data (a PNG's bytes depend on the matplotlib
@@ -40,16 +41,37 @@ def _load(name: str) -> Any:
         return json.load(f)
 
 
+CLUSTER_DEFAULTS = "cluster_defaults_2026-11-27.json"
+CONVERGENCE = "convergence_sgd_nesterov.json"
+CLUSTER_ORDER = [(lay, rate) for rate in ("1gbit", "100mbit") for lay in ("4x1", "2x2")]
+RATE_NAMES = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s"}
+
+
+def _others_reached(e: Dict[str, Any]) -> List[float]:
+    """Times to the target of ``ddp_fp16`` and PowerSGD, those that reached it."""
+    return [e[n]["time_to_target_s"] for n in ("ddp_fp16", "ddp_powersgd") if e[n]["time_to_target_s"] is not None]
+
+
+def _topk_first(e: Dict[str, Any]) -> bool:
+    """Whether ``topk_0.01`` reached the target before ``ddp_fp16`` and PowerSGD (those that reached it)."""
+    topk = e["topk_0.01"]["time_to_target_s"]
+    return topk is not None and all(topk < t for t in _others_reached(e))
+
+
+def _share_of_bound(e: Dict[str, Any]) -> int:
+    """``topk_0.01``'s samples/s as a percentage of the no-communication bound (``local``)."""
+    return round(100 * e["topk_0.01"]["samples_per_s"] / e["local"]["samples_per_s"])
+
+
 def cluster_defaults() -> str:
     """Time to the target accuracy per layout and rate: ``cluster_compare.py`` at the defaults."""
-    data = _load("cluster_defaults_2026-11-27.json")
+    data = _load(CLUSTER_DEFAULTS)
     target = None
     rows = ["| layout, rate | `ddp_fp16` | PowerSGD r4 | `topk_ddp` ρ = 0.01, defaults | `local` (bound) "
             "| `topk_ddp` % of bound |", "|---|---|---|---|---|---|"]
     first = 0
     ahead: Dict[str, List[str]] = {}
-    order = [(lay, rate) for rate in ("1gbit", "100mbit") for lay in ("4x1", "2x2")]
-    for lay, rate in order:
+    for lay, rate in CLUSTER_ORDER:
         e = data[f"{lay} {rate}"]
         target = e["topk_0.01"]["target_acc"]
 
@@ -59,20 +81,18 @@ def cluster_defaults() -> str:
             return f"**{text}**" if bold else text
 
         topk = e["topk_0.01"]["time_to_target_s"]
-        others = {n: e[n]["time_to_target_s"] for n in ("ddp_fp16", "ddp_powersgd")}
-        reached = {n: t for n, t in others.items() if t is not None}
-        is_first = topk is not None and all(topk < t for t in reached.values())
+        reached = _others_reached(e)
+        is_first = _topk_first(e)
         first += is_first
         if topk is not None and reached:
-            ahead.setdefault(rate, []).append(f"{min(reached.values()) / topk:.1f}x")
-        bound = round(100 * e["topk_0.01"]["samples_per_s"] / e["local"]["samples_per_s"])
-        nice_rate = {"1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s"}[rate]
-        rows.append(f"| {lay}, {nice_rate} | {cell('ddp_fp16')} | {cell('ddp_powersgd')} | "
-                    f"{cell('topk_0.01', bold=is_first)} | {e['local']['time_to_target_s']:.1f} | {bound} |")
+            ahead.setdefault(rate, []).append(f"{min(reached) / topk:.1f}x")
+        rows.append(f"| {lay}, {RATE_NAMES[rate]} | {cell('ddp_fp16')} | {cell('ddp_powersgd')} | "
+                    f"{cell('topk_0.01', bold=is_first)} | {e['local']['time_to_target_s']:.1f} | "
+                    f"{_share_of_bound(e)} |")
     head = (f"Time to {100 * (target or 0):.0f}% test accuracy, s (steps to it; evaluations every 8 steps; "
-            "from `benchmarks/results/cluster_defaults_2026-11-27.json`):")
-    tail = (f"`topk_ddp` at its defaults was first to the target in {first} of {len(order)}; its lead over the "
-            f"faster of `ddp_fp16` and PowerSGD (4x1 / 2x2): {' / '.join(ahead.get('1gbit', []))} at 1 Gbit/s, "
+            f"from `benchmarks/results/{CLUSTER_DEFAULTS}`):")
+    tail = (f"`topk_ddp` at its defaults was first to the target in {first} of {len(CLUSTER_ORDER)}; its lead over "
+            f"the faster of `ddp_fp16` and PowerSGD (4x1 / 2x2): {' / '.join(ahead.get('1gbit', []))} at 1 Gbit/s, "
             f"{' / '.join(ahead.get('100mbit', []))} at 100 Mbit/s.")
     return "\n".join([head, "", *rows, "", tail])
 
@@ -237,7 +257,10 @@ def data_pipeline() -> str:
     head = (f"{_host_line(d)}: {d['samples']} samples, {d['epochs']} epochs, {d['workers']} workers, batch "
             f"{d['batch']}, {d['seconds']:.0f} s in all (`benchmarks/results/data.json`):")
     tail = f"1-minute load average at the end of the run: {d['load_after']:.1f}."
-    return "\n".join([head, "", *rows, "", tail])
+    counters = [f"- {r['pipeline']}: {({k: v for k, v in r['cache_stats'].items() if v}) or 'no cache activity'}"
+                for r in d["rows"] if r["cache_stats"] is not None]
+    return "\n".join([head, "", *rows, "", tail, "", "Cache counters after the run (this process is rank 0 of 1):",
+                      "", *counters])
 
 
 def optim_step() -> str:
@@ -292,8 +315,159 @@ def select() -> str:
                        f"{reuse[0]['hint_steps']} timed steps after one warm-up step:", "", *more])
 
 
+def convergence_table(name: str) -> Callable[[], str]:
+    """The renderer of one ``convergence.py --json`` result: steps to 80% / 90% against dense per density and
+    recipe, that script's own table."""
+    def render() -> str:
+        conv = _module("benchmarks/convergence.py")
+        runs = conv.from_json(_load(name))
+        seeds = sum(r.density == 1.0 for r in runs)
+        return f"Mean over {seeds} seeds (`benchmarks/results/{name}`):\n\n" + conv.table(runs)
+    render.__doc__ = f"The table of ``{name}`` (``convergence.py``)."
+    return render
+
+
+def cluster_tables(name: str, heading: str) -> Callable[[], str]:
+    """The renderer of one ``cluster_compare.py`` result's tables, through that script's own ``sections``; its
+    layouts and rates get ``heading``."""
+    def render() -> str:
+        tables = _module("benchmarks/cluster_compare.py").sections(_load(name), heading)
+        return f"From `benchmarks/results/{name}`:\n\n{tables.rstrip()}"
+    render.__doc__ = f"The tables of ``{name}`` (``cluster_compare.py``)."
+    return render
+
+
+def local_accuracy_table(name: str) -> Callable[[], str]:
+    """The renderer of one ``local_accuracy.py`` result: its header line and that script's own table."""
+    def render() -> str:
+        d = _load(name)
+        return f"{d['header']} (`benchmarks/results/{name}`)\n\n" + _module("benchmarks/local_accuracy.py").table(
+            d["results"])
+    render.__doc__ = f"The table of ``{name}`` (``local_accuracy.py``)."
+    return render
+
+
+def scale_sim_tables() -> str:
+    """The first model's wire bytes, then each model's exchange time at 10 Gbit/s per node (``scale_sim.py``'s own
+    tables, from its JSON)."""
+    mod = _module("benchmarks/scale_sim.py")
+    lines = []
+    for i, (name, s) in enumerate(mod.from_json(_load("scale_sim.json")).items()):
+        lines += [f"{name}, {s['params']:,} parameters in {s['buckets']} buckets (`benchmarks/results/scale_sim.json`):",
+                  "", *mod.model_tables(s, (10,), wire=i == 0), ""]
+    return "\n".join(lines).rstrip()
+
+
+def local_accuracy_explore() -> str:
+    """The one-knob exploration (``local_accuracy.py --variant`` runs): mean final metric per entry and its verdict
+    against ddp at the same seeds (the LM's ddp from ``local_accuracy_lm.json``), with ``local_accuracy.py``'s rule."""
+    la = _module("benchmarks/local_accuracy.py")
+    d = _load("local_accuracy_explore.json")
+    ddp_lm = {r["seed"]: r["final"] for r in _load("local_accuracy_lm.json")["results"]["lm"]["ddp"]}
+    rows = ["| task | entry | overrides (of the registered defaults) | seeds | final, mean | vs ddp |",
+            "|---|---|---|---|---|---|"]
+    for task, runs in d["runs"].items():
+        for name, r in runs.items():
+            mean = sum(r["final"]) / len(r["final"])
+            ref = (sum(ddp_lm[s] for s in r["seeds"]) / len(r["seeds"]) if task == "lm"
+                   else sum(runs["ddp"]["final"]) / len(runs["ddp"]["final"]))
+            over = ", ".join(f"`{o.removeprefix('strategy.')}`" for o in r["overrides"]) or "–"
+            vs = "" if name == "ddp" else la.verdict(task, mean, ref)
+            rows.append(f"| {task} | {name} | {over} | {', '.join(map(str, r['seeds']))} | {mean:.4f} | {vs} |")
+    return f"{d['header']} (`benchmarks/results/local_accuracy_explore.json`):\n\n" + "\n".join(rows)
+
+
+def _met(ok: bool, why_not: str = "") -> str:
+    return "yes" if ok else f"**no**{why_not}"
+
+
+def _summary_rows() -> List[Tuple[str, str, str, str, str]]:
+    """(claim, target, measured, met?, results file) per row of the summary, each from its section's data."""
+    rows = []
+    sel = {(r["n"], r["density"]): r for r in _load("select.json")["rows"] if r.get("table") == "select"}
+    big = [sel[(25_000_000, rho)] for rho in (0.01, 0.001)]
+    for algo in ("exact", "mstopk"):
+        x = [r["torch_topk_s"] / r[f"topk_select {algo} s"] for r in big]
+        rows.append((f"`{algo}` top-k vs `torch.topk`, 25M fp32, ρ = 0.01 and 0.001", "≥ 10x",
+                     f"{x[0]:.1f}x and {x[1]:.1f}x", _met(min(x) >= 10), "select.json"))
+    for label, key in (("`mstopk`", "topk_select mstopk l2_share"), ("sync-free `mstopk`", "sync-free mstopk l2_share")):
+        share = [r[key] for r in big]
+        rows.append((f"{label} share of the exact top-k's L2 mass, 25M", "≥ 99%",
+                     f"{100 * share[0]:.3f}% (ρ = 0.01), {100 * share[1]:.3f}% (ρ = 0.001)", _met(min(share) >= 0.99),
+                     "select.json"))
+    h = _load("hier_bytes.json")
+    rows.append((f"hierarchical vs flat inter-node bytes, {h['nodes']} nodes × {h['local']}",
+                 f"about L = {h['local']}x fewer", f"{h['flat_over_hierarchical']:.2f}x (telemetry)",
+                 _met(abs(h["flat_over_hierarchical"] - h["local"]) <= 0.1 * h["local"]), "hier_bytes.json"))
+    lars = {r["family"]: r["speedup_vs_loop"] for r in _load("optim.json")["rows"]
+            if r["family"] in ("lars", "lars16") and r["speedup_vs_loop"] != 1.0}
+    rows.append(("fused LARS vs per-parameter (timm-style) loop, ResNet-50 shapes", "≥ 3x",
+                 f"{lars['lars']:.2f}x (fp32), {lars['lars16']:.2f}x (fp16 params)",
+                 _met(min(lars.values()) >= 3, ": see the optimizer section"), "optim.json"))
+    rates = {r["pipeline"]: r["samples_per_s"] for r in _load("data.json")["rows"]}
+    for label, pipe, want in (("RAM cache (decoded)", "WebDataModule, RAM decoded", 3),
+                              ("device cache level (run on CPU)", "WebDataModule, device level (CPU)", 5)):
+        r = rates[pipe]
+        x = sum(r[1:]) / max(len(r) - 1, 1) / r[0]
+        rows.append((f"{label}, epochs 2+ vs its cold epoch", f"≥ {want}x", f"{x:.0f}x", _met(x >= want), "data.json"))
+    data = _load(CLUSTER_DEFAULTS)
+    slow = [data[f"{lay} 100mbit"] for lay in ("4x1", "2x2")]
+
+    def both(f: Callable[[Dict[str, Any]], float], fmt: str, unit: str = "x") -> Tuple[List[float], str]:
+        v = [f(e) for e in slow]
+        return v, " / ".join(format(x, fmt) + unit for x in v) + " (4x1 / 2x2)"
+
+    def sps(e: Dict[str, Any], name: str) -> float:
+        return float(e["topk_0.01"]["samples_per_s"] / e[name]["samples_per_s"])
+
+    v, text = both(lambda e: sps(e, "ddp_fp16"), ".1f")
+    rows.append(("`topk_ddp` ρ = 0.01 at its defaults vs `ddp_fp16` at 100 Mbit/s, samples/s", "≥ 5x", text,
+                 _met(min(v) >= 5), CLUSTER_DEFAULTS))
+    v, text = both(lambda e: sps(e, "ddp_powersgd"), ".2f")
+    tt, tt_text = both(lambda e: e["ddp_powersgd"]["time_to_target_s"] / e["topk_0.01"]["time_to_target_s"], ".1f")
+    rows.append(("`topk_ddp` ρ = 0.01 vs PowerSGD at 100 Mbit/s, samples/s", "≥ 1.5x",
+                 f"{text}; to the target accuracy {tt_text} faster", _met(min(v) >= 1.5, " in samples/s")
+                 + ("; yes in time to target" if min(v) < 1.5 and min(tt) >= 1.5 else ""), CLUSTER_DEFAULTS))
+    v, text = both(_share_of_bound, "d", "%")
+    sel_ms = [1e3 * e["topk_0.01"]["telemetry_mean"]["select_time_s"] for e in slow]
+    step_ms = [1e3 * e["topk_0.01"]["step_time_s"] for e in slow]
+    rows.append(("`topk_ddp` ρ = 0.01 vs the no-communication bound at 100 Mbit/s", "≥ 85%",
+                 f"{text}; selection {min(sel_ms):.0f}-{max(sel_ms):.0f} ms of a "
+                 f"{min(step_ms):.0f}-{max(step_ms):.0f} ms step", _met(min(v) >= 85, ": see the cluster section"),
+                 CLUSTER_DEFAULTS))
+    conv = _module("benchmarks/convergence.py")
+    runs: Dict[Tuple[float, str], List[Any]] = {}
+    for r in conv.from_json(_load(CONVERGENCE)):
+        runs.setdefault((r.density, r.recipe), []).append(r)
+    dense = runs[(1.0, "dense")]
+    for rho, want in ((0.01, 1.1), (0.001, 1.25)):
+        x = [conv.mean_steps_to(runs[(rho, "auto")], t) / conv.mean_steps_to(dense, t) for t in (0.8, 0.9)]
+        rows.append((f"steps to 80% / 90% on MNIST-5k, sparse / dense, SGD momentum + `recipe=\"auto\"`, ρ = {rho:g} "
+                     f"({len(dense)} seeds)", f"≤ {want:g}x", f"{x[0]:.2f}x / {x[1]:.2f}x", _met(x[1] <= want),
+                     CONVERGENCE))
+    mem = {r["params"]: r["above_ddp_bytes_per_param"] for r in _load("memory.json")["rows"] if r["config"] == "topk"}
+    rows.append(("peak host memory of `topk_ddp` above plain `ddp`, CPU, 2 ranks", "≤ 6 B/param",
+                 ", ".join(f"{b:.1f} B/param ({n / 1e6:.0f}M)" for n, b in sorted(mem.items())),
+                 _met(max(mem.values()) <= 6, ": see the memory section"), "memory.json"))
+    first = [_topk_first(data[f"{lay} {rate}"]) for lay, rate in CLUSTER_ORDER]
+    first_slow = [_topk_first(e) for e in slow]
+    rows.append(("fastest to the target accuracy at 100 Mbit/s", "topk first",
+                 f"`topk_ddp` at its defaults first in {sum(first_slow)} of {len(slow)} at 100 Mbit/s "
+                 f"({sum(first)} of {len(first)} with 1 Gbit/s)", _met(all(first_slow)), CLUSTER_DEFAULTS))
+    return rows
+
+
+def summary() -> str:
+    """BENCHMARKS.md's summary against the issues' targets, each row from the results its section renders."""
+    lines = ["| claim | target | measured | met? | from `benchmarks/results/` |", "|---|---|---|---|---|"]
+    lines += [f"| {c} | {t} | {m} | {ok} | `{src}` |" for c, t, m, ok, src in _summary_rows()]
+    return "\n".join(lines)
+
+
 # name: (the file the block is in, the data it is rendered from, the renderer)
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
+    "summary": ("BENCHMARKS.md", "benchmarks/results/{select,hier_bytes,optim,data,memory,cluster_defaults_2026-11-27,"
+                "convergence_sgd_nesterov}.json", summary),
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
     "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
     "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
@@ -302,11 +476,37 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "outer-bytes-per-param": ("docs/local_sgd.md", "benchmarks/results/outer_packet_bytes.json",
                               outer_bytes_per_param),
     "outer-recipe-table": ("docs/local_sgd.md", "benchmarks/results/outer_recipe_digits.json", outer_recipe_table),
+    "local-accuracy-explore": ("BENCHMARKS.md", "benchmarks/results/local_accuracy_{explore,lm}.json",
+                               local_accuracy_explore),
+    "scale-sim": ("BENCHMARKS.md", "benchmarks/results/scale_sim.json", scale_sim_tables),
+    "convergence": ("BENCHMARKS.md", f"benchmarks/results/{CONVERGENCE}", convergence_table(CONVERGENCE)),
+    "convergence-lookahead": ("BENCHMARKS.md", "benchmarks/results/convergence_sgd_lookahead.json",
+                              convergence_table("convergence_sgd_lookahead.json")),
+    "convergence-before": ("BENCHMARKS.md", "benchmarks/results/convergence_sgd_auto.json",
+                           convergence_table("convergence_sgd_auto.json")),
     "select": ("BENCHMARKS.md", "benchmarks/results/select.json", select),
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
     "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
 }
+
+# the runs rendered through their benchmark script's own table, named after their results file: cluster_compare.py's
+# sections (at the heading level of their place in BENCHMARKS.md) and local_accuracy.py's table
+CLUSTER_RUNS = [("cluster", "###"), ("cluster_1gbit_2026-11-25", "####"), ("cluster_local_2026-11-25_100mbit", "####"),
+                ("cluster_local_2026-11-25_10mbit", "####"), ("cluster_local_compare", "####"),
+                ("cluster_local_2026-11-27_100mbit_rounds", "####"), ("cluster_local_2026-11-27_2x2_100mbit", "####"),
+                ("cluster_local_2026-11-27_2x2_ceiling", "####"), ("cluster_local_2026-11-27_outer_exchange", "####"),
+                ("cluster_local_2026-11-27_wan_outer_exchange", "####"), ("cluster_local_2026-11-27_wan_owner4bit", "####")]
+LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_seed2", "local_accuracy_lm_variants",
+                       "local_accuracy_sparseloco", "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
+                           "owner1x", "owner2x", "owner4x", "issue21", "issue21_factors", "issue21_wan_owner4x_xp",
+                           "issue21_wan_owner4bit_xp", "issue21_wan_owner4bit"))]
+for _name, _heading in CLUSTER_RUNS:
+    BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
+                                       cluster_tables(f"{_name}.json", _heading))
+for _name in LOCAL_ACCURACY_RUNS:
+    BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
+                                       local_accuracy_table(f"{_name}.json"))
 
 
 def begin(name: str) -> str:
@@ -321,20 +521,23 @@ def block(name: str) -> str:
     return f"{begin(name)}\n{BLOCKS[name][2]()}\n{end(name)}"
 
 
-def _main_job_tool() -> Any:
-    """tools/main_job_figures.py, which runs the default job and renders the README block from its record."""
+def _module(rel: str) -> Any:
+    """The repository's script ``rel`` (e.g. ``tools/main_job_figures.py``) as a module, to reuse its functions."""
     if ROOT not in sys.path:
-        sys.path.insert(0, ROOT)  # its rendering imports lightning_topk.app.summary
-    spec = importlib.util.spec_from_file_location("main_job_figures", os.path.join(ROOT, "tools", "main_job_figures.py"))
+        sys.path.insert(0, ROOT)  # they import lightning_topk
+    name = "_repo_" + os.path.splitext(rel)[0].replace("/", "_")
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, rel))
     assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
+    mod = sys.modules[name] = importlib.util.module_from_spec(spec)  # registered first, as dataclasses need
     spec.loader.exec_module(mod)
     return mod
 
 
 def render_readme(text: str) -> str:
     """README.md's ``text`` with its default-job block rendered from docs/main_job.json."""
-    tool = _main_job_tool()
+    tool = _module("tools/main_job_figures.py")  # it runs the default job; its rendering serves both
     with open(MAIN_JOB, encoding="utf-8") as f:
         record = json.load(f)
     return str(text.replace(tool.readme_block(text), tool.block(record)))
@@ -438,23 +641,33 @@ def draw_bytes_per_step(d: Dict[str, Any], ax_grid: Any) -> None:
         ax.legend(fontsize=7)
 
 
+def cluster_data() -> Dict[str, Any]:
+    """``cluster_compare.py`` with every entry (2026-11-23): 2x2 and 4x1 at 1 Gbit/s and 100 Mbit/s."""
+    return _accuracy_over_time("cluster.json")
+
+
 def loss_curves_data() -> Dict[str, Any]:
-    """Held-out loss against tokens per entry, mean over seeds (``local_accuracy.py --task lm``)."""
+    """Held-out loss against training time and against tokens per entry, mean over seeds (``local_accuracy.py
+    --task lm``)."""
     d = _load("local_accuracy_lm.json")
-    curves = {name: _runs_mean(runs, "tokens", "val/loss") for name, runs in sorted(d["results"]["lm"].items())}
+    runs = sorted(d["results"]["lm"].items())
+    panels = [{"xlabel": xlabel, "scale": scale, "curves": {name: _runs_mean(r, x, "val/loss") for name, r in runs}}
+              for x, xlabel, scale in (("train_s", "training time, s (4 processes on one 2-core machine)", 1.0),
+                                       ("tokens", "tokens seen, millions", 1e6))]
     return {"source": "benchmarks/results/local_accuracy_lm.json", "header": d["header"].split(";")[0],
-            "curves": curves}
+            "panels": panels}
 
 
 def draw_loss_curves(d: Dict[str, Any], ax_grid: Any) -> None:
-    ax = ax_grid.flat[0]
-    for name, pts in sorted(d["curves"].items()):
-        ax.plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
-    ax.set_xlabel("tokens seen, millions")
-    ax.set_ylabel("held-out loss (mean over seeds)")
-    ax.set_title(f"byte-level LM, {d['header']}", fontsize=9)
-    ax.grid(True, lw=0.3)
-    ax.legend(fontsize=7)
+    """One panel per entry of ``d["panels"]``: held-out loss of each entry against that panel's x."""
+    for ax, panel in zip(ax_grid.flat, d["panels"]):
+        for name, pts in sorted(panel["curves"].items()):
+            ax.plot([p[0] / panel["scale"] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=name)
+        ax.set_xlabel(panel["xlabel"])
+        ax.set_ylabel("held-out loss, nats/byte (mean over seeds)")
+        ax.set_title(f"byte-level LM, {d['header']}", fontsize=8, wrap=True)
+        ax.grid(True, lw=0.3)
+        ax.legend(fontsize=7)
 
 
 # name: (the data function, the drawing function, subplot grid (rows, columns), figure size in inches)
@@ -462,9 +675,10 @@ PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], A
                        Tuple[float, float]]] = {
     "time_to_accuracy": (time_to_accuracy_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
     "time_to_accuracy_local": (time_to_accuracy_local_data, draw_time_to_accuracy, (1, 2), (11.0, 4.5)),
+    "cluster": (cluster_data, draw_time_to_accuracy, (2, 2), (11.0, 8.0)),
     "bytes_per_step": (bytes_per_step_data, draw_bytes_per_step, (1, 2), (12.0, 5.0)),
     "scale_sim": (scale_sim_data, draw_bytes_per_step, (2, 2), (12.0, 9.0)),
-    "loss_curves": (loss_curves_data, draw_loss_curves, (1, 1), (7.0, 5.0)),
+    "loss_curves": (loss_curves_data, draw_loss_curves, (1, 2), (12.0, 5.0)),
 }
 
 

@@ -35,6 +35,16 @@ def test_check_fails_on_a_hand_edited_table(tmp_path, monkeypatch):
     assert tool.main(["--check"]) == 1
 
 
+def test_check_fails_on_a_stale_summary_row(tmp_path, monkeypatch):
+    tool = _tool()
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    assert tool.block("summary") in text and "| 19.2x and 26.0x | yes | `select.json` |" in tool.summary()
+    edited = tmp_path / "BENCHMARKS.md"
+    edited.write_text(text.replace("| 19.2x and 26.0x |", "| 16.5x and 18.6x |", 1))  # an older host's figures
+    monkeypatch.setattr(tool, "BENCHMARKS", str(edited))
+    assert tool.main(["--check"]) == 1
+
+
 def test_one_command_renders_the_readme_block_with_main_job_figures(tmp_path, monkeypatch):
     tool = _tool()
     readme = (ROOT / "README.md").read_text()
@@ -51,7 +61,7 @@ def test_one_command_renders_the_readme_block_with_main_job_figures(tmp_path, mo
 def test_plots_record_their_data_and_a_stale_plot_fails(tmp_path, monkeypatch):
     tool = _tool()
     recorded = json.loads((ROOT / "docs" / "plots.json").read_text())
-    assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "time_to_accuracy_local", "bytes_per_step",
+    assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "time_to_accuracy_local", "cluster", "bytes_per_step",
                                                  "scale_sim", "loss_curves"}
     for name, rec in recorded.items():
         assert (ROOT / rec["png"]).is_file() and rec["sha256"] == tool.plot_hash(name)
@@ -84,8 +94,21 @@ def test_plot_data_is_what_the_results_hold():
     assert "topk_local" in local["4x1 10mbit"] and "ddp_fp16" in local["4x1 100mbit"]
     b = tool.bytes_per_step_data()["models"]["ResNet-50"]
     assert b["hierarchical"][0][0] == 2 and b["all-gather"][-1][0] == 128  # 2 to 128 nodes of 8 ranks
-    assert set(tool.loss_curves_data()["curves"]) == {"ddp", "topk_local (transformer_lm_bytes preset)",
-                                                      "topk_local (registered defaults)"}
+    time, tokens = tool.loss_curves_data()["panels"]  # against training time, then against tokens
+    assert set(tokens["curves"]) == set(time["curves"]) == {"ddp", "topk_local (transformer_lm_bytes preset)",
+                                                            "topk_local (registered defaults)"}
+    c = tool.cluster_data()
+    assert set(c["panels"]) == {"4x1 1gbit", "2x2 1gbit", "4x1 100mbit", "2x2 100mbit"}
+    assert "topk_hier_0.01" in c["panels"]["2x2 100mbit"] and "topk_hier_0.01" not in c["panels"]["4x1 100mbit"]
+
+
+def test_only_render_results_draws():
+    """The benchmark scripts write results; every plot people look at is drawn from them by one tool."""
+    drawing = [p.name for p in sorted((ROOT / "benchmarks").glob("*.py")) if "matplotlib" in p.read_text()]
+    assert drawing == []
+    assert sorted(p.name for p in (ROOT / "docs" / "plots").glob("*.png")) == sorted(
+        f"{name}.png" for name in _tool().PLOTS)
+    assert not list((ROOT / "benchmarks" / "results").glob("*.png"))
 
 
 def test_benchmarks_write_results_with_date_host_and_command(tmp_path):
