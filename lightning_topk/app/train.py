@@ -97,7 +97,7 @@ def _resume_path(resume: Any, trainer: pl.Trainer) -> Optional[str]:
     if resume is None or resume == "never":
         return None
     if resume != "auto":
-        if not os.path.isfile(str(resume)):
+        if not os.path.exists(str(resume)):  # a file, or a distributed checkpoint's folder (topk_fsdp)
             raise FileNotFoundError(f"run.resume: checkpoint {resume!r} does not exist (or use 'auto' / 'never')")
         return str(resume)
     candidates = glob.glob(os.path.join(str(trainer.default_root_dir), "hpc_ckpt_*.ckpt"))

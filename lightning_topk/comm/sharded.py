@@ -61,7 +61,8 @@ def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[s
     Transformer's blocks), then each direct child of ``module`` that holds parameters (what is left: embeddings,
     head). ``module`` itself is not sharded: Lightning calls ``training_step``, not its ``forward``, so its
     children are FSDP's roots. ``root``: the caller calls ``module``'s forward (Fabric): it is sharded last, as the
-    one root. ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``."""
+    one root. ``mp_policy``: FSDP2's ``MixedPrecisionPolicy``; batch-norm layers then get a group of their own in
+    fp32 (their running statistics are fp32 buffers), whose inputs FSDP casts to fp32."""
     from torch.distributed.fsdp import fully_shard
 
     own = [n for n, _ in module.named_parameters(recurse=False)]
@@ -81,6 +82,13 @@ def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[s
         parts = [m for m in module.modules() if type(m).__name__ in wanted and m is not module]
     else:
         parts = [c for m in module.modules() if isinstance(m, nn.ModuleList) for c in m]
+    if mp_policy is not None:  # batch norm in fp32 (its statistics are fp32 buffers): its own group, inputs cast
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and any(True for _ in m.parameters()):
+                fully_shard(m, mesh=mesh["shard"], mp_policy=fp32)
     for m in parts:
         fully_shard(m, **kw)
     if root:

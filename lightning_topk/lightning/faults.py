@@ -316,6 +316,8 @@ def _inside_outer_round(trainer: "pl.Trainer") -> bool:
     ``--signal=...@SECONDS`` above that)."""
     ex = getattr(getattr(trainer.strategy, "topk_state", None), "exchange", None)
     outer = getattr(ex, "outer", None) if getattr(ex, "local_sgd", False) else None
+    if outer is None:  # topk_fsdp's local SGD (lightning_topk.comm.sharded.ShardedTopK)
+        outer = getattr(getattr(trainer.strategy, "topk", None), "outer", None)
     return outer is not None and outer.position != 0
 
 

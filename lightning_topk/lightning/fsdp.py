@@ -19,6 +19,7 @@ from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
+from lightning_topk.lightning import faults
 from lightning_topk.lightning.precision import TopKPrecisionMixin
 from lightning_topk.lightning.strategy import config_from
 from lightning_topk.lightning.telemetry import TelemetryMixin
@@ -69,6 +70,7 @@ class TopKFSDPMixin(TelemetryMixin):
         self.topk_config = fsdp_options(config, kwargs)
         self.topk_shard_modules = list(shard_modules) if shard_modules else None
         self.topk: Optional[ShardedTopK] = None
+        self._topk_heartbeat: Optional[faults.Heartbeat] = None
         super().__init__(**kwargs)
 
     @property
@@ -87,15 +89,26 @@ class TopKFSDPMixin(TelemetryMixin):
         self._setup_distributed()
         self._device_mesh = make_mesh(self.root_device.type, self.num_nodes, self.num_processes)
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
+        # SLURM requeue at a step boundary on every rank (the checkpoint is a collective), one agreed hpc
+        # checkpoint name, and the heartbeat that names a lost rank: as topk_ddp
+        faults.stop(self._topk_heartbeat)
+        self._topk_heartbeat = faults.start(self)
+
+    @override
+    def teardown(self) -> None:
+        faults.stop(self._topk_heartbeat)
+        self._topk_heartbeat = None
+        super().teardown()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         from lightning_fabric.utilities.init import _materialize_distributed_module
         from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
-        if isinstance(self.precision_plugin, TopKPrecisionMixin):
-            raise ValueError("topk_fsdp: TopKPrecision is not supported; use Lightning's precision flag "
-                             "(precision='bf16-mixed' gives FSDP2's bf16 parameters with fp32 reduction)")
+        plugin = self.precision_plugin
+        if isinstance(plugin, TopKPrecisionMixin) and (plugin.finishes_topk_step or plugin.master_weights):
+            raise ValueError("topk_fsdp: TopKPrecision with fp16 loss scaling or master_weights is not supported; use "
+                             "precision='bf16-mixed' (FSDP2's bf16 parameters with fp32 reduction) or '32-true'")
         self.accelerator.setup(trainer)
         if not is_sharded(self.model):
             policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", None))

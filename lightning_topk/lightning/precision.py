@@ -268,6 +268,13 @@ def _topk_controller(module: Any) -> Any:
     return getattr(strategy, "topk_controller", None)
 
 
+def _is_dtensor(p: Tensor) -> bool:
+    """A parameter sharded by FSDP2: torch's fused kernels have no DTensor rule for every optimizer (SGD)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(p, DTensor)
+
+
 def _prefer_fused(opt: Optimizer) -> bool:
     """Switch a torch SGD/Adam/AdamW built with the default implementation choice to fused=True."""
     if type(opt) not in _FUSABLE:
@@ -279,7 +286,7 @@ def _prefer_fused(opt: Optimizer) -> bool:
         if g.get("fused") is not None or g.get("foreach") is not None or g.get("differentiable"):
             return False
         for p in g["params"]:
-            if not p.is_floating_point() or p.device.type not in devices or p.is_sparse:
+            if not p.is_floating_point() or p.device.type not in devices or p.is_sparse or _is_dtensor(p):
                 return False
     for g in opt.param_groups:
         g["fused"] = True

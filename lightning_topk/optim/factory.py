@@ -27,7 +27,18 @@ def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kw
         return LAMB(params, lr=lr, **kwargs)
     if name == "sgd" and kwargs.get("momentum", 0) == 0 and kwargs.get("nesterov"):
         raise ValueError("build_optimizer: option 'nesterov' needs 'momentum' > 0")
+    params = list(params)
+    if impl == "fused" and name == "sgd" and _has_dtensor(params):
+        impl = "foreach"  # torch's fused SGD has no DTensor (FSDP2) rule; the multi-tensor form computes the same
     flags = {"fused": {"fused": True, "foreach": False},
              "foreach": {"fused": False, "foreach": True},
              "loop": {"fused": False, "foreach": False}}[impl]
     return _TORCH[name](params, lr=lr, **flags, **kwargs)
+
+
+def _has_dtensor(params: list) -> bool:
+    """Whether any parameter (in a list of tensors or of param-group dicts) is a DTensor (sharded by FSDP2)."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = [p for g in params for p in (g["params"] if isinstance(g, dict) else [g])]
+    return any(isinstance(p, DTensor) for p in tensors)

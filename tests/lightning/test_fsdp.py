@@ -119,5 +119,5 @@ def test_bf16_mixed_accumulation_and_last_checkpoint(tmp_path):
 
 
 def test_topk_precision_is_refused(tmp_path):
-    with pytest.raises(AssertionError, match="TopKPrecision is not supported"):
+    with pytest.raises(AssertionError, match="TopKPrecision with fp16 loss scaling or master_weights is not supported"):
         train(tmp_path, "tp", "--topk-precision", "--steps", "1")

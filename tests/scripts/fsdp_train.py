@@ -14,7 +14,7 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --precision P               Lightning's precision flag (bf16-mixed: FSDP2's MixedPrecisionPolicy)
   --accumulate K              accumulate_grad_batches
   --ckpt-dir D                ModelCheckpoint(dirpath=D, save_last=True) every step; --last: ckpt_path="last"
-  --topk-precision            plugins=[TopKPrecision("32-true")] (must be refused)
+  --topk-precision            plugins=[TopKPrecision("16-mixed")] (must be refused)
 
 Every rank reads its own fixed batches (global rank r: rows r, r + W, ...; no sampler), in both strategies.
 """
@@ -133,7 +133,7 @@ def main():
     if a.topk_precision:
         from lightning_topk import TopKPrecision
 
-        plugins.append(TopKPrecision("32-true"))
+        plugins.append(TopKPrecision("16-mixed"))
     trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy,
                          max_steps=a.steps, use_distributed_sampler=False, logger=False,
                          enable_checkpointing=bool(a.ckpt_dir), callbacks=callbacks, plugins=plugins,
