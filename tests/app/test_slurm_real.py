@@ -66,13 +66,14 @@ def _wait(cond, timeout: float, what: str, log: Path) -> None:
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; job output:\n{text[-4000:]}")
 
 
-def test_sbatch_example_requeued_in_the_middle_resumes_and_tests_the_final_weights(cluster, tmp_path):
-    t0 = time.monotonic()
+def _submit_and_requeue(cluster, tmp_path, overrides):
+    """Submit the sbatch example at 2 nodes x 2 CPU tasks, requeue it with ``scancel --signal=USR1`` once the first
+    steps are logged, wait for the requeued job to end. Returns (job, run dir, job output, scontrol's job info)."""
     out_root = tmp_path / "outputs"
     env = dict(cluster.env, OUTPUT_ROOT=str(out_root), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
     submit = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", *CPU_FLAGS,
-                             f"--output={tmp_path}/slurm-%j.out", str(SBATCH), *OVERRIDES],
+                             f"--output={tmp_path}/slurm-%j.out", str(SBATCH), *overrides],
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
     assert submit.returncode == 0, submit.stderr
     job = submit.stdout.strip().split(";")[0]
@@ -90,8 +91,12 @@ def test_sbatch_example_requeued_in_the_middle_resumes_and_tests_the_final_weigh
     finally:
         if _job(cluster, job).get("JobState") in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
             cluster.cmd("scancel", job, check=False)
-    info = _job(cluster, job)
-    text = log.read_text(errors="replace")
+    return job, run_dir, log.read_text(errors="replace"), _job(cluster, job)
+
+
+def test_sbatch_example_requeued_in_the_middle_resumes_and_tests_the_final_weights(cluster, tmp_path):
+    t0 = time.monotonic()
+    job, run_dir, text, info = _submit_and_requeue(cluster, tmp_path, OVERRIDES)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
 
     # One requeue checkpoint, every rank's shard under its name (none under another hpc_ckpt number).
@@ -130,30 +135,9 @@ def test_sbatch_example_with_topk_fsdp_requeued_in_the_middle_resumes(cluster, t
     """The same submission with ``strategy=topk_fsdp``: the requeue checkpoint is a distributed checkpoint folder
     (the model's shards and ``topk/``: every rank's residual shard and file), written by every rank at the same
     step boundary, and the requeued job resumes from it."""
-    out_root = tmp_path / "outputs"
-    env = dict(cluster.env, OUTPUT_ROOT=str(out_root), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1")
     overrides = [o for o in OVERRIDES if not o.startswith(("strategy.", "trainer.max_epochs"))] + [
         "strategy=topk_fsdp", "strategy.exchange=allgather", "trainer.max_epochs=4"]
-    submit = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2", *CPU_FLAGS,
-                             f"--output={tmp_path}/slurm-%j.out", str(SBATCH), *overrides],
-                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
-    assert submit.returncode == 0, submit.stderr
-    job = submit.stdout.strip().split(";")[0]
-    log = tmp_path / f"slurm-{job}.out"
-    run_dir = out_root / f"slurm-{job}"
-    try:
-        metrics = run_dir / "csv" / "version_0" / "metrics.csv"
-        _wait(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 180, "the first steps", log)
-        cluster.cmd("scancel", "--signal=USR1", job)
-        _wait(lambda: _job(cluster, job).get("Restarts") == "1", 60, "the requeue", log)
-        _wait(lambda: _job(cluster, job)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                                         "OUT_OF_MEMORY"), 240, "the requeued job to end", log)
-    finally:
-        if _job(cluster, job).get("JobState") in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING"):
-            cluster.cmd("scancel", job, check=False)
-    info = _job(cluster, job)
-    text = log.read_text(errors="replace")
+    job, run_dir, text, info = _submit_and_requeue(cluster, tmp_path, overrides)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
     hpc = run_dir / "hpc_ckpt_1.ckpt"
     assert sorted(f for f in os.listdir(run_dir) if "hpc_ckpt" in f) == ["hpc_ckpt_1.ckpt"] and hpc.is_dir()
