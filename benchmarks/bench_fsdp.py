@@ -12,6 +12,8 @@ Every run is a Lightning Trainer on ``num_nodes=2, devices=2``, started as two s
   topk_fsdp       TopKFSDPStrategy(density=0.01): FSDP2 in the node, the top-k exchange of the shard across nodes
   topk_fsdp_local TopKFSDPStrategy with the ``topk_fsdp_local`` preset (local_steps=16, outer top-k 0.1 at 4 bits)
   topk_ddp        TopKDDPStrategy(density=0.01): every rank holds the full model
+  topk_local      TopKDDPStrategy with the ``topk_local`` preset (the same options as topk_fsdp_local): local
+                  SGD's DDP counterpart (θ_outer whole on every rank, momentum and error feedback on its part)
 
 Memory (``--phases memory``): a model of ``--mem-d-model`` x ``--mem-layers`` (about 3.3M parameters by default),
 a few steps; at the last step's ``on_before_optimizer_step`` every rank counts the storage bytes it holds of
@@ -19,8 +21,11 @@ parameters (a DTensor's local shard), gradients, optimizer state (AdamW's ``exp_
 shards and ``step``), the top-k residuals (``TopKState``'s bucket buffers; the undo copies of ``nonfinite="skip"``
 separately, here none: the default ``nonfinite="raise"``) and local SGD's outer buffers (θ_outer, momentum,
 error feedback). Each tensor's whole storage is counted once (FSDP2's padded shards included). FSDP2's
-transient all-gather buffers and activations are not counted: the process's peak RSS (``ru_maxrss``) is shown
-beside, but 4 processes of Python + torch on one host make it mostly the interpreter's.
+transient all-gather buffers and activations are not counted. Measured beside: the process's resident set at
+that moment above its resident set before the model was built (``/proc/self/statm``: the counted state plus
+activations, FSDP's buffers and allocator slack), and its peak RSS (``ru_maxrss``: mostly the interpreter's, and
+every rank builds the full model before it is sharded, so the peak holds it once). ``--mem-batch`` shrinks the
+batch so that a larger model's steps stay short.
 
 Accuracy (``--phases accuracy``): the byte-level text shipped in the package (``lightning_topk.data.text``,
 ``seq_len`` 65, no download), the ``transformer_lm_bytes`` preset's model (d_model 128, 2 layers, 4 heads),
@@ -51,7 +56,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NODES, DEVICES = 2, 2
-CONFIGS = ("hsdp", "topk_fsdp", "topk_fsdp_local", "topk_ddp")
+CONFIGS = ("hsdp", "topk_fsdp", "topk_fsdp_local", "topk_ddp", "topk_local")
 # topk_fsdp's and topk_ddp's exchange. Pinned: on loopback exchange="auto"'s cost model finds the dense all-reduce
 # cheaper than selecting top-k and sends every bucket dense (then topk_fsdp is HSDP bit for bit).
 EXCHANGE = "allgather"
@@ -72,6 +77,15 @@ def storage_bytes(tensors, seen):
         seen.add(key)
         total += s.nbytes()
     return total
+
+
+def rss_bytes():
+    """This process's resident set now (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
 
 
 def count_memory(module, optimizer, strategy):
@@ -95,7 +109,7 @@ def count_memory(module, optimizer, strategy):
     out["residual_bytes"] = storage_bytes(res, seen)
     out["undo_bytes"] = storage_bytes(undo, seen)
     top = getattr(strategy, "topk", None)
-    outer = getattr(top, "outer", None)
+    outer = getattr(top, "outer", None) or getattr(getattr(st, "exchange", None), "outer", None)  # fsdp, ddp
     out["outer_bytes"] = (storage_bytes([outer.theta, outer.mom, outer.ef, outer.anchor, outer.pending], seen)
                           if outer is not None else 0)
     out["total_bytes"] = sum(out[k] for k in ("param_bytes", "grad_bytes", "optim_bytes", "residual_bytes",
@@ -153,6 +167,8 @@ def worker(a):
         def on_before_optimizer_step(self, optimizer):
             if a.measure_memory and self.trainer.global_step == a.steps - 1:
                 self.memory = count_memory(self, optimizer, self.trainer.strategy)
+                self.memory["rss_bytes"] = rss_bytes()
+                self.memory["rss_above_start_bytes"] = self.memory["rss_bytes"] - rss_start
 
         def configure_optimizers(self):
             opt = torch.optim.AdamW(self.parameters(), lr=2e-3, weight_decay=0.01, foreach=False)
@@ -174,17 +190,20 @@ def worker(a):
         strategy = TopKFSDPStrategy(**LOCAL_DEFAULTS)
     elif a.config == "topk_ddp":
         strategy = TopKDDPStrategy(density=0.01, exchange=a.exchange)
+    elif a.config == "topk_local":
+        strategy = TopKDDPStrategy(**LOCAL_DEFAULTS)
     else:
         raise ValueError(a.config)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=strategy, max_steps=a.steps,
                          use_distributed_sampler=False, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
                          precision="32-true")
+    rss_start = rss_bytes()  # torch, Lightning and the text loaded; no model yet
     model = LM()
     world = NODES * DEVICES
     rank = int(os.environ.get("NODE_RANK", 0)) * DEVICES + int(os.environ.get("LOCAL_RANK", 0))
     data = torch.from_numpy(train[rank::world].astype(np.int64))
-    loader = DataLoader(TensorDataset(data), batch_size=16, shuffle=False, drop_last=True)
+    loader = DataLoader(TensorDataset(data), batch_size=a.batch, shuffle=False, drop_last=True)
     t_start = time.perf_counter()
     trainer.fit(model, loader)
     fit_s = time.perf_counter() - t_start
@@ -228,13 +247,13 @@ def worker(a):
 
 
 # ---- driver -----------------------------------------------------------------------------------------------
-def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, exchange=EXCHANGE):
+def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, exchange=EXCHANGE, batch=16):
     from tests.helpers.procs import run_nodes
 
     out = os.path.join(tmp, f"{config}-{d_model}x{layers}-{steps}")
     args = [os.path.abspath(__file__), "--worker", "--config", config, "--steps", steps, "--d-model", d_model,
             "--layers", layers, "--heads", heads, "--out", out]
-    args += ["--exchange", exchange]
+    args += ["--exchange", exchange, "--batch", batch]
     args += ["--measure-memory"] if measure_memory else []
     args += ["--eval"] if evaluate else []
     t0 = time.perf_counter()
@@ -257,17 +276,18 @@ def memory_phase(a, tmp):
     rows = []
     print(f"\n# memory per rank (bytes counted at the last step), {NODES} nodes x {DEVICES} processes, "
           f"d_model {a.mem_d_model}, {a.mem_layers} layers, AdamW, {a.mem_steps} steps\n")
-    print("| config | params | grads | AdamW state | residuals | outer | total (MB) | / topk_ddp | peak RSS (MB) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| config | params | grads | AdamW state | residuals | outer | total (MB) | / topk_ddp | "
+          "RSS above start (MB) | peak RSS (MB) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     by = {}
     for config in a.mem_configs.split(","):
         ranks, wall = run(config, a.mem_steps, a.mem_d_model, a.mem_layers, a.mem_heads, True, False, tmp,
-                          a.exchange)
+                          a.exchange, a.mem_batch)
         mem = [r["memory"] for r in ranks]
-        keys = [k for k in mem[0] if k.endswith("_bytes")]
+        keys = [k for k in mem[0] if k.endswith("_bytes")]  # the counted ones, and the RSS now
         mean = {k: sum(m[k] for m in mem) / len(mem) for k in keys}
         row = {"phase": "memory", "config": config, "params": mem[0]["params_numel_full"],
-               "d_model": a.mem_d_model, "layers": a.mem_layers, "steps": a.mem_steps,
+               "d_model": a.mem_d_model, "layers": a.mem_layers, "steps": a.mem_steps, "batch": a.mem_batch,
                "per_rank_mean": mean, "per_rank": mem, "max_total_bytes": max(m["total_bytes"] for m in mem),
                "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks], "step_s": max(r["step_s"] for r in ranks),
                "wall_s": wall}
@@ -278,12 +298,14 @@ def memory_phase(a, tmp):
         m = row["per_rank_mean"]
         if ddp is not None:
             row["ratio_to_topk_ddp"] = m["total_bytes"] / ddp["per_rank_mean"]["total_bytes"]
+        if config == "topk_fsdp_local" and "topk_local" in by:
+            row["ratio_to_topk_local"] = m["total_bytes"] / by["topk_local"]["per_rank_mean"]["total_bytes"]
         if "hsdp" in by:
             row["ratio_to_hsdp"] = m["total_bytes"] / by["hsdp"]["per_rank_mean"]["total_bytes"]
         mb = {k: v / 2**20 for k, v in m.items()}
         print(f"| {config} | {mb['param_bytes']:.2f} | {mb['grad_bytes']:.2f} | {mb['optim_bytes']:.2f} | "
               f"{mb['residual_bytes']:.2f} | {mb['outer_bytes']:.2f} | {mb['total_bytes']:.2f} | "
-              f"{row.get('ratio_to_topk_ddp', float('nan')):.3f} | "
+              f"{row.get('ratio_to_topk_ddp', float('nan')):.3f} | {mb['rss_above_start_bytes']:.0f} | "
               f"{sum(row['peak_rss_bytes']) / len(row['peak_rss_bytes']) / 2**20:.0f} |", flush=True)
     return rows
 
@@ -351,11 +373,12 @@ def accuracy_phase(a, tmp):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--phases", default="memory,accuracy")
-    ap.add_argument("--mem-configs", default="topk_ddp,hsdp,topk_fsdp,topk_fsdp_local")
+    ap.add_argument("--mem-configs", default="topk_ddp,hsdp,topk_fsdp,topk_local,topk_fsdp_local")
     ap.add_argument("--mem-d-model", type=int, default=256)
     ap.add_argument("--mem-layers", type=int, default=4)
     ap.add_argument("--mem-heads", type=int, default=4)
     ap.add_argument("--mem-steps", type=int, default=3)
+    ap.add_argument("--mem-batch", type=int, default=16, help="sequences per process per step (memory runs)")
     ap.add_argument("--acc-configs", default="hsdp,topk_fsdp,topk_fsdp_local")
     ap.add_argument("--acc-d-model", type=int, default=128)
     ap.add_argument("--acc-layers", type=int, default=2)
@@ -374,6 +397,7 @@ def main():
     ap.add_argument("--exchange", default=EXCHANGE, help="topk_fsdp's and topk_ddp's exchange (default %(default)s)")
     ap.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--eval", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
         return worker(a)
