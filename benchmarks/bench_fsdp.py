@@ -9,13 +9,18 @@ Every run is a Lightning Trainer on ``num_nodes=2, devices=2``, started as two s
 
   hsdp            Lightning's ModelParallelStrategy, ``fully_shard`` of every block and the net on its 2-D mesh
                   (torch's HSDP: reduce-scatter in the node, dense fp32 all-reduce of the shard across nodes)
-  topk_fsdp       TopKFSDPStrategy(density=0.01): FSDP2 in the node, the top-k exchange of the shard across nodes
+  topk_fsdp       TopKFSDPStrategy(density=0.01, exchange="allgather"): FSDP2 in the node, the top-k exchange of
+                  the shard across nodes (``--exchange``; "auto" sends dense on loopback, see EXCHANGE)
   topk_fsdp_local TopKFSDPStrategy with the ``topk_fsdp_local`` preset (local_steps=16, outer top-k 0.1 at 4 bits)
-  topk_ddp        TopKDDPStrategy(density=0.01): every rank holds the full model
+  topk_ddp        TopKDDPStrategy(density=0.01, exchange="allgather"): every rank holds the full model
+  topk_fsdp_warmup    topk_fsdp with ``warmup_steps=100`` (density 0.25 -> 0.01 over the first 100 steps)
+  topk_fsdp_local_lm  topk_fsdp with the LM's local SGD recipe (conf/experiment_strategy/
+                  transformer_lm_bytes_topk_local.yaml: dense_steps=160, local_steps=4, outer density 1, 4 bits,
+                  outer lr 1, no outer momentum)
   topk_local      TopKDDPStrategy with the ``topk_local`` preset (the same options as topk_fsdp_local): local
                   SGD's DDP counterpart (θ_outer whole on every rank, momentum and error feedback on its part)
 
-Memory (``--phases memory``): a model of ``--mem-d-model`` x ``--mem-layers`` (about 3.3M parameters by default),
+Memory (``--phases memory``): a model of ``--mem-d-model`` x ``--mem-layers`` (3.24M parameters by default),
 a few steps; at the last step's ``on_before_optimizer_step`` every rank counts the storage bytes it holds of
 parameters (a DTensor's local shard), gradients, optimizer state (AdamW's ``exp_avg``/``exp_avg_sq`` local
 shards and ``step``), the top-k residuals (``TopKState``'s bucket buffers; the undo copies of ``nonfinite="skip"``
@@ -31,7 +36,7 @@ Accuracy (``--phases accuracy``): the byte-level text shipped in the package (``
 ``seq_len`` 65, no download), the ``transformer_lm_bytes`` preset's model (d_model 128, 2 layers, 4 heads),
 16 sequences per process per step (4096 tokens per step over the 4 ranks), AdamW lr 2e-3 (10 warm-up steps then
 cosine), no gradient clipping, ``--acc-steps`` steps for every config (equal tokens). The figure is the loss on
-the held-out split (5%, 606 sequences) of the final model, averaged over the 4 ranks (each evaluates its own
+the held-out split (5%, 605 sequences) of the final model, averaged over the 4 ranks (each evaluates its own
 replica on the whole split), and the mean training loss of the last 10 steps.
 
 Cross-node bytes: ``TopKState.totals`` of ``topk_fsdp`` (``bytes_inter``: the payload each rank hands to the
@@ -56,7 +61,13 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NODES, DEVICES = 2, 2
-CONFIGS = ("hsdp", "topk_fsdp", "topk_fsdp_local", "topk_ddp", "topk_local")
+CONFIGS = ("hsdp", "topk_fsdp", "topk_fsdp_local", "topk_ddp", "topk_local", "topk_fsdp_warmup",
+           "topk_fsdp_local_lm")
+WARMUP_STEPS = 100  # topk_fsdp_warmup: DGC's warm-up, density 0.25 -> 0.01 geometrically over these steps
+# topk_fsdp_local_lm: conf/experiment_strategy/transformer_lm_bytes_topk_local.yaml's recipe for this LM (post-local
+# SGD: 160 synchronous steps, then H 4 with dense 4-bit outer values and plain averaging)
+LM_LOCAL = dict(dense_steps=160, local_steps=4, outer_density=1.0, outer_value_bits=4, outer_lr=1.0,
+                outer_momentum=0.0)
 # topk_fsdp's and topk_ddp's exchange. Pinned: on loopback exchange="auto"'s cost model finds the dense all-reduce
 # cheaper than selecting top-k and sends every bucket dense (then topk_fsdp is HSDP bit for bit).
 EXCHANGE = "allgather"
@@ -192,6 +203,10 @@ def worker(a):
         strategy = TopKDDPStrategy(density=0.01, exchange=a.exchange)
     elif a.config == "topk_local":
         strategy = TopKDDPStrategy(**LOCAL_DEFAULTS)
+    elif a.config == "topk_fsdp_warmup":
+        strategy = TopKFSDPStrategy(density=0.01, exchange=a.exchange, warmup_steps=WARMUP_STEPS)
+    elif a.config == "topk_fsdp_local_lm":
+        strategy = TopKFSDPStrategy(**LM_LOCAL)
     else:
         raise ValueError(a.config)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=strategy, max_steps=a.steps,
@@ -240,6 +255,7 @@ def worker(a):
         info["outer"] = {"rounds": outer.stats.rounds, "last_round_bytes": outer.stats.bytes,
                          "buffer_bytes": outer.stats.buffer_bytes, "density": outer.stats.density,
                          "local_steps": outer.config.local_steps, "shard_numel": int(outer.shard)}
+        info["dense_steps"] = outer.config.dense_steps
     if top is not None:
         info["shard_numel_padded"] = sum(top.param_groups_numel())
     with open(f"{a.out}.rank{trainer.global_rank}", "w") as f:
@@ -335,7 +351,9 @@ def accuracy_phase(a, tmp):
                 "bytes_wire_per_step": sum(e["bytes_wire"] for e in ex) / len(ex) / steps,
                 "bytes_dense_wire_per_step": sum(e["bytes_dense_wire"] for e in ex) / len(ex) / steps,
                 "numel_per_step": ex[0]["numel"] / steps, "numel_sent_per_step": ex[0]["numel_sent"] / steps,
-                "buckets_by": ex[0]["buckets_by"], "exchange_steps": steps}
+                "buckets_by": ex[0]["buckets_by"], "exchange_steps": steps,
+                "last_step_bytes_inter": sum(e["last_bytes_inter"] for e in ex) / len(ex),
+                "last_step_bytes_wire": sum(e["last_bytes_wire"] for e in ex) / len(ex)}
         if "outer" in r0:
             o = [r["outer"] for r in ranks]
             row["cross_node"] = {
@@ -344,6 +362,15 @@ def accuracy_phase(a, tmp):
                 "bytes_per_round": sum(x["last_round_bytes"] for x in o) / len(o),
                 "bytes_inter_per_step": sum(x["last_round_bytes"] for x in o) / len(o) / o[0]["local_steps"],
                 "buffer_bytes_per_round": o[0]["buffer_bytes"]}
+            dense = max(0, min(a.acc_steps, r0["dense_steps"]))
+            if dense and shard:
+                row["cross_node"]["dense_steps"] = dense
+                row["cross_node"]["amortized_bytes_per_step_computed"] = (
+                    dense * hsdp_bytes_per_rank(shard) + o[0]["rounds"] * row["cross_node"]["bytes_per_round"]
+                ) / a.acc_steps
+                row["cross_node"]["amortized_note"] = (
+                    "computed: the synchronous steps as HSDP's fp32 ring all-reduce of the shard, plus rounds x "
+                    "the last round's measured bytes, over all steps")
         if shard:
             row["shard_numel_padded"] = shard
         by[config] = row
