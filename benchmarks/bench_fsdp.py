@@ -273,14 +273,19 @@ def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, ex
     args += ["--measure-memory"] if measure_memory else []
     args += ["--eval"] if evaluate else []
     t0 = time.perf_counter()
-    run_nodes(args, num_nodes=NODES, timeout=1800, env={"PYTHONPATH": ROOT + os.pathsep + os.environ.get(
-        "PYTHONPATH", "")})
+    env = {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if MMAP_THRESHOLD[0]:  # glibc: allocations above this are mmap-ed and go back to the OS when freed
+        env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD[0])
+    run_nodes(args, num_nodes=NODES, timeout=1800, env=env)
     wall = time.perf_counter() - t0
     ranks = []
     for r in range(NODES * DEVICES):
         with open(f"{out}.rank{r}") as f:
             ranks.append(json.load(f))
     return ranks, wall
+
+
+MMAP_THRESHOLD = [0]  # --mmap-threshold (0: glibc's default, a threshold that grows as large blocks are freed)
 
 
 def hsdp_bytes_per_rank(numel_shard, replicas=NODES):
@@ -411,6 +416,9 @@ def main():
     ap.add_argument("--acc-layers", type=int, default=2)
     ap.add_argument("--acc-heads", type=int, default=4)
     ap.add_argument("--acc-steps", type=int, default=360, help="2 epochs of the text (the preset's max_epochs)")
+    ap.add_argument("--mmap-threshold", type=int, default=0,
+                    help="MALLOC_MMAP_THRESHOLD_ of the workers (bytes; 0: glibc's default): with a fixed threshold "
+                         "freed tensors leave the resident set, which then follows the live memory more closely")
     ap.add_argument("--json", default="fsdp", help="results name under benchmarks/results/ ('': none)")
     ap.add_argument("--note", default="", help="a note stored in the JSON")
     # worker mode (one Trainer process; the driver starts these)
@@ -432,6 +440,7 @@ def main():
 
     import lightning_topk
 
+    MMAP_THRESHOLD[0] = a.mmap_threshold
     load_before = os.getloadavg()[0]
     print(f"# {NODES} simulated nodes x {DEVICES} gloo processes (CPU), {lightning_topk.__file__}")
     print(f"# load average before: {os.getloadavg()}")
@@ -446,7 +455,8 @@ def main():
     if a.json:
         print(write_results(a.json, rows, sys.argv, nodes=NODES, processes_per_node=DEVICES, backend="gloo",
                             library=lightning_topk.__file__, load_before=load_before,
-                            load_after=os.getloadavg()[0], exchange=a.exchange, note=a.note))
+                            load_after=os.getloadavg()[0], exchange=a.exchange,
+                            malloc_mmap_threshold=a.mmap_threshold or None, note=a.note))
 
 
 if __name__ == "__main__":
