@@ -1,7 +1,7 @@
 """``topk_fsdp`` against ``topk_ddp`` and dense HSDP on 2 simulated nodes x 2 gloo processes (CPU, loopback):
 memory per rank, final loss at equal tokens, cross-node bytes per step (issue 33).
 
-    python benchmarks/bench_fsdp.py [--phases memory,accuracy] [--acc-steps 360] [--json fsdp]
+    python benchmarks/bench_fsdp.py [--phases memory,accuracy] [--acc-steps 360] [--mmap-threshold B] [--json fsdp]
 
 Every run is a Lightning Trainer on ``num_nodes=2, devices=2``, started as two simulated nodes on loopback
 (``tests.helpers.procs.run_nodes``; this file re-runs itself with ``--worker``). The model is
@@ -30,7 +30,16 @@ transient all-gather buffers and activations are not counted. Measured beside: t
 that moment above its resident set before the model was built (``/proc/self/statm``: the counted state plus
 activations, FSDP's buffers and allocator slack), and its peak RSS (``ru_maxrss``: mostly the interpreter's, and
 every rank builds the full model before it is sharded, so the peak holds it once). ``--mem-batch`` shrinks the
-batch so that a larger model's steps stay short.
+batch so that a larger model's steps stay short. glibc's default mmap threshold grows as large blocks are freed,
+so freed tensors (the full model before sharding, FSDP's all-gather and reduce-scatter buffers) stay resident and
+the RSS of the FSDP configs overstates what they hold; ``--mmap-threshold 131072`` fixes the threshold. The
+recorded runs:
+
+    python benchmarks/bench_fsdp.py --phases memory --json fsdp_memory
+    python benchmarks/bench_fsdp.py --phases memory --mem-d-model 512 --mem-layers 8 --mem-heads 8 --mem-batch 2 \
+        --mmap-threshold 131072 --json fsdp_memory_25m_mmap
+    python benchmarks/bench_fsdp.py --phases accuracy \
+        --acc-configs hsdp,topk_fsdp,topk_ddp,topk_fsdp_warmup,topk_fsdp_local,topk_fsdp_local_lm --json fsdp_accuracy
 
 Accuracy (``--phases accuracy``): the byte-level text shipped in the package (``lightning_topk.data.text``,
 ``seq_len`` 65, no download), the ``transformer_lm_bytes`` preset's model (d_model 128, 2 layers, 4 heads),
