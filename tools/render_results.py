@@ -449,12 +449,57 @@ def _summary_rows() -> List[Tuple[str, str, str, str, str]]:
     rows.append(("peak host memory of `topk_ddp` above plain `ddp`, CPU, 2 ranks", "≤ 6 B/param",
                  ", ".join(f"{b:.1f} B/param ({n / 1e6:.0f}M)" for n, b in sorted(mem.items())),
                  _met(max(mem.values()) <= 6, ": see the memory section"), "memory.json"))
+    fm = {r["config"]: r for r in _load("fsdp_memory.json")["rows"]}
+    ratio = fm["topk_fsdp"]["ratio_to_topk_ddp"]
+    rows.append(("state per rank of `topk_fsdp` against `topk_ddp`, AdamW Transformer, 2 x 2", "≤ 0.6",
+                 f"{ratio:.3f}", _met(ratio <= 0.6), "fsdp_memory.json"))
+    fa = {r["config"]: r["val_ratio_to_hsdp"] for r in _load("fsdp_accuracy.json")["rows"]}
+    rows.append(("held-out loss at equal tokens against dense HSDP, byte-level LM, 2 x 2", "≤ 1.03x",
+                 f"`topk_fsdp` ρ 0.01: {fa['topk_fsdp']:.3f}x (`topk_ddp`: {fa['topk_ddp']:.3f}x); "
+                 f"`topk_fsdp_local` preset {fa['topk_fsdp_local']:.3f}x, LM recipe {fa['topk_fsdp_local_lm']:.3f}x",
+                 _met(max(fa["topk_fsdp"], fa["topk_fsdp_local"]) <= 1.03, ": per step with AdamW, see the section"),
+                 "fsdp_accuracy.json"))
     first = [_topk_first(data[f"{lay} {rate}"]) for lay, rate in CLUSTER_ORDER]
     first_slow = [_topk_first(e) for e in slow]
     rows.append(("fastest to the target accuracy at 100 Mbit/s", "topk first",
                  f"`topk_ddp` at its defaults first in {sum(first_slow)} of {len(slow)} at 100 Mbit/s "
                  f"({sum(first)} of {len(first)} with 1 Gbit/s)", _met(all(first_slow)), CLUSTER_DEFAULTS))
     return rows
+
+
+FSDP_LABELS = {"topk_ddp": "`topk_ddp` ρ 0.01", "hsdp": "dense HSDP (torch)", "topk_fsdp": "`topk_fsdp` ρ 0.01",
+               "topk_local": "`topk_local` (DDP local SGD)", "topk_fsdp_local": "`topk_fsdp_local` (preset)",
+               "topk_fsdp_warmup": "`topk_fsdp` ρ 0.01, `warmup_steps=100`",
+               "topk_fsdp_local_lm": "`topk_fsdp_local`, the LM recipe (160 dense steps, H 4, outer density 1)"}
+
+
+def fsdp_tables() -> str:
+    """Sharded models (issue 33): state per rank (fsdp_memory.json) and loss at equal tokens with the cross-node bytes
+    per step (fsdp_accuracy.json), 2 nodes x 2 processes."""
+    mem, acc = _load("fsdp_memory.json"), _load("fsdp_accuracy.json")
+    mb = 1e6
+    r0 = mem["rows"][0]
+    lines = [f"State per rank, TransformerLM d_model {r0['d_model']}, {r0['layers']} layers, "
+             f"{r0['params'] / 1e6:.2f}M parameters, AdamW, fp32 ({mem['date'][:10]}, `{mem['command']}`):", "",
+             "| config | params | grads | AdamW state | residuals | outer state | total MB | B/param | / `topk_ddp` |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in mem["rows"]:
+        m = r["per_rank_mean"]
+        lines.append(f"| {FSDP_LABELS.get(r['config'], r['config'])} | {m['param_bytes'] / mb:.2f} | "
+                     f"{m['grad_bytes'] / mb:.2f} | {m['optim_bytes'] / mb:.2f} | {m['residual_bytes'] / mb:.2f} | "
+                     f"{m['outer_bytes'] / mb:.2f} | {m['total_bytes'] / mb:.2f} | {m['total_bytes'] / r['params']:.1f} | "
+                     f"{r['ratio_to_topk_ddp']:.3f} |")
+    a0 = acc["rows"][0]
+    lines += ["", f"Loss at equal tokens ({a0['steps']} steps, {a0['tokens']:,} tokens, d_model {a0['d_model']}, "
+              f"{a0['layers']} layers, the shipped byte-level text; {acc['date'][:10]}, `{acc['command']}`), and the "
+              "cross-node bytes per rank per step:", "",
+              "| config | held-out loss | / HSDP | cross-node wire bytes per step per rank | source |", "|---|---:|---:|---:|---|"]
+    for r in acc["rows"]:
+        x = r.get("cross_node") or {}
+        b = x.get("bytes_wire_per_step", x.get("bytes_inter_per_step"))
+        lines.append(f"| {FSDP_LABELS.get(r['config'], r['config'])} | {r['val_loss']:.4f} | {r['val_ratio_to_hsdp']:.3f} | "
+                     f"{'' if b is None else f'{b:,.0f}'} | {x.get('source', '')} |")
+    return "\n".join(lines)
 
 
 def summary() -> str:
@@ -467,7 +512,7 @@ def summary() -> str:
 # name: (the file the block is in, the data it is rendered from, the renderer)
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "summary": ("BENCHMARKS.md", "benchmarks/results/{select,hier_bytes,optim,data,memory,cluster_defaults_2026-11-27,"
-                "convergence_sgd_nesterov}.json", summary),
+                "convergence_sgd_nesterov,fsdp_memory,fsdp_accuracy}.json", summary),
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
     "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
     "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
@@ -488,6 +533,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
     "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
+    "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy}.json", fsdp_tables),
 }
 
 # the runs rendered through their benchmark script's own table, named after their results file: cluster_compare.py's
