@@ -392,8 +392,11 @@ def summarize(res: RunResult) -> Dict[str, object]:
     if phases is not None and sel:
         phases["select_in_hooks"] = 1e3 * sum(sel) / len(sel)
         phases["comm_in_hooks"] = 1e3 * sum(com) / len(com)
-    tta = next((e["time"] for e in r0["evals"] if e["acc"] >= r0["target_acc"]), None)
-    tta_step = next((e["step"] for e in r0["evals"] if e["acc"] >= r0["target_acc"]), None)
+    target_loss = r0.get("target_loss")  # --model lm: the validation loss instead of the accuracy
+    reached = [e for e in r0["evals"]
+               if (e["loss"] <= target_loss if target_loss is not None else e["acc"] >= r0["target_acc"])]
+    tta = reached[0]["time"] if reached else None
+    tta_step = reached[0]["step"] if reached else None
     return {
         "strategy": r0["strategy"], "density": r0["density"], "hierarchical": r0["hierarchical"],
         "exchange": r0.get("exchange"), "plan": r0.get("plan"), "inter_node_bytes_per_node": per_node,
@@ -401,6 +404,7 @@ def summarize(res: RunResult) -> Dict[str, object]:
         "mode": res.mode, "world_size": len(ranks), "n_params": r0["n_params"], "steps": n_steps,
         "samples_per_s": sps, "step_time_s": step_time, "inter_node_bytes_per_step": inter,
         "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None, "target_acc": r0["target_acc"],
+        "final_loss": r0["evals"][-1].get("loss") if r0["evals"] else None, "target_loss": target_loss,
         "time_to_target_s": tta, "steps_to_target": tta_step, "telemetry": r0.get("telemetry"),
         "wall_time_s": res.wall_time, "phases_ms": phases, "bucket_cap_mb": r0.get("bucket_cap_mb"),
     }

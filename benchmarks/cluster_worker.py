@@ -8,6 +8,13 @@ times, per-step interface byte counters (on local rank 0), accuracy checkpoints 
 
 Strategies: ddp, ddp_fp16, ddp_powersgd, topk_ddp (``--density``, ``--exchange``, ``--hierarchical``), local
 (no communication: every process trains its own model on its shard; the throughput upper bound).
+FSDP2 (issue 33; ``--model lm``, their default): hsdp (Lightning's ModelParallelStrategy, ``fully_shard`` of every
+block and the LM on the 2-D mesh: torch's HSDP, a dense all-reduce of each shard across nodes), topk_fsdp
+(``--density``, ``--exchange``) and topk_fsdp_local (the registered preset). Each process reads its own rows.
+
+``--model lm``: a byte-level TransformerLM (``--lm-dim``, ``--lm-layers``, ``--seq-len``) on the text shipped in
+the package (lightning_topk/data/text.py), AdamW at ``--lr``; the evaluations record the validation loss (and
+``--target-loss`` sets the time-to-target figure) instead of test accuracy.
 """
 from __future__ import annotations
 
@@ -18,7 +25,8 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-STRATEGIES = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_ddp", "local")
+STRATEGIES = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_ddp", "local", "hsdp", "topk_fsdp", "topk_fsdp_local")
+FSDP = ("hsdp", "topk_fsdp", "topk_fsdp_local")
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
 
@@ -95,6 +103,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-time", type=float, default=0.0,
                    help="stop at the first evaluation after this many seconds of training, even before --min-steps "
                         "(0: no limit)")
+    p.add_argument("--model", default="auto", choices=("auto", "mlp", "lm"),
+                   help="mlp: the MNIST model; lm: the byte-level TransformerLM (auto: lm for the FSDP strategies)")
+    p.add_argument("--lm-dim", type=int, default=256, help="--model lm: d_model")
+    p.add_argument("--lm-layers", type=int, default=4, help="--model lm: Transformer blocks")
+    p.add_argument("--seq-len", type=int, default=64, help="--model lm: tokens per sequence (bytes)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="--model lm: validation loss for the time-to-target figure (and --stop-at-target)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     a = p.parse_args(argv)
@@ -109,6 +124,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         p.error(f"--warmup-steps must be in [0, --steps), got {a.warmup_steps}")
     if a.eval_every < 0:
         p.error(f"--eval-every must be >= 0, got {a.eval_every}")
+    if a.model == "auto":
+        a.model = "lm" if a.strategy in FSDP else "mlp"
+    if a.strategy in FSDP and a.model != "lm":
+        p.error(f"--strategy {a.strategy} shards the Transformer LM: use --model lm")
     return a
 
 
@@ -175,12 +194,46 @@ def build_model(hidden: int, depth: int = 0):
     )
 
 
+def load_bytes(seq_len: int, world: int):
+    """The packaged byte-level text as [N, seq_len + 1] int64 sequences: train, and 512 validation sequences (a
+    multiple of the world size, so that every rank evaluates the same number of batches)."""
+    import torch
+
+    from lightning_topk.data.text import byte_sequences
+
+    train, val = byte_sequences(seq_len + 1, val_fraction=0.05, seed=1234)
+    n_val = min(512, len(val)) // world * world
+    return torch.from_numpy(train).long(), torch.from_numpy(val[:n_val]).long()
+
+
+def build_lm(args: argparse.Namespace):
+    from lightning_topk.data.text import VOCAB_SIZE
+    from lightning_topk.models.components.transformer import TransformerLM
+
+    return TransformerLM(VOCAB_SIZE, d_model=args.lm_dim, layers=args.lm_layers, heads=max(1, args.lm_dim // 64),
+                         ff_mult=4, max_len=args.seq_len, dropout=0.0)
+
+
 def make_strategy(args: argparse.Namespace):
     """The Lightning strategy object for --strategy (None for `local`)."""
     from pytorch_lightning.strategies import DDPStrategy
 
     if args.strategy == "local":
         return None
+    if args.strategy == "hsdp":
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(process_group_backend="gloo")  # the module shards itself (configure_model)
+    if args.strategy in ("topk_fsdp", "topk_fsdp_local"):
+        from lightning_topk.lightning.fsdp import TopKFSDPStrategy
+        from lightning_topk.lightning.registry import FSDP_PRESETS
+
+        opts: Dict[str, Any] = dict(FSDP_PRESETS[args.strategy])
+        if args.strategy == "topk_fsdp":
+            opts.update(density=args.density, exchange=args.exchange)
+            if args.value_dtype is not None:
+                opts["value_dtype"] = args.value_dtype
+        return TopKFSDPStrategy(log_telemetry=False, nonfinite=args.nonfinite, process_group_backend="gloo", **opts)
     if args.strategy == "ddp":
         return DDPStrategy(process_group_backend="gloo")
     if args.strategy == "topk_ddp":
@@ -289,10 +342,17 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     torch.set_num_threads(args.threads)
     pl.seed_everything(args.seed + (env["rank"] if args.strategy == "local" else 0), workers=False, verbose=False)
-    (xtr, ytr), (xte, yte) = load_mnist(args.seed)
+    lm = args.model == "lm"
+    if lm:
+        xtr, xte = load_bytes(args.seq_len, env["world"])
+        ytr = yte = None
+    else:
+        (xtr, ytr), (xte, yte) = load_mnist(args.seed)
     distributed = args.strategy != "local"
-    if not distributed:  # the shard DistributedSampler would give this rank
-        xtr, ytr = xtr[env["rank"]::env["world"]], ytr[env["rank"]::env["world"]]
+    own_rows = not distributed or args.strategy in FSDP  # no DistributedSampler: this rank's rows r, r + W, ...
+    if own_rows:  # the shard DistributedSampler would give this rank
+        xtr = xtr[env["rank"]::env["world"]]
+        ytr = None if ytr is None else ytr[env["rank"]::env["world"]]
 
     os.makedirs(env["result_dir"], exist_ok=True)
     progress_path = os.path.join(env["result_dir"], f"rank{env['rank']}.progress")
@@ -305,17 +365,38 @@ def main(argv: Optional[List[str]] = None) -> int:
     class Module(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = build_model(args.hidden, args.depth)
+            self.net = build_lm(args) if lm else build_model(args.hidden, args.depth)
+
+        def configure_model(self):
+            if args.strategy != "hsdp":
+                return  # topk_fsdp shards every block, then the root
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.net.blocks.layers:  # torch's HSDP: the 2-D mesh (replicate = nodes, shard = node)
+                fully_shard(block, mesh=self.device_mesh)
+            fully_shard(self.net, mesh=self.device_mesh)
+
+        def forward(self, x):
+            return self.net(x)
+
+        def lm_loss(self, x):
+            logits = self(x[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
         def training_step(self, batch, _):
+            if lm:
+                return self.lm_loss(batch[0])
             x, y = batch
             return F.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
+            if lm:
+                return torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
             return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9)
 
         def train_dataloader(self):
-            return DataLoader(TensorDataset(xtr, ytr), batch_size=args.batch_size, shuffle=True, drop_last=True)
+            data = TensorDataset(xtr) if lm else TensorDataset(xtr, ytr)
+            return DataLoader(data, batch_size=args.batch_size, shuffle=True, drop_last=True)
 
     class Clock(pl.Callback):
         """Per-step wall times and byte counters; periodic test accuracy with its time excluded."""
@@ -371,9 +452,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 f.write(str(step))
             if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
                 out_of_time = bool(args.max_time) and step_end[-1] > args.max_time
-                acc, out_of_time = self.evaluate(pl_module, out_of_time)
-                evals.append({"step": step, "time": step_end[-1], "acc": acc})
-                reached = args.stop_at_target and acc >= args.target_acc
+                if lm:
+                    loss, out_of_time = self.evaluate_lm(pl_module, out_of_time)
+                    evals.append({"step": step, "time": step_end[-1], "acc": None, "loss": loss})
+                    reached = args.stop_at_target and args.target_loss is not None and loss <= args.target_loss
+                else:
+                    acc, out_of_time = self.evaluate(pl_module, out_of_time)
+                    evals.append({"step": step, "time": step_end[-1], "acc": acc})
+                    reached = args.stop_at_target and acc >= args.target_acc
                 if (step >= args.min_steps and reached) or out_of_time:  # --max-time caps --min-steps too
                     trainer.should_stop = True
                 self.paused += time.perf_counter() - now
@@ -394,6 +480,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             pl_module.train(was_training)
             return float(counts[0] / counts[1]), bool(counts[2] > 0)
 
+        @torch.no_grad()
+        def evaluate_lm(self, pl_module, out_of_time: bool):
+            """Validation loss (nats per byte; mean over every rank's slice; under local SGD each node's own
+            model), and whether any rank is out of time."""
+            was_training = pl_module.training
+            pl_module.eval()
+            xs = xte[env["rank"]::env["world"]] if distributed else xte
+            total = sum(float(pl_module.lm_loss(xb)) * len(xb) for xb in xs.split(64))
+            sums = torch.tensor([total, len(xs), float(out_of_time)], dtype=torch.float64)
+            if distributed:
+                torch.distributed.all_reduce(sums)
+            pl_module.train(was_training)
+            return float(sums[0] / sums[1]), bool(sums[2] > 0)
+
     strategy = make_strategy(args)
     trainer_kw: Dict[str, Any] = dict(
         accelerator="cpu", max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
@@ -401,6 +501,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     )
     if distributed:
         trainer_kw.update(num_nodes=env["nodes"], devices=env["ppn"], strategy=strategy)
+        if own_rows:
+            trainer_kw.update(use_distributed_sampler=False)
     else:
         trainer_kw.update(devices=1)
     trainer = pl.Trainer(**trainer_kw)
@@ -418,9 +520,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     result = {
         "rank": env["rank"], "node_rank": env["node_rank"], "local_rank": env["local_rank"],
         "world_size": env["world"], "num_nodes": env["nodes"], "procs_per_node": env["ppn"],
-        "strategy": args.strategy, "density": args.density if args.strategy == "topk_ddp" else None,
+        "strategy": args.strategy, "density": args.density if args.strategy in ("topk_ddp", "topk_fsdp") else None,
         "hierarchical": args.hierarchical if args.strategy == "topk_ddp" else None,
-        "exchange": args.exchange if args.strategy == "topk_ddp" else None,
+        "exchange": args.exchange if args.strategy in ("topk_ddp", "topk_fsdp") else None,
+        "model": args.model, "target_loss": args.target_loss,
         "plan": dict(getattr(trainer.strategy.topk_state.exchange, "plan", {}))
         if getattr(trainer.strategy, "topk_state", None) else None,
         "cost_model": jsonable(trainer.strategy.topk_state.exchanges["auto"].model)

@@ -331,7 +331,10 @@ def cluster_tables(name: str, heading: str) -> Callable[[], str]:
     """The renderer of one ``cluster_compare.py`` result's tables, through that script's own ``sections``; its
     layouts and rates get ``heading``."""
     def render() -> str:
-        tables = _module("benchmarks/cluster_compare.py").sections(_load(name), heading)
+        data = _load(name)
+        if isinstance(data.get("rows"), dict) and "command" in data:  # written through _results.write_results
+            data = data["rows"]
+        tables = _module("benchmarks/cluster_compare.py").sections(data, heading)
         return f"From `benchmarks/results/{name}`:\n\n{tables.rstrip()}"
     render.__doc__ = f"The tables of ``{name}`` (``cluster_compare.py``)."
     return render
@@ -542,7 +545,9 @@ CLUSTER_RUNS = [("cluster", "###"), ("cluster_1gbit_2026-11-25", "####"), ("clus
                 ("cluster_local_2026-11-25_10mbit", "####"), ("cluster_local_compare", "####"),
                 ("cluster_local_2026-11-27_100mbit_rounds", "####"), ("cluster_local_2026-11-27_2x2_100mbit", "####"),
                 ("cluster_local_2026-11-27_2x2_ceiling", "####"), ("cluster_local_2026-11-27_outer_exchange", "####"),
-                ("cluster_local_2026-11-27_wan_outer_exchange", "####"), ("cluster_local_2026-11-27_wan_owner4bit", "####")]
+                ("cluster_local_2026-11-27_wan_outer_exchange", "####"), ("cluster_local_2026-11-27_wan_owner4bit", "####"),
+                ("cluster_fsdp_2026-11-27_100mbit", "####"), ("cluster_fsdp_2026-11-27_1gbit", "####"),
+                ("cluster_fsdp_2026-11-27_100mbit_long", "####"), ("cluster_fsdp_2026-11-27_flat_100mbit", "####")]
 LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_seed2", "local_accuracy_lm_variants",
                        "local_accuracy_sparseloco", "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
                            "owner1x", "owner2x", "owner4x", "issue21", "issue21_factors", "issue21_wan_owner4x_xp",
