@@ -23,6 +23,7 @@ from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
 from lightning_topk.comm.state import TopKState
 from lightning_topk.comm.telemetry import StepStats
+from lightning_topk.lightning.elastic import ElasticMixin
 from lightning_topk.lightning.faults import Heartbeat
 from lightning_topk.lightning.strategy_concerns import (
     BucketsMixin,
@@ -36,7 +37,7 @@ from lightning_topk.lightning.telemetry import attach
 log = logging.getLogger(__name__)
 
 
-class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin):
+class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin):
     """Adds the top-k exchange to a DDPStrategy subclass.
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (documented
@@ -94,7 +95,10 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
         self._resolve_recipe()
-        state = TopKState(self.topk_config, num_nodes=self.num_nodes)
+        elastic = self.topk_elastic
+        # fault_tolerance="torchft": the flat exchange runs over the replicas of each step's quorum
+        state = TopKState(self.topk_config, num_nodes=self.num_nodes,
+                          process_group=elastic.group if elastic is not None else None)
         state.bind(self.lightning_module.named_parameters())
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
@@ -122,7 +126,7 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
             # instead of in the hook. The synchronous first dense_steps (post-local SGD) go through DDP.
             state.exchange.bypass = True
         self.topk_state = state
-        self.topk_controller = StepController(state, device=self.root_device)
+        self.topk_controller = StepController(state, device=self.root_device, commit_gate=self._elastic_gate())
 
     def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
         """Restore ``sd`` into ``state``; once its exchange exists (Fabric loads after setup), the sections

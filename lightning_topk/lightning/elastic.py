@@ -1,0 +1,250 @@
+"""Replica groups that come and go: ``TopKDDPStrategy(fault_tolerance="torchft")`` (``docs/elastic.md``).
+
+torchft is the engine. Each Trainer is one replica group (one process: ``devices=1``, ``num_nodes=1``); a torchft
+``Manager`` per group forms the quorum with the lighthouse at the start of every step and reconfigures torchft's
+``ProcessGroupGloo`` over the replicas in it. The top-k exchange's flat group is that process group, wrapped in
+:class:`~lightning_topk.comm.elastic.ElasticGroup` (world size = the quorum's participants), so each step
+averages over the replicas present. The step controller's decision and ``Manager.should_commit`` are one
+decision (:class:`TorchFTReplica.commit` is the controller's commit gate): a step either side refuses changes
+nothing (parameters, optimizer state, residuals: the undo log). A group that (re)starts behind the others heals
+from a live peer through torchft's checkpoint transport before its first step: parameters and buffers,
+optimizer state, the top-k state without residuals (its residual mass died with it) and the step counters;
+nothing is read from disk.
+
+Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
+:class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+from urllib.parse import urlparse
+
+from lightning_topk import optional
+from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.elastic import ElasticGroup
+
+log = logging.getLogger(__name__)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: the replica group's name (torchft appends a unique suffix to each start); default: host and process id
+REPLICA_ID_ENV = "REPLICA_GROUP_ID"
+
+
+def lighthouse_address(config: TopKConfig) -> str:
+    """The lighthouse's address: ``config.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``; a missing one is an error."""
+    addr = config.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "").strip()
+    if not addr:
+        raise ValueError("topk_ddp: fault_tolerance='torchft' needs a torchft lighthouse: set lighthouse='http://HOST:PORT' "
+                         f"or the environment variable {LIGHTHOUSE_ENV} (start one with `python -m "
+                         "lightning_topk.app.elastic_launch --bind HOST:PORT --min_replicas N`, docs/elastic.md)")
+    return addr if "://" in addr else f"http://{addr}"
+
+
+def check_lighthouse(addr: str, timeout: float) -> None:
+    """Raise ``ConnectionError`` naming ``addr`` unless a TCP connection to it opens within ``timeout`` seconds
+    (torchft's own client would retry until its connect timeout and then fail deep in a quorum call)."""
+    url = urlparse(addr)
+    host, port = url.hostname, url.port
+    if not host or not port:
+        raise ValueError(f"topk_ddp: lighthouse={addr!r} is not an address such as 'http://host:29510'")
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return
+    except OSError as e:
+        raise ConnectionError(
+            f"topk_ddp: fault_tolerance='torchft': no torchft lighthouse answers at {addr} ({e.__class__.__name__}: "
+            f"{e}; gave up after {time.monotonic() - t0:.1f} s, ft_connect_timeout={timeout:g} s). Start one with "
+            "`python -m lightning_topk.app.elastic_launch --bind HOST:PORT --min_replicas N` (or torchft_lighthouse) "
+            f"and pass its address as lighthouse= or {LIGHTHOUSE_ENV}") from None
+
+
+class TorchFTReplica:
+    """This process's replica group under torchft: the Manager, the process group the exchange runs on, and what
+    a heal sends and receives (``state_dict``/``load_state_dict`` callables of the strategy).
+
+    Telemetry (:meth:`metrics`): quorum size of the last step, quorum changes, steps not committed, heals and
+    the last heal's time, failed collectives.
+    """
+
+    def __init__(self, config: TopKConfig, state_dict: Callable[[], Dict[str, Any]],
+                 load_state_dict: Callable[[Dict[str, Any]], None]) -> None:
+        self.config = config
+        self._state_dict = state_dict
+        self._load_state_dict = load_state_dict
+        self.manager: Any = None
+        self.group: Optional[ElasticGroup] = None
+        self._store: Any = None
+        self.quorum_size = 0
+        self.quorum_sizes: List[int] = []  # per step, this run (telemetry; small: one int per step)
+        self.quorum_changes = 0
+        self.uncommitted = 0
+        self.committed = 0
+        self.heals = 0
+        self.heal_time_s = 0.0
+        self._healing_t0: Optional[float] = None
+        self._quorum_id: Optional[int] = None
+
+    # ---- life ------------------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.config
+        addr = lighthouse_address(cfg)
+        check_lighthouse(addr, cfg.ft_connect_timeout)
+        optional.require("torchft", "ft", "fault_tolerance='torchft'")
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        host = os.environ.get("LIGHTNING_TOPK_FT_HOST") or socket.gethostname()
+        # The replica group's own store: its manager's address, and the quorum's gloo rendezvous when this group
+        # is the quorum's first replica (the others connect to it: it must be reachable from them).
+        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=cfg.ft_timeout))
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.ft_timeout))
+        replica_id = os.environ.get(REPLICA_ID_ENV) or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._save, min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,  # the quorum (and a heal) completes before the forward pass
+            timeout=timedelta(seconds=cfg.ft_timeout), quorum_timeout=timedelta(seconds=cfg.ft_quorum_timeout),
+            connect_timeout=timedelta(seconds=cfg.ft_connect_timeout), rank=0, world_size=1,
+            store_addr=host, store_port=self._store.port, lighthouse_addr=addr, replica_id=replica_id,
+            hostname=host,
+        )
+        m = self.manager
+        self.group = ElasticGroup(pg, size=m.num_participants, rank=m.participating_rank, on_error=m.report_error,
+                                  errored=m.errored)
+        log.info("topk_ddp: replica group %s joined torchft (lighthouse %s, min_replicas %d)", replica_id, addr,
+                 cfg.min_replicas)
+
+    def shutdown(self) -> None:
+        m, self.manager = self.manager, None
+        if m is not None:
+            m.shutdown(wait=False)
+        self._store = None
+
+    # ---- one step --------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Before the forward pass: the quorum of this step (a heal from a peer, when this group is behind)."""
+        m = self.manager
+        t0 = time.monotonic()
+        try:
+            m.start_quorum()
+        except Exception as e:
+            raise RuntimeError(
+                f"topk_ddp: torchft quorum failed ({e}); fewer than min_replicas={self.config.min_replicas} replica "
+                f"groups joined within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s, or the lighthouse is "
+                "gone (docs/elastic.md)") from e
+        if self._healing_t0 is not None:  # set by _load during this quorum
+            self.heal_time_s = time.monotonic() - t0
+            self.heals += 1
+            self._healing_t0 = None
+            log.warning("topk_ddp: replica group healed from a live peer at step %d in %.2f s", m.current_step(),
+                        self.heal_time_s)
+        n = m.num_participants()
+        qid = getattr(m, "_quorum_id", None)
+        if self._quorum_id is not None and qid != self._quorum_id:
+            self.quorum_changes += 1
+            log.warning("topk_ddp: quorum changed at step %d: %d replica group(s) now", m.current_step(), n)
+        self._quorum_id = qid
+        self.quorum_size = n
+        self.quorum_sizes.append(n)
+
+    def commit(self, ok: bool) -> bool:
+        """The controller's commit gate: ``ok`` is its verdict; torchft's ``should_commit`` has the last word."""
+        m = self.manager
+        if not ok:
+            m.report_error(RuntimeError("the step controller skipped this step"))
+        committed = bool(m.should_commit())
+        if committed:
+            self.committed += 1
+        elif ok:
+            self.uncommitted += 1
+        return committed
+
+    @property
+    def step(self) -> int:
+        """Committed steps of the replicas (torchft's step counter; a healed group takes its peer's)."""
+        return 0 if self.manager is None else int(self.manager.current_step())
+
+    def metrics(self) -> Dict[str, float]:
+        return {"ft/quorum_size": float(self.quorum_size), "ft/quorum_changes": float(self.quorum_changes),
+                "ft/uncommitted_steps": float(self.uncommitted), "ft/heals": float(self.heals),
+                "ft/heal_time_s": float(self.heal_time_s), "ft/step": float(self.step),
+                "ft/failed_collectives": float(self.group.failures if self.group is not None else 0)}
+
+    # ---- heal ------------------------------------------------------------------------------------
+    def _save(self) -> Dict[str, Any]:
+        return self._state_dict()
+
+    def _load(self, sd: Dict[str, Any]) -> None:
+        self._healing_t0 = time.monotonic()
+        self._load_state_dict(sd)
+
+
+class ElasticMixin:
+    """The strategy's side of ``fault_tolerance="torchft"`` (see the module docstring): starts the replica after
+    the (one-process) process group exists, runs a quorum before each training batch, closes it at teardown."""
+
+    topk_elastic: Optional[TorchFTReplica] = None
+
+    def setup_distributed(self) -> None:
+        cfg = self.topk_config  # type: ignore[attr-defined]
+        if cfg.elastic:
+            if self.num_processes != 1 or self.num_nodes != 1:  # type: ignore[attr-defined]
+                raise ValueError(
+                    "topk_ddp: fault_tolerance='torchft' runs one process per replica group (devices=1, num_nodes=1; "
+                    f"got devices={self.num_processes}, num_nodes={self.num_nodes}): start one Trainer per "  # type: ignore[attr-defined]
+                    "replica group (docs/elastic.md); several processes per group are not built yet")
+            self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict)
+            self.topk_elastic.start()  # the lighthouse check first: a missing one fails before any process group
+        super().setup_distributed()  # type: ignore[misc]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.topk_elastic is not None:
+            self.topk_elastic.begin_step()
+        parent = getattr(super(), "on_train_batch_start", None)
+        if parent is not None:
+            parent(batch, batch_idx)
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        if self.topk_elastic is not None:
+            self.topk_elastic.shutdown()
+
+    def _elastic_gate(self) -> Optional[Callable[[bool], bool]]:
+        return None if self.topk_elastic is None else self.topk_elastic.commit
+
+    # ---- what a heal carries ---------------------------------------------------------------------
+    def _elastic_state_dict(self) -> Dict[str, Any]:
+        """Parameters and buffers, optimizer state, the top-k state without this replica's residuals and
+        velocities (error feedback is per replica: a copy would count the peer's unsent mass twice) and the
+        Trainer's step count. Copies: the transport serves them while this replica goes on stepping."""
+        import copy
+
+        module = self.lightning_module  # type: ignore[attr-defined]
+        state = self.topk_state  # type: ignore[attr-defined]
+        topk = state.state_dict() if state is not None else None
+        if topk is not None:
+            topk["residual"], topk["velocity"] = {}, {}
+        trainer = getattr(module, "_trainer", None)
+        return {
+            "module": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # type: ignore[attr-defined]
+            "topk": topk,
+            "global_step": int(trainer.global_step) if trainer is not None else 0,
+        }
+
+    def _elastic_load_state_dict(self, sd: Dict[str, Any]) -> None:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        module.load_state_dict(sd["module"])  # in place: the optimizers and DDP keep the same tensors
+        for opt, osd in zip(self.optimizers, sd["optimizers"]):  # type: ignore[attr-defined]
+            opt.load_state_dict(osd)
+        state = self.topk_state  # type: ignore[attr-defined]
+        if state is not None and sd.get("topk") is not None:
+            self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
