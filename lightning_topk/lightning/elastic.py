@@ -46,18 +46,29 @@ def lighthouse_address(config: TopKConfig) -> str:
     return addr if "://" in addr else f"http://{addr}"
 
 
+# HTTP/2's client preface and an empty SETTINGS frame: the lighthouse speaks gRPC, so it answers with a SETTINGS
+# frame (frame type 4 in the 4th byte of its 9-byte header) and nothing else happens on its side.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
 def check_lighthouse(addr: str, timeout: float) -> None:
-    """Raise ``ConnectionError`` naming ``addr`` unless a TCP connection to it opens within ``timeout`` seconds
-    (torchft's own client would retry until its connect timeout and then fail deep in a quorum call)."""
+    """Raise ``ConnectionError`` naming ``addr`` unless an HTTP/2 (gRPC) server answers there within ``timeout``
+    seconds: refused, unroutable, or a listener that never answers all fail within the timeout (torchft's own
+    client would fail deep inside the first quorum call, after its connect timeout). No side effect on the
+    lighthouse (no heartbeat, no quorum request)."""
     url = urlparse(addr)
     host, port = url.hostname, url.port
     if not host or not port:
         raise ValueError(f"topk_ddp: lighthouse={addr!r} is not an address such as 'http://host:29510'")
     t0 = time.monotonic()
     try:
-        with socket.create_connection((host, port), timeout=timeout):
-            return
-    except OSError as e:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(max(0.05, timeout - (time.monotonic() - t0)))
+            sock.sendall(_H2_PREFACE)
+            head = sock.recv(9)
+        if len(head) < 4 or head[3] != 4:
+            raise ConnectionError(f"it answered {head[:16]!r}, not an HTTP/2 SETTINGS frame")
+    except OSError as e:  # ConnectionError, socket.timeout and the others
         raise ConnectionError(
             f"topk_ddp: fault_tolerance='torchft': no torchft lighthouse answers at {addr} ({e.__class__.__name__}: "
             f"{e}; gave up after {time.monotonic() - t0:.1f} s, ft_connect_timeout={timeout:g} s). Start one with "

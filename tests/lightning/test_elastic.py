@@ -1,0 +1,200 @@
+"""``fault_tolerance="torchft"`` on real processes (gloo on loopback, a real torchft lighthouse): replica groups of
+one process keep training while one is killed with SIGKILL, the killed one restarts, heals from a live peer and
+rejoins, and at the end every replica holds the same parameters; an uncommitted step changes nothing; a missing
+or unreachable lighthouse is a clear error within the connect timeout. The options' checks need no torchft."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_topk.comm.config import TopKConfig
+from tests.helpers.dist import free_port
+from tests.helpers.procs import ROOT
+
+SCRIPT = ROOT / "tests" / "scripts" / "elastic_replica.py"
+
+
+def test_options_are_checked():
+    cfg = TopKConfig(fault_tolerance="torchft", lighthouse="http://h:1", min_replicas=2)
+    assert cfg.elastic and cfg.min_replicas == 2 and isinstance(cfg.ft_timeout, float)
+    assert not TopKConfig().elastic
+    for bad, match in [(dict(fault_tolerance="yes"), "fault_tolerance"), (dict(min_replicas=0), "min_replicas"),
+                       (dict(ft_timeout=0), "ft_timeout"), (dict(lighthouse=""), "lighthouse"),
+                       (dict(ft_timeout=30, ft_quorum_timeout=10), "ft_quorum_timeout"),
+                       (dict(fault_tolerance="torchft", exchange="scatter"), "exchange='scatter'"),
+                       (dict(fault_tolerance="torchft", local_steps=4), "local_steps=0")]:
+        with pytest.raises(ValueError, match=match):
+            TopKConfig(**bad)
+
+
+def test_missing_or_unreachable_lighthouse_is_a_clear_error(monkeypatch):
+    from lightning_topk.lightning.elastic import check_lighthouse, lighthouse_address
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="needs a torchft lighthouse.*TORCHFT_LIGHTHOUSE"):
+        lighthouse_address(TopKConfig(fault_tolerance="torchft"))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "127.0.0.1:29999")
+    assert lighthouse_address(TopKConfig(fault_tolerance="torchft")) == "http://127.0.0.1:29999"
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no torchft lighthouse answers at http://127.0.0.1:{port}"):
+        check_lighthouse(f"http://127.0.0.1:{port}", timeout=2.0)
+    assert time.monotonic() - t0 < 2.5
+    # a listener that accepts and never answers (a hung host, a half-open proxy): bounded by the timeout
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="ft_connect_timeout=1"):
+        check_lighthouse(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout=1.0)
+    assert time.monotonic() - t0 < 2.0
+    srv.close()
+
+
+def test_trainer_without_lighthouse_fails_fast(tmp_path):
+    pytest.importorskip("torchft")
+    port = free_port()
+    code = (
+        "import pytorch_lightning as pl, torch, lightning_topk\n"
+        "from tests.helpers.digits import DigitsNet\n"
+        f"s = lightning_topk.TopKDDPStrategy(fault_tolerance='torchft', lighthouse='http://127.0.0.1:{port}', "
+        "ft_connect_timeout=2)\n"
+        "pl.Trainer(accelerator='cpu', devices=1, strategy=s, max_steps=1, logger=False, enable_checkpointing=False"
+        ").fit(DigitsNet())\n")
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env=_env())
+    assert p.returncode != 0
+    assert f"no torchft lighthouse answers at http://127.0.0.1:{port}" in p.stderr, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+
+
+def _env(**kw):
+    e = dict(os.environ, OMP_NUM_THREADS="1", **kw)
+    for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "GROUP_RANK",
+              "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED"):
+        e.pop(k, None)
+    return e
+
+
+class Cluster:
+    """A lighthouse from the documented launcher, and replica processes of tests/scripts/elastic_replica.py."""
+
+    def __init__(self, tmp_path, min_replicas=1):
+        self.tmp, self.port = tmp_path, free_port()
+        self.addr = f"http://127.0.0.1:{self.port}"
+        self.lighthouse = subprocess.Popen(
+            [sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{self.port}",
+             "--min_replicas", str(min_replicas), "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500"],
+            cwd=ROOT, env=_env(), stdout=open(tmp_path / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
+        self.procs = {}
+        _wait(lambda: _listening(self.port), 30, "the lighthouse")
+
+    def start(self, r, *args):
+        log = open(self.tmp / f"replica{r}.{len([k for k in self.procs if k[0] == r])}.log", "w")
+        p = subprocess.Popen([sys.executable, str(SCRIPT), "--replica", str(r), "--out", str(self.tmp), *map(str, args)],
+                             cwd=ROOT, env=_env(TORCHFT_LIGHTHOUSE=self.addr, REPLICA_GROUP_ID=f"replica{r}"),
+                             stdout=log, stderr=subprocess.STDOUT)
+        self.procs[(r, p.pid)] = p
+        return p
+
+    def rows(self, r):
+        path = self.tmp / f"replica{r}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def close(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.lighthouse.terminate()
+        self.lighthouse.wait(timeout=10)
+
+
+def _listening(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait(cond, timeout, what):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _logs(tmp_path):
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(tmp_path.glob("*.log")))
+
+
+@pytest.mark.timeout(240)
+def test_uncommitted_step_changes_nothing(tmp_path):
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path)
+    try:
+        p = c.start(0, "--steps", "6", "--refuse-at", "3")
+        assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    rows = c.rows(0)
+    refused = [r for r in rows if "unchanged" in r]
+    assert len(refused) == 1, rows
+    assert refused[0]["unchanged"] and refused[0]["residuals_checked"] > 0, refused
+    assert refused[0]["ft_step"] == 3 and refused[0]["uncommitted"] == 1
+    assert rows[-1]["ft_step"] == 6 and rows[-1]["global_step"] == 7  # 7 attempts, 6 committed
+
+
+@pytest.mark.timeout(300)
+def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
+    """3 replica groups of 1 process: SIGKILL one mid-run; the two others keep committing steps during the outage;
+    the killed one is restarted, heals from a live peer (nothing read from disk) and rejoins; at the end all three
+    hold identical parameters."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    steps, delay = 70, 0.15
+    c = Cluster(tmp_path)
+    try:
+        procs = [c.start(r, "--steps", steps, "--delay", delay, "--init-differs") for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 15 for r in range(3)), 150, "15 steps on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(c.rows(0)[-1]["ft_step"], c.rows(2)[-1]["ft_step"])
+        t_kill = time.time()
+        time.sleep(4.0)  # the outage: the survivors step on without it
+        during = min(c.rows(0)[-1]["ft_step"], c.rows(2)[-1]["ft_step"])
+        os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
+        restarted = c.start(1, "--steps", steps, "--delay", delay, "--init-differs")
+        for p in (procs[0], procs[2], restarted):
+            assert p.wait(timeout=200) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    logs = _logs(tmp_path)
+    assert during > killed_at + 3, (killed_at, during, logs)  # the survivors advanced during the outage
+    outage = [r for r in c.rows(0) if r["t"] > t_kill and r["quorum"] == 2]
+    assert outage, "no step ran with the quorum of 2"
+    back = c.rows(1)
+    assert back[-1]["heals"] == 1 and back[-1]["heal_time_s"] > 0, back[-3:]
+    first = back[0]
+    assert first["ft_step"] >= during, (first, during)  # it took the peers' step count: healed, not restarted at 0
+    rejoined = [r for r in c.rows(0) if r["t"] > t_kill and r["quorum"] == 3]
+    assert rejoined, "the restarted replica never rejoined the quorum"
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
+    for f in finals[1:]:
+        for k, v in finals[0]["params"].items():
+            assert torch.equal(v, f["params"][k]), k
+    assert all(f["metrics"]["ft/step"] == steps for f in finals)
+    report = dict(killed_at=killed_at, steps_during_outage=during - killed_at, heal_time_s=back[-1]["heal_time_s"],
+                  healed_at_step=first["ft_step"], uncommitted=[c.rows(r)[-1]["uncommitted"] for r in (0, 2)],
+                  quorum_changes=[c.rows(r)[-1]["quorum_changes"] for r in (0, 2)])
+    print("ELASTIC", json.dumps(report))
