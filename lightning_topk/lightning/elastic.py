@@ -212,6 +212,15 @@ class ElasticMixin:
                     "topk_ddp: fault_tolerance='torchft' runs one process per replica group (devices=1, num_nodes=1; "
                     f"got devices={self.num_processes}, num_nodes={self.num_nodes}): start one Trainer per "  # type: ignore[attr-defined]
                     "replica group (docs/elastic.md); several processes per group are not built yet")
+            kw = self._ddp_kwargs  # type: ignore[attr-defined]
+            if kw.get("static_graph"):
+                raise ValueError("topk_ddp: fault_tolerance='torchft' does not support static_graph=True (it rebuilds "
+                                 "DDP's buckets after the first iteration; see find_unused_parameters in docs/elastic.md)")
+            # Every replica's buckets must lay the parameters out alike: the packets' indices are positions in the
+            # bucket. DDP rebuilds its buckets after a process's first iteration (in gradient-ready order), so a
+            # replica that joins mid-run would step once with the initial layout while its peers use the rebuilt
+            # one (seen: its first step's gradient differed). With find_unused_parameters DDP never rebuilds.
+            kw["find_unused_parameters"] = True
             self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict)
             self.topk_elastic.start()  # the lighthouse check first: a missing one fails before any process group
         super().setup_distributed()  # type: ignore[misc]

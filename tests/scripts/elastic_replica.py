@@ -3,7 +3,7 @@ starts several against one lighthouse, kills and restarts them.
 
 Writes ``<out>/replica<R>.jsonl`` (one line per training batch: Lightning's step, torchft's committed step, the
 quorum size, whether the step committed, heals) and, at the end, ``<out>/replica<R>.pt`` (parameters, metrics).
-Stops once the replicas' committed step count reaches ``--steps``.
+Stops once the replicas' committed step count reaches ``--steps``, or the step written in ``--stop-file``.
 
 ``--refuse-at K``: at committed step K this replica reports an error to its torchft Manager after the backward,
 so ``should_commit`` says no; the line of that batch records whether parameters, optimizer state and residuals
@@ -60,6 +60,9 @@ class Net(pl.LightningModule):
 
     def training_step(self, batch, _):
         x, y = batch
+        self._psum_fwd = float(sum(p.detach().double().abs().sum() for p in self.parameters()))
+        opt = self.trainer.strategy.optimizers[0]
+        self._osum_fwd = float(sum(v.double().abs().sum() for s in opt.state.values() for v in s.values()))
         return nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_batch_start(self, batch, batch_idx):
@@ -72,9 +75,6 @@ class Net(pl.LightningModule):
             self._refused = True
             ft.manager.report_error(RuntimeError("injected by the test"))
 
-    def on_before_optimizer_step(self, optimizer):
-        pass
-
     def on_train_batch_end(self, outputs, batch, batch_idx):
         s = self.trainer.strategy
         ft = s.topk_elastic
@@ -82,7 +82,10 @@ class Net(pl.LightningModule):
         row = {"global_step": self.trainer.global_step, "ft_step": ft.step, "quorum": ft.quorum_size,
                "uncommitted": ft.uncommitted, "committed": ft.committed, "heals": ft.heals,
                "heal_time_s": ft.heal_time_s, "quorum_changes": ft.quorum_changes, "t": time.time(),
-               "skipped": ctl.skipped_steps if ctl is not None else 0}
+               "skipped": ctl.skipped_steps if ctl is not None else 0,
+               "psum_fwd": self._psum_fwd, "osum_fwd": self._osum_fwd,
+               "psum": float(sum(p.detach().double().abs().sum() for p in self.parameters())),
+               "gsum": float(sum(p.grad.detach().double().abs().sum() for p in self.parameters() if p.grad is not None))}
         if self._before is not None:
             row["unchanged"] = same(self._before, snapshot(self, s))
             row["residuals_checked"] = len(self._before["res"])
@@ -91,7 +94,11 @@ class Net(pl.LightningModule):
             self._before = snapshot(self, s)  # before the next batch: the one that will be refused
         with open(self.log_path, "a") as f:
             f.write(json.dumps(row) + "\n")
-        if ft.step >= self.args.steps:
+        target = self.args.steps
+        if self.args.stop_file and os.path.exists(self.args.stop_file):
+            text = Path(self.args.stop_file).read_text().strip()
+            target = int(text) if text else target
+        if ft.step >= target:
             self.trainer.should_stop = True
 
     def on_train_end(self):
@@ -117,6 +124,7 @@ def main():
     ap.add_argument("--delay", type=float, default=0.0)
     ap.add_argument("--refuse-at", type=int, default=None)
     ap.add_argument("--init-differs", action="store_true")
+    ap.add_argument("--stop-file", default=None, help="once it exists: the committed step to stop at")
     ap.add_argument("--min-replicas", type=int, default=1)
     args = ap.parse_args()
     strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange="allgather", min_sparse_numel=4096,
