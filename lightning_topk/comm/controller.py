@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm import elastic
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.state import Scale, TopKState
 
 log = logging.getLogger(__name__)

@@ -21,6 +21,12 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import ReduceOp
+
+try:  # the option objects of a process group's own collectives (not re-exported by torch.distributed)
+    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+except ImportError:  # a torch built without distributed support: no elastic group can exist
+    AllgatherOptions = AllreduceOptions = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
@@ -113,10 +119,8 @@ class ElasticGroup:
         """Sum ``t`` in place over the quorum (asynchronous)."""
         if self._errored() is not None:
             return ElasticWork(self, None, lambda: None)
-        from torch._C._distributed_c10d import AllreduceOptions, ReduceOp
-
         opts = AllreduceOptions()
-        opts.reduceOp = ReduceOp.SUM
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types the field as ReduceOp
         try:
             work = self.pg.allreduce([t], opts)
         except Exception as e:
@@ -132,8 +136,6 @@ class ElasticGroup:
 
         if self._errored() is not None:
             return ElasticWork(self, None, own_packet_everywhere)
-        from torch._C._distributed_c10d import AllgatherOptions
-
         try:
             work = self.pg.allgather_into_tensor_coalesced([out], [inp], AllgatherOptions())
         except Exception as e:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm import elastic
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.config import (  # noqa: F401  (re-exported)
     AUTO_MODEL_CHOICES,
     HIERARCHICAL_EXCHANGES,

@@ -25,9 +25,9 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 from urllib.parse import urlparse
 
-from lightning_topk import optional
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.elastic import ElasticGroup
+from lightning_topk.optional import require
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class TorchFTReplica:
         cfg = self.config
         addr = lighthouse_address(cfg)
         check_lighthouse(addr, cfg.ft_connect_timeout)
-        optional.require("torchft", "ft", "fault_tolerance='torchft'")
+        require("torchft", "ft", "fault_tolerance='torchft'")
         from torch.distributed import TCPStore
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo

@@ -18,14 +18,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import pytorch_lightning as pl  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
 
-import lightning_topk  # noqa: E402,F401  (registers topk_ddp)
-from lightning_topk import TopKDDPStrategy  # noqa: E402
-from tests.helpers.digits import digits  # noqa: E402
+import lightning_topk  # noqa: F401  (registers topk_ddp)
+from lightning_topk import TopKDDPStrategy
+from tests.helpers.digits import digits
 
 
 def snapshot(module, strategy):

@@ -9,7 +9,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from lightning_topk.comm import elastic
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.cost import BOOKKEEPING_PASSES
 from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lightning_topk.comm import elastic
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.faults import BucketBuffers, bounds_nonfinite, nonfinite
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import Scale, TopKState
