@@ -22,14 +22,17 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from typing import Dict, List, Optional
 
 
 def lighthouse_binary() -> str:
-    """``torchft_lighthouse`` next to this interpreter (the venv's), else on ``PATH``; an error names the extra."""
-    here = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    found = here if os.path.exists(here) else shutil.which("torchft_lighthouse")
+    """``torchft_lighthouse`` from this environment's scripts folder (the venv's), else on ``PATH``; an error names
+    the extra."""
+    candidates = [os.path.join(d, "torchft_lighthouse") for d in (sysconfig.get_path("scripts"),
+                                                                    os.path.dirname(sys.executable))]
+    found = next((c for c in candidates if os.path.exists(c)), None) or shutil.which("torchft_lighthouse")
     if found is None:
         raise SystemExit("elastic_launch: torchft_lighthouse not found (it ships with torchft: "
                          "pip install 'lightning-topk[ft]')")

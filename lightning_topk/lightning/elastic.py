@@ -101,11 +101,13 @@ class TorchFTReplica:
         self.heal_time_s = 0.0
         self._healing_t0: Optional[float] = None
         self._quorum_id: Optional[int] = None
+        self.replica_id = ""
+        self.lighthouse = ""
 
     # ---- life ------------------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.config
-        addr = lighthouse_address(cfg)
+        addr = self.lighthouse = lighthouse_address(cfg)
         check_lighthouse(addr, cfg.ft_connect_timeout)
         require("torchft", "ft", "fault_tolerance='torchft'")
         from torch.distributed import TCPStore
@@ -118,7 +120,7 @@ class TorchFTReplica:
         self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=cfg.ft_timeout))
         pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.ft_timeout))
-        replica_id = os.environ.get(REPLICA_ID_ENV) or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        replica_id = self.replica_id = os.environ.get(REPLICA_ID_ENV) or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._save, min_replica_size=cfg.min_replicas,
             use_async_quorum=False,  # the quorum (and a heal) completes before the forward pass
@@ -148,9 +150,10 @@ class TorchFTReplica:
             m.start_quorum()
         except Exception as e:
             raise RuntimeError(
-                f"topk_ddp: torchft quorum failed ({e}); fewer than min_replicas={self.config.min_replicas} replica "
-                f"groups joined within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s, or the lighthouse is "
-                "gone (docs/elastic.md)") from e
+                f"topk_ddp: torchft quorum failed for replica group {self.replica_id!r} at step {m.current_step()} "
+                f"({e}): fewer than min_replicas={self.config.min_replicas} replica groups joined the lighthouse "
+                f"{self.lighthouse} within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s (the last quorum had "
+                f"{self.quorum_size}), or the lighthouse is gone (docs/elastic.md)") from e
         if self._healing_t0 is not None:  # set by _load during this quorum
             self.heal_time_s = time.monotonic() - t0
             self.heals += 1

@@ -88,12 +88,13 @@ class Cluster:
     def __init__(self, tmp_path, min_replicas=1):
         self.tmp, self.port = tmp_path, free_port()
         self.addr = f"http://127.0.0.1:{self.port}"
+        exe, env = python_for(_env())
         self.lighthouse = subprocess.Popen(
-            [sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{self.port}",
+            [exe, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{self.port}",
              "--min_replicas", str(min_replicas), "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500"],
-            cwd=ROOT, env=_env(), stdout=open(tmp_path / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
+            cwd=ROOT, env=env, stdout=open(tmp_path / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
         self.procs = {}
-        _wait(lambda: _listening(self.port), 30, "the lighthouse")
+        _wait(lambda: _listening(self.port), 90, "the lighthouse")
 
     def start(self, r, *args):
         log = open(self.tmp / f"replica{r}.{len([k for k in self.procs if k[0] == r])}.log", "w")
@@ -155,6 +156,22 @@ def test_uncommitted_step_changes_nothing(tmp_path):
     assert refused[0]["unchanged"] and refused[0]["residuals_checked"] > 0, refused
     assert refused[0]["ft_step"] == 3 and refused[0]["uncommitted"] == 1
     assert rows[-1]["ft_step"] == 6 and rows[-1]["global_step"] == 7  # 7 attempts, 6 committed
+
+
+@pytest.mark.timeout(240)
+def test_quorum_below_min_replicas_waits_then_fails_clearly(tmp_path):
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)
+    try:
+        p = c.start(0, "--steps", "3", "--min-replicas", "2", "--quorum-timeout", "5")
+        assert p.wait(timeout=180) != 0
+    finally:
+        c.close()
+    log = (tmp_path / "replica0.0.log").read_text()
+    assert ("torchft quorum failed for replica group 'replica0' at step 0" in log
+            and "fewer than min_replicas=2 replica groups joined the lighthouse http://127.0.0.1:" in log
+            and "within ft_quorum_timeout=5 s" in log), log[-3000:]
+    assert not c.rows(0)  # no step ran
 
 
 @pytest.mark.timeout(300)
