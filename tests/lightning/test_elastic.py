@@ -221,3 +221,34 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
                   healed_at_step=first["ft_step"], uncommitted=[c.rows(r)[-1]["uncommitted"] for r in (0, 2)],
                   quorum_changes=[c.rows(r)[-1]["quorum_changes"] for r in (0, 2)])
     print("ELASTIC", json.dumps(report))
+
+
+@pytest.mark.timeout(240)
+def test_kill_mid_step_survivors_roll_back_and_go_on(tmp_path):
+    """No sleep between steps, so the SIGKILL usually lands inside a step's collectives: a survivor whose all-gather
+    or decision all-reduce failed reports it to torchft, its step is not committed and changes nothing; the two
+    survivors go on with a quorum of 2 and end with identical parameters."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path)
+    args = ("--steps", 100000, "--delay", 0, "--init-differs", "--stop-file", stop)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 30 for r in range(3)), 150, "30 steps on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        _wait(lambda: all(c.rows(r)[-1]["quorum"] == 2 for r in (0, 2)), 60, "a quorum of 2")
+        stop.write_text(str(max(c.rows(r)[-1]["ft_step"] for r in (0, 2)) + 20))
+        for p in (procs[0], procs[2]):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    last = [c.rows(r)[-1] for r in (0, 2)]
+    assert last[0]["ft_step"] == last[1]["ft_step"] and all(r["quorum"] == 2 for r in last), last
+    assert all(r["uncommitted"] <= 1 for r in last), last  # at most the step the kill interrupted
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in (0, 2)]
+    for k, v in finals[0]["params"].items():
+        assert torch.equal(v, finals[1]["params"][k]), k
+    print("ELASTIC_MID", json.dumps({"uncommitted": [r["uncommitted"] for r in last],
+                                     "failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals]}))
