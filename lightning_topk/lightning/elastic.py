@@ -81,12 +81,15 @@ class TorchFTReplica:
     a heal sends and receives (``state_dict``/``load_state_dict`` callables of the strategy).
 
     Telemetry (:meth:`metrics`): quorum size of the last step, quorum changes, steps not committed, heals and
-    the last heal's time, failed collectives.
+    the last heal's time, failed collectives, and the residual mass this replica holds unsent (what its death
+    would lose; one host read, on logging steps only).
     """
 
     def __init__(self, config: TopKConfig, state_dict: Callable[[], Dict[str, Any]],
-                 load_state_dict: Callable[[Dict[str, Any]], None]) -> None:
+                 load_state_dict: Callable[[Dict[str, Any]], None],
+                 residual_mass: Optional[Callable[[], float]] = None) -> None:
         self.config = config
+        self._residual_mass = residual_mass
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         self.manager: Any = None
@@ -107,9 +110,9 @@ class TorchFTReplica:
     # ---- life ------------------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.config
+        require("torchft", "ft", "fault_tolerance='torchft'")  # the install hint before anything else
         addr = self.lighthouse = lighthouse_address(cfg)
         check_lighthouse(addr, cfg.ft_connect_timeout)
-        require("torchft", "ft", "fault_tolerance='torchft'")
         from torch.distributed import TCPStore
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
@@ -190,7 +193,9 @@ class TorchFTReplica:
         return {"ft/quorum_size": float(self.quorum_size), "ft/quorum_changes": float(self.quorum_changes),
                 "ft/uncommitted_steps": float(self.uncommitted), "ft/heals": float(self.heals),
                 "ft/heal_time_s": float(self.heal_time_s), "ft/step": float(self.step),
-                "ft/failed_collectives": float(self.group.failures if self.group is not None else 0)}
+                "ft/failed_collectives": float(self.group.failures if self.group is not None else 0),
+                # what this replica's error feedback holds unsent (L1): the mass lost if it dies now
+                "ft/residual_mass": float(self._residual_mass()) if self._residual_mass is not None else 0.0}
 
     # ---- heal ------------------------------------------------------------------------------------
     def _save(self) -> Dict[str, Any]:
@@ -224,7 +229,8 @@ class ElasticMixin:
             # replica that joins mid-run would step once with the initial layout while its peers use the rebuilt
             # one (seen: its first step's gradient differed). With find_unused_parameters DDP never rebuilds.
             kw["find_unused_parameters"] = True
-            self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict)
+            self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict,
+                                               self._elastic_residual_mass)
             self.topk_elastic.start()  # the lighthouse check first: a missing one fails before any process group
         super().setup_distributed()  # type: ignore[misc]
 
@@ -242,6 +248,12 @@ class ElasticMixin:
 
     def _elastic_gate(self) -> Optional[Callable[[bool], bool]]:
         return None if self.topk_elastic is None else self.topk_elastic.commit
+
+    def _elastic_residual_mass(self) -> float:
+        state = self.topk_state  # type: ignore[attr-defined]
+        if state is None:
+            return 0.0
+        return float(sum(float(r.abs().sum()) for r in state.residuals().values()))
 
     # ---- what a heal carries ---------------------------------------------------------------------
     def _elastic_state_dict(self) -> Dict[str, Any]:

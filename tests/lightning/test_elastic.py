@@ -56,6 +56,16 @@ def test_missing_or_unreachable_lighthouse_is_a_clear_error(monkeypatch):
     srv.close()
 
 
+def test_without_torchft_the_error_names_the_extra(monkeypatch):
+    from lightning_topk.lightning.elastic import TorchFTReplica
+    from lightning_topk.optional import MissingDependency
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    replica = TorchFTReplica(TopKConfig(fault_tolerance="torchft", lighthouse="http://127.0.0.1:1"), dict, print)
+    with pytest.raises(MissingDependency, match=r"pip install 'lightning-topk\[ft\]'"):
+        replica.start()
+
+
 def test_trainer_without_lighthouse_fails_fast(tmp_path):
     pytest.importorskip("torchft")
     port = free_port()
@@ -217,6 +227,7 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
         for k, v in finals[0]["params"].items():
             assert torch.equal(v, f["params"][k]), k
     assert all(f["metrics"]["ft/step"] == end for f in finals)
+    assert all(f["metrics"]["ft/residual_mass"] > 0 for f in finals)  # each holds its own unsent mass
     report = dict(killed_at=killed_at, steps_during_outage=during - killed_at, heal_time_s=back[-1]["heal_time_s"],
                   healed_at_step=first["ft_step"], uncommitted=[c.rows(r)[-1]["uncommitted"] for r in (0, 2)],
                   quorum_changes=[c.rows(r)[-1]["quorum_changes"] for r in (0, 2)])
