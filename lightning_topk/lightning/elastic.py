@@ -9,7 +9,7 @@ decision (:class:`TorchFTReplica.commit` is the controller's commit gate): a ste
 nothing (parameters, optimizer state, residuals: the undo log). A group that (re)starts behind the others heals
 from a live peer through torchft's checkpoint transport before its first step: parameters and buffers,
 optimizer state, the top-k state without residuals (its residual mass died with it) and the step counters;
-nothing is read from disk.
+nothing is read from disk. Lightning's LR schedulers and step count come along (``max_steps`` stays aligned).
 
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
@@ -268,9 +268,11 @@ class ElasticMixin:
         if topk is not None:
             topk["residual"], topk["velocity"] = {}, {}
         trainer = getattr(module, "_trainer", None)
+        schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs] if trainer else []
         return {
             "module": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # type: ignore[attr-defined]
+            "schedulers": schedulers,
             "topk": topk,
             "global_step": int(trainer.global_step) if trainer is not None else 0,
         }
@@ -283,3 +285,21 @@ class ElasticMixin:
         state = self.topk_state  # type: ignore[attr-defined]
         if state is not None and sd.get("topk") is not None:
             self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None:
+            for c, ssd in zip(trainer.lr_scheduler_configs, sd.get("schedulers", [])):
+                c.scheduler.load_state_dict(ssd)
+            _set_global_step(trainer, int(sd.get("global_step", 0)))
+
+
+def _set_global_step(trainer: Any, step: int) -> None:
+    """Give a healed replica its peer's Trainer step count (optimizer-step attempts, committed or not: the same on
+    every replica of a quorum), so that ``max_steps``, schedulers stepped by interval and logging stay aligned."""
+    loop = trainer.fit_loop.epoch_loop
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+    else:
+        progress = loop.manual_optimization.optim_step_progress.total
+    progress.ready = progress.completed = step
+    loop._batches_that_stepped = step

@@ -77,8 +77,10 @@ def test_trainer_without_lighthouse_fails_fast(tmp_path):
         "pl.Trainer(accelerator='cpu', devices=1, strategy=s, max_steps=1, logger=False, enable_checkpointing=False"
         ").fit(DigitsNet())\n")
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                       env=_env())
+    script = tmp_path / "fit.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + code)
+    exe, env = python_for(_env())
+    p = subprocess.run([exe, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert p.returncode != 0
     assert f"no torchft lighthouse answers at http://127.0.0.1:{port}" in p.stderr, p.stderr[-3000:]
     assert time.monotonic() - t0 < 60
@@ -220,6 +222,7 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
     assert back[-1]["heals"] == 1 and back[-1]["heal_time_s"] > 0, back[-3:]
     first = back[0]
     assert first["ft_step"] >= during, (first, during)  # it took the peers' step count: healed, not restarted at 0
+    assert first["global_step"] > 1 and back[-1]["global_step"] == c.rows(0)[-1]["global_step"]  # Lightning's too
     rejoined = [r for r in c.rows(0) if r["t"] > t_kill and r["quorum"] == 3]
     assert rejoined, "the restarted replica never rejoined the quorum"
     finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
