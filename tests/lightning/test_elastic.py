@@ -266,3 +266,13 @@ def test_kill_mid_step_survivors_roll_back_and_go_on(tmp_path):
         assert torch.equal(v, finals[1]["params"][k]), k
     print("ELASTIC_MID", json.dumps({"uncommitted": [r["uncommitted"] for r in last],
                                      "failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals]}))
+
+
+def test_fabric_refuses_torchft_clearly():
+    import torch
+
+    from lightning_topk.lightning.fabric import FabricTopKDDPStrategy
+
+    s = FabricTopKDDPStrategy(fault_tolerance="torchft")
+    with pytest.raises(ValueError, match="not available with Fabric yet"):
+        s.setup_module(torch.nn.Linear(2, 2))
