@@ -126,10 +126,10 @@ def main():
     ap.add_argument("--init-differs", action="store_true")
     ap.add_argument("--stop-file", default=None, help="once it exists: the committed step to stop at")
     ap.add_argument("--min-replicas", type=int, default=1)
-    ap.add_argument("--quorum-timeout", type=float, default=30.0)
+    ap.add_argument("--quorum-timeout", type=float, default=60.0)
     args = ap.parse_args()
     strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange="allgather", min_sparse_numel=4096,
-                               min_replicas=args.min_replicas, ft_timeout=5.0, ft_quorum_timeout=args.quorum_timeout,
+                               min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout), ft_quorum_timeout=args.quorum_timeout,
                                ft_connect_timeout=5.0, log_telemetry=False)
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=10_000, max_steps=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
