@@ -92,11 +92,15 @@ class ElasticGroup:
         rank: this replica's rank in the quorum (torchft: ``Manager.participating_rank``).
         on_error: told of a failed collective (torchft: ``Manager.report_error``).
         errored: whether this step already failed (torchft: ``Manager.errored``): later collectives are skipped.
+        intra: with several processes per replica group, the group's own (torch) process group: each bucket is
+            averaged over it before the exchange between groups (:func:`~lightning_topk.comm.exchanges.elastic_exchange_hook`);
+            ``None`` with one process per group.
     """
 
     def __init__(self, pg: Any, size: Callable[[], int], rank: Callable[[], Optional[int]],
-                 on_error: Callable[[BaseException], None], errored: Callable[[], Any]) -> None:
+                 on_error: Callable[[BaseException], None], errored: Callable[[], Any], intra: Any = None) -> None:
         self.pg = pg
+        self.intra = intra
         self._size = size
         self._rank = rank
         self._on_error = on_error

@@ -108,35 +108,56 @@ class TorchFTReplica:
         self.lighthouse = ""
 
     # ---- life ------------------------------------------------------------------------------------
-    def start(self) -> None:
-        cfg = self.config
+    def check(self) -> None:
+        """Before any process group: torchft installed, and a lighthouse answering (errors name what to do)."""
         require("torchft", "ft", "fault_tolerance='torchft'")  # the install hint before anything else
-        addr = self.lighthouse = lighthouse_address(cfg)
-        check_lighthouse(addr, cfg.ft_connect_timeout)
+        addr = self.lighthouse = lighthouse_address(self.config)
+        check_lighthouse(addr, self.config.ft_connect_timeout)
+
+    def join(self, group_rank: int = 0, group_size: int = 1) -> None:
+        """This process's Manager (``group_rank`` of ``group_size`` processes of the replica group; with several,
+        torch's default process group is the group's own and must exist), its torchft process group and the
+        :class:`ElasticGroup` the exchange runs on."""
+        cfg = self.config
         from torch.distributed import TCPStore
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
         host = os.environ.get("LIGHTNING_TOPK_FT_HOST") or socket.gethostname()
-        # The replica group's own store: its manager's address, and the quorum's gloo rendezvous when this group
-        # is the quorum's first replica (the others connect to it: it must be reachable from them).
-        self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=cfg.ft_timeout))
+        replica_id = os.environ.get(REPLICA_ID_ENV) or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if group_rank == 0:
+            # The replica group's own store: its manager's address, and the quorum's gloo rendezvous when this group
+            # is the quorum's first replica (the others connect to it: it must be reachable from them).
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=cfg.ft_timeout))
+            store_host, store_port = host, self._store.port
+        if group_size > 1:  # the group's other ranks learn the store and the replica id from rank 0
+            import torch.distributed as dist
+
+            shared = [f"{store_host}|{store_port}|{replica_id}" if group_rank == 0 else None]
+            dist.broadcast_object_list(shared, src=0)
+            store_host, port, replica_id = str(shared[0]).split("|", 2)
+            store_port = int(port)
+        self.replica_id = replica_id
         pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.ft_timeout))
-        replica_id = self.replica_id = os.environ.get(REPLICA_ID_ENV) or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._save, min_replica_size=cfg.min_replicas,
             use_async_quorum=False,  # the quorum (and a heal) completes before the forward pass
             timeout=timedelta(seconds=cfg.ft_timeout), quorum_timeout=timedelta(seconds=cfg.ft_quorum_timeout),
-            connect_timeout=timedelta(seconds=cfg.ft_connect_timeout), rank=0, world_size=1,
-            store_addr=host, store_port=self._store.port, lighthouse_addr=addr, replica_id=replica_id,
+            connect_timeout=timedelta(seconds=cfg.ft_connect_timeout), rank=group_rank, world_size=group_size,
+            store_addr=store_host, store_port=store_port, lighthouse_addr=self.lighthouse, replica_id=replica_id,
             hostname=host,
         )
         m = self.manager
+        intra = None
+        if group_size > 1:
+            import torch.distributed as dist
+
+            intra = dist.group.WORLD
         self.group = ElasticGroup(pg, size=m.num_participants, rank=m.participating_rank, on_error=m.report_error,
-                                  errored=m.errored)
-        log.info("topk_ddp: replica group %s joined torchft (lighthouse %s, min_replicas %d)", replica_id, addr,
-                 cfg.min_replicas)
+                                  errored=m.errored, intra=intra)
+        log.info("topk_ddp: replica group %s (rank %d of %d) joined torchft (lighthouse %s, min_replicas %d)",
+                 replica_id, group_rank, group_size, self.lighthouse, cfg.min_replicas)
 
     def shutdown(self) -> None:
         m, self.manager = self.manager, None
@@ -215,11 +236,10 @@ class ElasticMixin:
     def setup_distributed(self) -> None:
         cfg = self.topk_config  # type: ignore[attr-defined]
         if cfg.elastic:
-            if self.num_processes != 1 or self.num_nodes != 1:  # type: ignore[attr-defined]
+            if self.num_nodes != 1:  # type: ignore[attr-defined]
                 raise ValueError(
-                    "topk_ddp: fault_tolerance='torchft' runs one process per replica group (devices=1, num_nodes=1; "
-                    f"got devices={self.num_processes}, num_nodes={self.num_nodes}): start one Trainer per "  # type: ignore[attr-defined]
-                    "replica group (docs/elastic.md); several processes per group are not built yet")
+                    "topk_ddp: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
+                    f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
             kw = self._ddp_kwargs  # type: ignore[attr-defined]
             if kw.get("static_graph"):
                 raise ValueError("topk_ddp: fault_tolerance='torchft' does not support static_graph=True (it rebuilds "
@@ -231,8 +251,10 @@ class ElasticMixin:
             kw["find_unused_parameters"] = True
             self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict,
                                                self._elastic_residual_mass)
-            self.topk_elastic.start()  # the lighthouse check first: a missing one fails before any process group
+            self.topk_elastic.check()  # a missing lighthouse fails before any process group
         super().setup_distributed()  # type: ignore[misc]
+        if self.topk_elastic is not None:
+            self.topk_elastic.join(self.global_rank, self.world_size)  # type: ignore[attr-defined]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.topk_elastic is not None:

@@ -18,7 +18,7 @@ from typing_extensions import override
 
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.exchanges import Layout, exchange_hook, registry
+from lightning_topk.comm.exchanges import Layout, elastic_exchange_hook, exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
 from lightning_topk.comm.state import TopKState
@@ -119,7 +119,8 @@ class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMi
             bind(self.lightning_module.named_parameters(), self.lightning_module.named_buffers(),
                  optimizers=self._topk_optimizers())
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
-        self.model.register_comm_hook(state, exchange_hook)
+        several = elastic is not None and elastic.group is not None and elastic.group.intra is not None
+        self.model.register_comm_hook(state, elastic_exchange_hook if several else exchange_hook)
         if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
             # Local SGD, one process per node: an inner step has nothing to reduce, so it does not go through
             # DDP's reducer (see training_step); the exchange flags the gradients before the step's decision
@@ -148,8 +149,8 @@ class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMi
         cfg, nodes, local = self.topk_config, self.num_nodes, self.num_processes
         layout = Layout(nodes, local, self.global_rank)
         ex = self._exchange()
-        if ex == "auto" and self.world_size < 2:
-            ex = "allgather"  # nothing to choose between
+        if ex == "auto" and (self.world_size < 2 or self.topk_elastic is not None):
+            ex = "allgather"  # nothing to choose between (torchft: the replica count changes; no probe)
         if ex != "auto":
             registry.check(cfg, layout, ex)
             if ex == "local" and local > 1:  # intra-node all-reduce; outer shards over the inter-node groups

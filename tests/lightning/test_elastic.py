@@ -63,7 +63,7 @@ def test_without_torchft_the_error_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
     replica = TorchFTReplica(TopKConfig(fault_tolerance="torchft", lighthouse="http://127.0.0.1:1"), dict, print)
     with pytest.raises(MissingDependency, match=r"pip install 'lightning-topk\[ft\]'"):
-        replica.start()
+        replica.check()
 
 
 def test_trainer_without_lighthouse_fails_fast(tmp_path):
@@ -118,8 +118,8 @@ class Cluster:
         self.procs[(r, p.pid)] = p
         return p
 
-    def rows(self, r):
-        path = self.tmp / f"replica{r}.jsonl"
+    def rows(self, r, suffix=""):
+        path = self.tmp / f"replica{r}{suffix}.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -276,3 +276,45 @@ def test_fabric_refuses_torchft_clearly():
     s = FabricTopKDDPStrategy(fault_tolerance="torchft")
     with pytest.raises(ValueError, match="not available with Fabric yet"):
         s.setup_module(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.timeout(420)
+def test_two_groups_of_two_processes_kill_heal_rejoin(tmp_path):
+    """2 replica groups of 2 processes (Lightning DDP inside a group, torchft between the groups, per local rank):
+    SIGKILL both processes of one group; the other keeps stepping alone; the killed group is restarted, heals
+    from the live one and rejoins; at the end all four processes hold identical parameters."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path)
+    args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2)
+    ranks = [".rank0", ".rank1"]
+    try:
+        c.start(0, *args)
+        victim = c.start(1, *args)
+        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 8 for r in (0, 1) for k in ranks), 240,
+              "8 steps on all four processes")
+        for k in ranks:  # the whole group: both of its processes
+            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+        victim.wait(timeout=60)
+        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
+        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
+              120, "the survivor to step on alone")
+        during = c.rows(0, ".rank0")[-1]["ft_step"]
+        for k in ranks:
+            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in ranks), 240, "the group to rejoin")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + 8))
+        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    back = [c.rows(1, k) for k in ranks]
+    assert all(b[0]["heals"] == 1 and b[0]["ft_step"] >= during for b in back), [b[0] for b in back]
+    finals = [torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1) for k in ranks]
+    for f in finals[1:]:
+        for name, v in finals[0]["params"].items():
+            assert torch.equal(v, f["params"][name]), name
+    print("ELASTIC_2x2", json.dumps({"killed_at": killed_at, "steps_alone": during - killed_at,
+                                     "heal_time_s": [b[-1]["heal_time_s"] for b in back]}))

@@ -28,6 +28,11 @@ from lightning_topk import TopKDDPStrategy
 from tests.helpers.digits import digits
 
 
+def _rank_suffix():
+    """'' with one process per replica group, '.rank<L>' with several (devices > 1)."""
+    return f".rank{os.environ.get('LOCAL_RANK', '0')}" if os.environ.get("ELASTIC_DEVICES", "1") != "1" else ""
+
+
 def snapshot(module, strategy):
     opt = strategy.optimizers[0]
     state = strategy.topk_state
@@ -51,7 +56,7 @@ class Net(pl.LightningModule):
         torch.manual_seed(100 + args.replica if args.init_differs else 0)  # init_sync makes them equal
         self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
         self.args = args
-        self.log_path = Path(args.out) / f"replica{args.replica}.jsonl"
+        self.log_path = Path(args.out) / f"replica{args.replica}{_rank_suffix()}.jsonl"
         self._before = None
         self._refused = False
 
@@ -105,7 +110,7 @@ class Net(pl.LightningModule):
         ft = self.trainer.strategy.topk_elastic
         torch.save({"params": {k: v.detach().clone() for k, v in self.net.state_dict().items()},
                     "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes},
-                   Path(self.args.out) / f"replica{self.args.replica}.pt")
+                   Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
@@ -127,11 +132,14 @@ def main():
     ap.add_argument("--stop-file", default=None, help="once it exists: the committed step to stop at")
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--quorum-timeout", type=float, default=60.0)
+    ap.add_argument("--devices", type=int, default=1, help="processes per replica group")
     args = ap.parse_args()
+    os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
+    (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
     strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange="allgather", min_sparse_numel=4096,
                                min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout), ft_quorum_timeout=args.quorum_timeout,
                                ft_connect_timeout=5.0, log_telemetry=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_epochs=10_000, max_steps=-1,
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=10_000, max_steps=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0)
     trainer.fit(Net(args))
