@@ -378,8 +378,8 @@ class FaultOptions:
             on torchft's reconfigurable process group over the replicas of the current quorum (a torchft
             ``Manager`` forms it with the lighthouse); a step commits only where the step controller and
             torchft's ``should_commit`` both say so (an uncommitted step is rolled back, residuals included), and
-            a restarted group heals from a live peer. One process per replica group (``devices=1``,
-            ``num_nodes=1``), per-step exchange (``local_steps=0``) with ``exchange`` ``"auto"``
+            a restarted group heals from a live peer. One Trainer per replica group (``num_nodes=1``; its
+            ``devices`` processes average each bucket among themselves first), per-step exchange (``local_steps=0``) with ``exchange`` ``"auto"``
             (= ``"allgather"``), ``"allgather"`` or ``"dense"``.
         lighthouse: the torchft lighthouse's address (``http://host:port``), or ``None``: the environment
             variable ``TORCHFT_LIGHTHOUSE``. Checked with a TCP connect within ``ft_connect_timeout`` when the
@@ -471,8 +471,9 @@ class TopKConfig(FaultOptions, OuterOptions, AutoOptions, StepOptions):
             raise ValueError(f"topk_ddp: fault_tolerance='torchft' runs over a replica count that changes between "
                              f"steps, which exchange={self.exchange!r} does not; use one of {list(ELASTIC_EXCHANGES)}")
         if self.hierarchical is True:
-            raise ValueError("topk_ddp: fault_tolerance='torchft' runs one process per replica group; "
-                             "hierarchical=true needs several; leave hierarchical='auto'")
+            raise ValueError("topk_ddp: fault_tolerance='torchft' averages each bucket within a replica group, then "
+                             "runs the flat exchange between groups; hierarchical=true contradicts it; leave "
+                             "hierarchical='auto'")
 
     @classmethod
     def option_names(cls) -> Tuple[str, ...]:

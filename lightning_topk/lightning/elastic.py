@@ -1,10 +1,12 @@
 """Replica groups that come and go: ``TopKDDPStrategy(fault_tolerance="torchft")`` (``docs/elastic.md``).
 
-torchft is the engine. Each Trainer is one replica group (one process: ``devices=1``, ``num_nodes=1``); a torchft
-``Manager`` per group forms the quorum with the lighthouse at the start of every step and reconfigures torchft's
-``ProcessGroupGloo`` over the replicas in it. The top-k exchange's flat group is that process group, wrapped in
-:class:`~lightning_topk.comm.elastic.ElasticGroup` (world size = the quorum's participants), so each step
-averages over the replicas present. The step controller's decision and ``Manager.should_commit`` are one
+torchft is the engine. Each Trainer is one replica group (``num_nodes=1``; ``devices`` processes). A torchft
+``Manager`` per process (the group's rank 0 serves the group) forms the quorum with the lighthouse at the start of
+every step and reconfigures torchft's ``ProcessGroupGloo`` over the replicas in it, one per local rank. The top-k
+exchange's flat group is that process group, wrapped in :class:`~lightning_topk.comm.elastic.ElasticGroup`
+(world size = the quorum's participants), so each step averages over the replicas present; with several processes
+per group, each bucket is first averaged over the group's own ranks (torch's process group), so every rank of a
+group holds the same gradient, residuals and result. The step controller's decision and ``Manager.should_commit`` are one
 decision (:class:`TorchFTReplica.commit` is the controller's commit gate): a step either side refuses changes
 nothing (parameters, optimizer state, residuals: the undo log). A group that (re)starts behind the others heals
 from a live peer through torchft's checkpoint transport before its first step: parameters and buffers,
