@@ -27,6 +27,9 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 from urllib.parse import urlparse
 
+import torch
+import torch.distributed as dist
+
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.elastic import ElasticGroup
 from lightning_topk.optional import require
@@ -134,8 +137,6 @@ class TorchFTReplica:
                                    timeout=timedelta(seconds=cfg.ft_timeout))
             store_host, store_port = host, self._store.port
         if group_size > 1:  # the group's other ranks learn the store and the replica id from rank 0
-            import torch.distributed as dist
-
             shared = [f"{store_host}|{store_port}|{replica_id}" if group_rank == 0 else None]
             dist.broadcast_object_list(shared, src=0)
             store_host, port, replica_id = str(shared[0]).split("|", 2)
@@ -153,8 +154,6 @@ class TorchFTReplica:
         m = self.manager
         intra = None
         if group_size > 1:
-            import torch.distributed as dist
-
             intra = dist.group.WORLD
         self.group = ElasticGroup(pg, size=m.num_participants, rank=m.participating_rank, on_error=m.report_error,
                                   errored=m.errored, intra=intra)
@@ -168,8 +167,9 @@ class TorchFTReplica:
         self._store = None
 
     # ---- one step --------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Before the forward pass: the quorum of this step (a heal from a peer, when this group is behind)."""
+    def begin_step(self) -> bool:
+        """Before the forward pass: the quorum of this step (a heal from a peer, when this group is behind).
+        Returns whether this process healed."""
         m = self.manager
         t0 = time.monotonic()
         try:
@@ -180,7 +180,8 @@ class TorchFTReplica:
                 f"({e}): fewer than min_replicas={self.config.min_replicas} replica groups joined the lighthouse "
                 f"{self.lighthouse} within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s (the last quorum had "
                 f"{self.quorum_size}), or the lighthouse is gone (docs/elastic.md)") from e
-        if self._healing_t0 is not None:  # set by _load during this quorum
+        healed = self._healing_t0 is not None  # set by _load during this quorum
+        if healed:
             self.heal_time_s = time.monotonic() - t0
             self.heals += 1
             self._healing_t0 = None
@@ -194,6 +195,7 @@ class TorchFTReplica:
         self._quorum_id = qid
         self.quorum_size = n
         self.quorum_sizes.append(n)
+        return healed
 
     def commit(self, ok: bool) -> bool:
         """The controller's commit gate: ``ok`` is its verdict; torchft's ``should_commit`` has the last word."""
@@ -260,10 +262,33 @@ class ElasticMixin:
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self.topk_elastic is not None:
-            self.topk_elastic.begin_step()
+            healed = self.topk_elastic.begin_step()
+            group = self.topk_elastic.group
+            if group is not None and group.intra is not None:
+                self._elastic_group_sync(healed, group.intra)
         parent = getattr(super(), "on_train_batch_start", None)
         if parent is not None:
             parent(batch, batch_idx)
+
+    def _elastic_group_sync(self, healed: bool, intra: Any) -> None:
+        """Several processes per group: after a heal on any of its ranks, the group's rank 0 state is the group's.
+        torchft picks each rank's heal source by its rank in the group, and at step 0 (``init_sync``) the source of
+        rank r is the quorum's replica r: a group's ranks could start from different replicas' initial weights
+        (seen in the 2 x 2 test). Later heals take any up-to-date replica, all identical. One tiny all-reduce per
+        step; the broadcast only after a heal."""
+        flag = torch.tensor([1.0 if healed else 0.0], device=self.root_device)  # type: ignore[attr-defined]
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=intra)
+        if float(flag.item()) == 0.0:
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0, group=intra)
+        opts = self.optimizers  # type: ignore[attr-defined]
+        shared: List[Any] = [[o.state_dict() for o in opts] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=intra)
+        for o, osd in zip(opts, shared[0]):
+            o.load_state_dict(osd)
 
     def teardown(self) -> None:
         super().teardown()  # type: ignore[misc]
