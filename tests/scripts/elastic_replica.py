@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 
 import lightning_topk  # noqa: F401  (registers topk_ddp)
 from lightning_topk import TopKDDPStrategy
-from tests.helpers.digits import digits
+from tests.helpers.digits import accuracy, digits
 
 
 def _rank_suffix():
@@ -109,7 +109,7 @@ class Net(pl.LightningModule):
     def on_train_end(self):
         ft = self.trainer.strategy.topk_elastic
         torch.save({"params": {k: v.detach().clone() for k, v in self.net.state_dict().items()},
-                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes},
+                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes, "accuracy": accuracy(self)},
                    Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
 
     def configure_optimizers(self):
