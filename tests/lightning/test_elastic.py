@@ -318,3 +318,33 @@ def test_two_groups_of_two_processes_kill_heal_rejoin(tmp_path):
             assert torch.equal(v, f["params"][name]), name
     print("ELASTIC_2x2", json.dumps({"killed_at": killed_at, "steps_alone": during - killed_at,
                                      "heal_time_s": [b[-1]["heal_time_s"] for b in back]}))
+
+
+@pytest.mark.timeout(120)
+def test_launcher_starts_replicas_and_restarts_a_failed_one(tmp_path):
+    """elastic_launch: the lighthouse bound to --bind, --replicas copies of the command with TORCHFT_LIGHTHOUSE and
+    REPLICA_GROUP_ID, a failed copy restarted (within --max_restarts)."""
+    pytest.importorskip("torchft")
+    port = free_port()
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, pathlib, sys\n"
+        f"d = pathlib.Path({str(tmp_path)!r})\n"
+        "rid = os.environ['REPLICA_GROUP_ID']\n"
+        "(d / f'{rid}.{os.getpid()}').write_text(os.environ['TORCHFT_LIGHTHOUSE'])\n"
+        "first = not (d / f'{rid}.ran').exists()\n"
+        "(d / f'{rid}.ran').write_text('')\n"
+        "sys.exit(3 if rid == 'replica1' and first else 0)\n")
+    p = subprocess.run([sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}",
+                        "--replicas", "2", "--max_restarts", "1", "--", sys.executable, str(child)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port}" in p.stdout
+    assert "replica1 exited with 3; restart 1/1" in p.stdout
+    runs = {}
+    for f in tmp_path.glob("replica*.*"):
+        if f.suffix != ".ran":
+            assert f.read_text() == f"http://127.0.0.1:{port}"
+            runs[f.name.split(".")[0]] = runs.get(f.name.split(".")[0], 0) + 1
+    assert runs == {"replica0": 1, "replica1": 2}, runs
+    assert not _listening(port)  # the lighthouse is gone with the launcher
