@@ -106,7 +106,11 @@ class Cluster:
              "--min_replicas", str(min_replicas), "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500"],
             cwd=ROOT, env=env, stdout=open(tmp_path / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
         self.procs = {}
-        _wait(lambda: _listening(self.port), 90, "the lighthouse")
+        try:
+            _wait(lambda: _listening(self.port), 90, "the lighthouse")
+        except AssertionError:
+            self.close()  # no Cluster object reaches the test's finally: stop the launcher here
+            raise
 
     def start(self, r, *args):
         log = open(self.tmp / f"replica{r}.{len([k for k in self.procs if k[0] == r])}.log", "w")
