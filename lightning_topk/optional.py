@@ -16,6 +16,7 @@ EXTRAS = {
     "cuda": "cupy",
     "slurm": "hydra-submitit-launcher",
     "tensorboard": "tensorboard",
+    "ft": "torchft",
 }
 
 

@@ -33,6 +33,11 @@ OUTER_RECIPES = ("auto", "diloco", "average")
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
 # recipe="auto": the convergence recipe for the user's optimizer (lightning_topk/comm/recipe.py).
 RECIPE_CHOICES = ("auto", "none")
+# fault_tolerance: "torchft" runs the cross-replica exchange on torchft's reconfigurable process group
+# (lightning_topk/lightning/elastic.py, docs/elastic.md).
+FAULT_TOLERANCE_CHOICES = ("none", "torchft")
+# The exchanges that run over a replica count that changes between steps (fault_tolerance="torchft").
+ELASTIC_EXCHANGES = ("auto", "allgather", "dense")
 
 
 def _is_int(v: object) -> bool:
@@ -360,16 +365,41 @@ class OuterOptions:
 
 @dataclass
 class FaultOptions:
-    """What a step does about non-finite gradients (:class:`~lightning_topk.comm.controller.StepController`).
+    """What a step does about non-finite gradients (:class:`~lightning_topk.comm.controller.StepController`)
+    and about replicas that come and go (``fault_tolerance``, ``docs/elastic.md``).
 
     Args:
         nonfinite: a NaN/inf gradient on any rank (seen in what entered or what came out of the
             exchange): ``"raise"`` raises ``FloatingPointError`` on every rank, ``"skip"`` skips the
             optimizer step on every rank and rolls the residuals back, ``"propagate"`` passes it through
             as plain DDP would. With a loss scaler (fp16), the scaler's skip decides instead.
+        fault_tolerance: ``"none"`` (default): a lost process ends the job. ``"torchft"`` (extra
+            ``lightning-topk[ft]``): each Trainer is one replica group, and the exchange between the groups runs
+            on torchft's reconfigurable process group over the replicas of the current quorum (a torchft
+            ``Manager`` forms it with the lighthouse); a step commits only where the step controller and
+            torchft's ``should_commit`` both say so (an uncommitted step is rolled back, residuals included), and
+            a restarted group heals from a live peer. One Trainer per replica group (``num_nodes=1``; its
+            ``devices`` processes average each bucket among themselves first), per-step exchange (``local_steps=0``) with ``exchange`` ``"auto"``
+            (= ``"allgather"``), ``"allgather"`` or ``"dense"``.
+        lighthouse: the torchft lighthouse's address (``http://host:port``), or ``None``: the environment
+            variable ``TORCHFT_LIGHTHOUSE``. Checked with a TCP connect within ``ft_connect_timeout`` when the
+            strategy sets up: a missing or unreachable lighthouse is an error that names it.
+        min_replicas: the fewest replica groups a step may commit with (int >= 1; torchft's
+            ``min_replica_size``); start the lighthouse with ``--min_replicas`` at least this.
+        ft_timeout: seconds for the collectives of a step, ``should_commit`` and a heal's checkpoint transfer
+            (torchft's ``timeout``; a number > 0). A replica that dies mid-step costs the others at most this.
+        ft_quorum_timeout: seconds a step waits for the lighthouse's quorum (a number > 0, at least
+            ``ft_timeout``); a quorum below ``min_replicas`` for this long is an error.
+        ft_connect_timeout: seconds to connect to the lighthouse and to the replica group's manager (a number > 0).
     """
 
     nonfinite: str = "raise"
+    fault_tolerance: str = "none"
+    lighthouse: Optional[str] = None
+    min_replicas: int = 1
+    ft_timeout: float = 30.0
+    ft_quorum_timeout: float = 60.0
+    ft_connect_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         self._check_fault()
@@ -377,6 +407,24 @@ class FaultOptions:
     def _check_fault(self) -> None:
         if self.nonfinite not in NONFINITE_CHOICES:
             raise _bad(self, "nonfinite", f"one of {list(NONFINITE_CHOICES)}")
+        if self.fault_tolerance not in FAULT_TOLERANCE_CHOICES:
+            raise _bad(self, "fault_tolerance", f"one of {list(FAULT_TOLERANCE_CHOICES)}")
+        if self.lighthouse is not None and (not isinstance(self.lighthouse, str) or not self.lighthouse.strip()):
+            raise _bad(self, "lighthouse", "an address such as 'http://host:29510', or null (TORCHFT_LIGHTHOUSE)")
+        if not _is_int(self.min_replicas) or self.min_replicas < 1:
+            raise _bad(self, "min_replicas", "an int >= 1")
+        for name in ("ft_timeout", "ft_quorum_timeout", "ft_connect_timeout"):
+            if not _is_number(getattr(self, name)) or getattr(self, name) <= 0:
+                raise _bad(self, name, "a number of seconds > 0")
+            setattr(self, name, float(getattr(self, name)))
+        if self.ft_quorum_timeout < self.ft_timeout:
+            raise ValueError(f"topk_ddp: ft_quorum_timeout={self.ft_quorum_timeout:g} must be at least "
+                             f"ft_timeout={self.ft_timeout:g} (a quorum waits out a step of the others; docs/elastic.md)")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether replicas may come and go (``fault_tolerance`` other than ``"none"``)."""
+        return self.fault_tolerance != "none"
 
 
 @dataclass
@@ -409,8 +457,23 @@ class TopKConfig(FaultOptions, OuterOptions, AutoOptions, StepOptions):
         elif self.exchange == "local":
             raise ValueError("topk_ddp: exchange='local' needs local_steps > 0 (inner optimizer steps per outer "
                              "round); set local_steps or another exchange")
+        if self.elastic:
+            self._check_elastic()
         if self.exchange != "auto":
             registry.get(self.exchange).check(self)  # the pinned exchange's declared requirements
+
+    def _check_elastic(self) -> None:
+        """``fault_tolerance="torchft"``: what runs over a replica count that changes between steps."""
+        if self.local_steps > 0:
+            raise ValueError("topk_ddp: fault_tolerance='torchft' runs the per-step exchange only (local SGD under "
+                             "torchft is not built yet, docs/elastic.md); set local_steps=0 or fault_tolerance='none'")
+        if self.exchange not in ELASTIC_EXCHANGES:
+            raise ValueError(f"topk_ddp: fault_tolerance='torchft' runs over a replica count that changes between "
+                             f"steps, which exchange={self.exchange!r} does not; use one of {list(ELASTIC_EXCHANGES)}")
+        if self.hierarchical is True:
+            raise ValueError("topk_ddp: fault_tolerance='torchft' averages each bucket within a replica group, then "
+                             "runs the flat exchange between groups; hierarchical=true contradicts it; leave "
+                             "hierarchical='auto'")
 
     @classmethod
     def option_names(cls) -> Tuple[str, ...]:

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.state import Scale, TopKState
 
 log = logging.getLogger(__name__)
@@ -57,17 +58,23 @@ class StepController:
         group: the decision's process group, when it is not the exchange's :meth:`decision_group
             <lightning_topk.comm.exchanges.base.Exchange.decision_group>` (sharded models: every rank, while the
             exchange runs among the ranks that hold one shard).
+        commit_gate: asked once per step, after the fault decision and whatever it was: may the step commit?
+            (``fault_tolerance="torchft"``: torchft's ``should_commit``, with the fault verdict.) A step it
+            refuses is rolled back like a skipped one. The undo log is then always on.
     """
 
-    def __init__(self, state: TopKState, device: Optional[torch.device] = None, group: Any = None) -> None:
+    def __init__(self, state: TopKState, device: Optional[torch.device] = None, group: Any = None,
+                 commit_gate: Optional[Callable[[bool], bool]] = None) -> None:
         self.state = state
         self.device = device
         self._group = group
+        self.commit_gate = commit_gate
+        self.uncommitted_steps = 0  # steps the commit gate refused (torchft's should_commit said no)
         self._scaler = False
         self.last_decision: Optional[Decision] = None  # of the last finish_step (the strategy resets it)
         self.skipped_steps = 0  # optimizer steps this rank skipped (nonfinite="skip" or a loss scaler's skip)
         state.undo.step = state.step
-        state.undo.enabled = state.config.nonfinite == "skip"
+        state.undo.enabled = state.config.nonfinite == "skip" or commit_gate is not None
         if state.exchange is not None:
             state.exchange.controlled = True
 
@@ -93,7 +100,7 @@ class StepController:
         scale as a device tensor) and whether a loss scaler makes the skip decision."""
         self.state.grad_scale = grad_scale
         self._scaler = scaler
-        self.state.undo.enabled = scaler or self.state.config.nonfinite == "skip"
+        self.state.undo.enabled = scaler or self.state.config.nonfinite == "skip" or self.commit_gate is not None
 
     def finish_step(self, named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
                     found_inf: Sequence[Tensor] = ()) -> Decision:
@@ -103,6 +110,26 @@ class StepController:
         overwritten in place with the global verdict so that the scaler skips on every rank alike.
         ``named_parameters`` only names parameters in the ``FloatingPointError`` message.
         """
+        if self.commit_gate is None:
+            return self._decide(named_parameters, found_inf)
+        try:
+            decision = self._decide(named_parameters, found_inf, end=False)
+        except FloatingPointError:
+            self.commit_gate(False)  # nonfinite="raise": the replica group still answers should_commit
+            self._end(commit=False)
+            raise
+        if self.commit_gate(decision is Decision.COMMIT):
+            return self._end(commit=decision is Decision.COMMIT)
+        if decision is Decision.COMMIT:
+            self.uncommitted_steps += 1
+            log.warning("topk_ddp: the replicas did not agree to commit this step (a replica failed or the quorum "
+                        "is below min_replicas); rolled back: parameters, optimizer state and residuals unchanged")
+        return self._end(commit=False)
+
+    def _decide(self, named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
+                found_inf: Sequence[Tensor] = (), end: bool = True) -> Decision:
+        """The fault decision; ``end``: apply it (else the caller ends the step with :meth:`_end`)."""
+        finish = self._end if end else self._verdict
         st = self.state
         ex = st.exchange
         if ex is not None:
@@ -110,14 +137,14 @@ class StepController:
             ex.before_decision(st)
         refresh = ex is not None and ex.refresh_due(st)
         if st.config.nonfinite == "propagate" and not self._scaler and not found_inf and not refresh:
-            return self._end(commit=True)  # nothing could change the outcome: no collective, no sync
+            return finish(commit=True)  # nothing could change the outcome: no collective, no sync
         vec = self._local_vector(found_inf)
         world = self._world()
         if refresh:  # e.g. exchange="auto": this rank's telemetry window rides on the same all-reduce
             window = ex.take_window()
             vec = torch.cat([vec, torch.tensor(window, dtype=vec.dtype, device=vec.device)])
         if world > 1:
-            dist.all_reduce(vec, group=self.group)
+            elastic.all_reduce(vec, self.group)
         host = vec.tolist()  # the one host sync of the step
         if refresh:
             ex.apply_refresh(st, [v / world for v in host[-len(window):]])  # the mean over ranks
@@ -126,15 +153,16 @@ class StepController:
         for t in found_inf:
             t.fill_(float(fault))
         if not fault:
-            return self._end(commit=True)
+            return finish(commit=True)
         if self._scaler or found_inf:
-            return self._end(commit=False)
+            return finish(commit=False)
         mode = st.config.nonfinite
         if mode == "propagate":
-            return self._end(commit=True)
+            return finish(commit=True)
         message = self._describe(host, named_parameters)
         if mode == "raise":
-            self._end(commit=False)
+            if end:
+                self._end(commit=False)
             raise FloatingPointError(
                 f"topk_ddp: {message}. Set nonfinite='skip' to skip such steps on all ranks, or use fp16 loss scaling."
             )
@@ -143,19 +171,26 @@ class StepController:
                         "decides its inner steps; the step still counts toward the outer round): %s", message)
         else:
             log.warning("topk_ddp: skipping the optimizer step on all ranks (residuals rolled back): %s", message)
-        return self._end(commit=False)
+        return finish(commit=False)
 
     # ---- internals ---------------------------------------------------------------------------------
+    def _verdict(self, commit: bool) -> Decision:
+        return Decision.COMMIT if commit else Decision.SKIP
+
     def _world(self) -> int:
+        group = self.group
+        if elastic.is_elastic(group):
+            return group.size()
         if not (dist.is_available() and dist.is_initialized()):
             return 1
-        group = self.group
         return 1 if group is None else dist.get_world_size(group)
 
     def _rank(self) -> int:
+        group = self.group
+        if elastic.is_elastic(group):
+            return group.rank()
         if not (dist.is_available() and dist.is_initialized()):
             return 0
-        group = self.group
         return 0 if group is None else dist.get_rank(group)
 
     def _flag_device(self, found_inf: Sequence[Tensor]) -> torch.device:
@@ -165,7 +200,7 @@ class StepController:
         for t in [flags.result, *flags.inputs.values(), *found_inf]:
             if t is not None:
                 return t.device
-        if self._world() > 1 and dist.get_backend(self.group) == "nccl":
+        if self._world() > 1 and not elastic.is_elastic(self.group) and dist.get_backend(self.group) == "nccl":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.config import (  # noqa: F401  (re-exported)
     AUTO_MODEL_CHOICES,
     HIERARCHICAL_EXCHANGES,
@@ -112,8 +113,11 @@ class TopKState(ParamBuffers):
         if g is not None:
             return Layout(g.num_nodes, g.local_world, g.node_rank * g.local_world + g.local_rank)
         group = self.flat_group
-        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank(group) if world > 1 else 0
+        if elastic.is_elastic(group):
+            world, rank = group.size(), group.rank()
+        else:
+            world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+            rank = dist.get_rank(group) if world > 1 else 0
         nodes = self.num_nodes if self.num_nodes > 0 and world % self.num_nodes == 0 else 1
         return Layout(nodes, world // nodes, rank)
 

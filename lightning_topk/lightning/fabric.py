@@ -60,6 +60,9 @@ class _FabricTopKMixin(TopKStrategyMixin):
         return getattr(self, "_topk_fabric_optimizers", None)
 
     def setup_module(self, module):
+        if self.topk_config.elastic:  # no per-batch hook in Fabric to run the quorum (and a heal) before the forward
+            raise ValueError("topk_ddp: fault_tolerance='torchft' is not available with Fabric yet; use the Trainer's "
+                             "TopKDDPStrategy (docs/elastic.md)")
         self._configure_buckets(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp

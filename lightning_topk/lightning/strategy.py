@@ -18,10 +18,11 @@ from typing_extensions import override
 
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision, StepController
-from lightning_topk.comm.exchanges import Layout, exchange_hook, registry
+from lightning_topk.comm.exchanges import Layout, elastic_exchange_hook, exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
 from lightning_topk.comm.state import TopKState
+from lightning_topk.lightning.elastic import ElasticMixin
 from lightning_topk.lightning.faults import Heartbeat
 from lightning_topk.lightning.strategy_concerns import (
     BucketsMixin,
@@ -35,7 +36,7 @@ from lightning_topk.lightning.telemetry import TelemetryMixin
 log = logging.getLogger(__name__)
 
 
-class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin,
+class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin,
                         TelemetryMixin):
     """Adds the top-k exchange to a DDPStrategy subclass.
 
@@ -87,7 +88,10 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; ours must run on CPU/gloo too.
         self._resolve_recipe()
-        state = TopKState(self.topk_config, num_nodes=self.num_nodes)
+        elastic = self.topk_elastic
+        # fault_tolerance="torchft": the flat exchange runs over the replicas of each step's quorum
+        state = TopKState(self.topk_config, num_nodes=self.num_nodes,
+                          process_group=elastic.group if elastic is not None else None)
         state.bind(self.lightning_module.named_parameters())
         if self.topk_state is not None and self._pending_topk_state is None:
             self._pending_topk_state = self.topk_state.state_dict()
@@ -108,14 +112,15 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
             bind(self.lightning_module.named_parameters(), self.lightning_module.named_buffers(),
                  optimizers=self._topk_optimizers())
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
-        self.model.register_comm_hook(state, exchange_hook)
+        several = elastic is not None and elastic.group is not None and elastic.group.intra is not None
+        self.model.register_comm_hook(state, elastic_exchange_hook if several else exchange_hook)
         if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
             # Local SGD, one process per node: an inner step has nothing to reduce, so it does not go through
             # DDP's reducer (see training_step); the exchange flags the gradients before the step's decision
             # instead of in the hook. The synchronous first dense_steps (post-local SGD) go through DDP.
             state.exchange.bypass = True
         self.topk_state = state
-        self.topk_controller = StepController(state, device=self.root_device)
+        self.topk_controller = StepController(state, device=self.root_device, commit_gate=self._elastic_gate())
 
     def _load_topk_state(self, state: TopKState, sd: Dict[str, Any]) -> None:
         """Restore ``sd`` into ``state``; once its exchange exists (Fabric loads after setup), the sections
@@ -137,8 +142,8 @@ class TopKStrategyMixin(BucketsMixin, RecipeMixin, ReducerBypassMixin, Checkpoin
         cfg, nodes, local = self.topk_config, self.num_nodes, self.num_processes
         layout = Layout(nodes, local, self.global_rank)
         ex = self._exchange()
-        if ex == "auto" and self.world_size < 2:
-            ex = "allgather"  # nothing to choose between
+        if ex == "auto" and (self.world_size < 2 or self.topk_elastic is not None):
+            ex = "allgather"  # nothing to choose between (torchft: the replica count changes; no probe)
         if ex != "auto":
             registry.check(cfg, layout, ex)
             if ex == "local" and local > 1:  # intra-node all-reduce; outer shards over the inter-node groups

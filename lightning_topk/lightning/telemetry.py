@@ -86,6 +86,10 @@ def telemetry_callback(base: type) -> type:
             for name, value in reduced_metrics(state.last, self.strategy).items():
                 pl_module.log(name, value, on_step=True, on_epoch=False, prog_bar=name in PROG_BAR,
                               sync_dist=False, batch_size=1)
+            elastic = getattr(self.strategy, "topk_elastic", None)
+            if elastic is not None:  # fault_tolerance="torchft": this replica group's view (no collective)
+                for name, value in elastic.metrics().items():
+                    pl_module.log(name, value, on_step=True, on_epoch=False, sync_dist=False, batch_size=1)
 
     TopKTelemetry.__qualname__ = "TopKTelemetry"
     return TopKTelemetry

@@ -20,3 +20,18 @@ def exchange_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[t
 
 
 __all__ += ["exchange_hook"]
+
+
+def elastic_exchange_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """``fault_tolerance="torchft"`` with several processes per replica group: first the dense average of the bucket
+    over the group's own ranks (``state.flat_group.intra``, torch's process group), then :func:`exchange_hook` across
+    the replica groups on torchft's process group of this local rank. Every rank of a group then holds the same
+    averaged gradient, so the same residuals and the same result; the cross-group traffic is per local rank."""
+    intra = state.flat_group.intra
+    buf = bucket.buffer()
+    dist.all_reduce(buf, group=intra)
+    buf.div_(dist.get_world_size(intra))
+    return exchange_hook(state, bucket)
+
+
+__all__ += ["elastic_exchange_hook"]

@@ -9,6 +9,7 @@ from typing import Any, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.cost import BOOKKEEPING_PASSES
 from lightning_topk.comm.exchanges.base import Exchange, Layout
 from lightning_topk.comm.exchanges.kit import (
@@ -77,7 +78,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
                     bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
     f = factor(state.grad_scale, 1 if low else world)
     t_launch = clock(device)
-    fut = dist.all_reduce(wire, group=group, async_op=True).get_future()
+    fut = elastic.all_reduce(wire, group, async_op=True).get_future()
 
     def finish(done: torch.futures.Future) -> torch.Tensor:
         done.wait()  # a failed all-reduce raises its own error, before `wire` is read

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.faults import BucketBuffers, bounds_nonfinite, nonfinite
 from lightning_topk.comm.selection import topk_select
 from lightning_topk.comm.state import Scale, TopKState
@@ -30,8 +30,9 @@ from lightning_topk.comm.wire import (
 )
 from lightning_topk.ops import cuda as cuda_ops
 
-# torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# torch's all-gather into one tensor (all_gather_single from torch 2.13), or an elastic group's
+# (fault_tolerance="torchft": comm/elastic.py).
+_all_gather = elastic.all_gather
 
 
 def _link(state: TopKState, nbytes: int) -> Dict[str, int]:
@@ -79,7 +80,7 @@ def open_bucket(state: TopKState, bucket: Any) -> BucketView:
 def flat_group(state: TopKState) -> Tuple[Any, int]:
     """The flat exchange's process group (the world by default) and its size."""
     group = state.flat_group
-    return group, dist.get_world_size(group)
+    return group, elastic.group_size(group)
 
 
 def sparse_k(state: TopKState, params: Sequence[Tensor], n: int) -> Tuple[int, Optional[List[int]], Optional[List[int]]]:

@@ -1,0 +1,142 @@
+"""A local launcher for ``fault_tolerance="torchft"`` (``docs/elastic.md``): the torchft lighthouse, and optionally
+replica groups that are restarted when they die.
+
+    python -m lightning_topk.app.elastic_launch --bind 127.0.0.1:29510 --min_replicas 2
+    python -m lightning_topk.app.elastic_launch --bind 127.0.0.1:29510 --min_replicas 2 --replicas 3 \\
+        --max_restarts 5 -- python train.py
+
+The lighthouse (torchft's ``torchft_lighthouse``, Rust) binds only to ``--bind``; the launcher waits until it
+accepts connections (or fails, naming the address, within ``--start_timeout``) and prints
+``TORCHFT_LIGHTHOUSE=http://HOST:PORT``. With a command after ``--``, it starts ``--replicas`` copies of it, each
+with ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID=replica<i>`` in its environment, restarts one that exits
+non-zero (up to ``--max_restarts`` times in all; a restarted group heals from a live peer), and exits when every
+replica has exited with 0 (or with the first failure past the restarts). Without a command it runs the
+lighthouse until interrupted.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+from typing import Dict, List, Optional
+
+
+def lighthouse_binary() -> str:
+    """``torchft_lighthouse`` from this environment's scripts folder (the venv's), else on ``PATH``; an error names
+    the extra."""
+    candidates = [os.path.join(d, "torchft_lighthouse") for d in (sysconfig.get_path("scripts"),
+                                                                    os.path.dirname(sys.executable))]
+    found = next((c for c in candidates if os.path.exists(c)), None) or shutil.which("torchft_lighthouse")
+    if found is None:
+        raise SystemExit("elastic_launch: torchft_lighthouse not found (it ships with torchft: "
+                         "pip install 'lightning-topk[ft]')")
+    return found
+
+
+def split_bind(bind: str) -> tuple:
+    host, _, port = bind.rpartition(":")
+    if not host or not port.isdigit():
+        raise SystemExit(f"elastic_launch: --bind must be HOST:PORT, got {bind!r}")
+    return host.strip("[]"), int(port)
+
+
+def wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise SystemExit(f"elastic_launch: the lighthouse exited with {proc.returncode} before listening on "
+                             f"{host}:{port} (address in use?)")
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"elastic_launch: the lighthouse did not listen on {host}:{port} within {timeout:g} s")
+
+
+def start_lighthouse(args: argparse.Namespace) -> subprocess.Popen:
+    host, port = split_bind(args.bind)
+    cmd = [lighthouse_binary(), "--bind", args.bind, "--min_replicas", str(args.min_replicas),
+           "--join_timeout_ms", str(args.join_timeout_ms), "--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms)]
+    proc = subprocess.Popen(cmd)
+    wait_listening(host, port, proc, args.start_timeout)
+    print(f"TORCHFT_LIGHTHOUSE=http://{args.bind}", flush=True)
+    return proc
+
+
+def run_replicas(command: List[str], args: argparse.Namespace, lighthouse: str) -> int:
+    """Start ``--replicas`` copies of ``command``; restart failed ones up to ``--max_restarts`` in all."""
+    def start(i: int) -> subprocess.Popen:
+        env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=f"replica{i}")
+        return subprocess.Popen(command, env=env)
+
+    live: Dict[int, subprocess.Popen] = {i: start(i) for i in range(args.replicas)}
+    restarts = 0
+    while live:
+        for i, p in list(live.items()):
+            rc = p.poll()
+            if rc is None:
+                continue
+            del live[i]
+            if rc != 0 and restarts < args.max_restarts:
+                restarts += 1
+                print(f"elastic_launch: replica{i} exited with {rc}; restart {restarts}/{args.max_restarts}",
+                      flush=True)
+                live[i] = start(i)
+            elif rc != 0:
+                for q in live.values():
+                    q.terminate()
+                return rc
+        time.sleep(0.2)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    ap = argparse.ArgumentParser(prog="python -m lightning_topk.app.elastic_launch", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bind", default="127.0.0.1:29510", help="HOST:PORT the lighthouse binds to (only this)")
+    ap.add_argument("--min_replicas", type=int, default=1, help="fewest replica groups in a quorum")
+    ap.add_argument("--join_timeout_ms", type=int, default=2000,
+                    help="how long a new quorum waits for heartbeating stragglers")
+    ap.add_argument("--heartbeat_timeout_ms", type=int, default=5000,
+                    help="a replica silent this long is dead (the survivors' outage is about this long)")
+    ap.add_argument("--start_timeout", type=float, default=30.0, help="seconds for the lighthouse to listen")
+    ap.add_argument("--replicas", type=int, default=1, help="copies of the command after --")
+    ap.add_argument("--max_restarts", type=int, default=3, help="restarts of failed replicas, in all")
+    args = ap.parse_args(argv)
+    lh = start_lighthouse(args)
+
+    def stop(signum: int, _frame: object) -> None:
+        lh.terminate()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        if command:
+            return run_replicas(command, args, f"http://{args.bind}")
+        return lh.wait()
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if lh.poll() is None:
+            lh.terminate()
+            try:
+                lh.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                lh.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

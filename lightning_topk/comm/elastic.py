@@ -1,0 +1,193 @@
+"""The flat exchange's group when replicas come and go (``fault_tolerance="torchft"``): :class:`ElasticGroup`.
+
+Torch only. It wraps a reconfigurable process group (torchft's ``ProcessGroupGloo``, which a torchft ``Manager``
+reconfigures at each quorum change) and the quorum's size and rank, read from callables so that this module
+never imports torchft. The exchanges (:mod:`~lightning_topk.comm.exchanges.kit`, the dense hook) and the
+:class:`~lightning_topk.comm.controller.StepController` call :func:`group_size`, :func:`group_rank`,
+:func:`all_reduce` and :func:`all_gather` instead of ``torch.distributed``'s functions, which take it like any
+group.
+
+A collective that fails (a replica died mid-step, a timeout) does not raise into DDP's backward: the error goes
+to ``on_error`` (the Manager's ``report_error``, so that ``should_commit`` says no), the output is filled with
+values that decode (an all-gather: this rank's packet in every slot; an all-reduce: this rank's input), and
+every later collective of the step is skipped the same way. The step is then rolled back on this replica, and
+torchft heals any replica whose committed step count fell behind at the next quorum.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ReduceOp
+
+try:  # the option objects of a process group's own collectives (not re-exported by torch.distributed)
+    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+except ImportError:  # a torch built without distributed support: no elastic group can exist
+    AllgatherOptions = AllreduceOptions = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+# torch >= 2.13 renames all_gather_into_tensor (deprecated) to all_gather_single.
+_dist_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class ElasticWork:
+    """A collective in flight on an :class:`ElasticGroup`: ``wait()`` and ``get_future()`` as a ``dist.Work``,
+    but a failure is reported to the group (and the output filled by ``fallback``) instead of raised."""
+
+    def __init__(self, group: "ElasticGroup", work: Any, fallback: Callable[[], None]) -> None:
+        self._group = group
+        self._work = work
+        self._fallback = fallback
+        self._settled = work is None
+        if work is None:
+            fallback()
+
+    def _fail(self, e: BaseException) -> None:
+        if not self._settled:
+            self._settled = True
+            self._group.fail(e)
+            self._fallback()
+
+    def wait(self, timeout: Any = None) -> bool:
+        if self._settled:
+            return True
+        try:
+            self._work.wait()
+        except Exception as e:  # a lost peer, a timeout, an aborted group
+            self._fail(e)
+        self._settled = True
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        if self._settled:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(None)
+            return fut
+
+        def settle(done: torch.futures.Future) -> None:
+            try:
+                done.wait()
+            except Exception as e:
+                self._fail(e)
+            self._settled = True
+
+        try:
+            return self._work.get_future().then(settle)
+        except Exception as e:
+            self._fail(e)
+            return self.get_future()
+
+
+class ElasticGroup:
+    """A reconfigurable process group over the replicas of the current quorum (see the module docstring).
+
+    Args:
+        pg: the process group (torchft's ``ProcessGroupGloo``: ``allreduce`` and
+            ``allgather_into_tensor_coalesced`` with torch's option objects).
+        size: the number of replicas that average this step (torchft: ``Manager.num_participants``).
+        rank: this replica's rank in the quorum (torchft: ``Manager.participating_rank``).
+        on_error: told of a failed collective (torchft: ``Manager.report_error``).
+        errored: whether this step already failed (torchft: ``Manager.errored``): later collectives are skipped.
+        intra: with several processes per replica group, the group's own (torch) process group: each bucket is
+            averaged over it before the exchange between groups (:func:`~lightning_topk.comm.exchanges.elastic_exchange_hook`);
+            ``None`` with one process per group.
+    """
+
+    def __init__(self, pg: Any, size: Callable[[], int], rank: Callable[[], Optional[int]],
+                 on_error: Callable[[BaseException], None], errored: Callable[[], Any], intra: Any = None) -> None:
+        self.pg = pg
+        self.intra = intra
+        self._size = size
+        self._rank = rank
+        self._on_error = on_error
+        self._errored = errored
+        self.failures = 0  # collectives that failed (telemetry)
+
+    def size(self) -> int:
+        return max(1, int(self._size()))
+
+    def rank(self) -> int:
+        r = self._rank()
+        return 0 if r is None else int(r)
+
+    def fail(self, e: BaseException) -> None:
+        self.failures += 1
+        log.warning("topk_ddp: a collective between replicas failed, the step will not commit: %s", e)
+        self._on_error(e if isinstance(e, Exception) else RuntimeError(str(e)))
+
+    def all_reduce(self, t: Tensor) -> ElasticWork:
+        """Sum ``t`` in place over the quorum (asynchronous)."""
+        if self._errored() is not None:
+            return ElasticWork(self, None, lambda: None)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types the field as ReduceOp
+        try:
+            work = self.pg.allreduce([t], opts)
+        except Exception as e:
+            self.fail(e)
+            return ElasticWork(self, None, lambda: None)
+        return ElasticWork(self, work, lambda: None)
+
+    def all_gather(self, out: Tensor, inp: Tensor) -> ElasticWork:
+        """Gather ``inp`` of every replica into ``out`` (``size() * inp.numel()`` entries; asynchronous)."""
+
+        def own_packet_everywhere() -> None:
+            out.view(-1, inp.numel()).copy_(inp.view(1, -1))
+
+        if self._errored() is not None:
+            return ElasticWork(self, None, own_packet_everywhere)
+        try:
+            work = self.pg.allgather_into_tensor_coalesced([out], [inp], AllgatherOptions())
+        except Exception as e:
+            self.fail(e)
+            return ElasticWork(self, None, own_packet_everywhere)
+        return ElasticWork(self, work, own_packet_everywhere)
+
+
+def group_size(group: Any) -> int:
+    """``dist.get_world_size(group)``, an :class:`ElasticGroup`'s quorum size."""
+    if isinstance(group, ElasticGroup):
+        return group.size()
+    return dist.get_world_size(group)
+
+
+def group_rank(group: Any) -> int:
+    """``dist.get_rank(group)``, an :class:`ElasticGroup`'s rank in the quorum."""
+    if isinstance(group, ElasticGroup):
+        return group.rank()
+    return dist.get_rank(group)
+
+
+def all_reduce(t: Tensor, group: Any, async_op: bool = False) -> Any:
+    """``dist.all_reduce`` (sum), or the elastic one; returns the work when ``async_op`` (else waits)."""
+    if isinstance(group, ElasticGroup):
+        work: Any = group.all_reduce(t)
+    else:
+        work = dist.all_reduce(t, group=group, async_op=True)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def all_gather(out: Tensor, inp: Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """``dist.all_gather_into_tensor``, or the elastic one (see :func:`all_reduce`)."""
+    if isinstance(group, ElasticGroup):
+        work: Any = group.all_gather(out, inp)
+        if not async_op:
+            work.wait()
+            return None
+        return work
+    return _dist_all_gather(out, inp, group=group, async_op=async_op)
+
+
+def is_elastic(group: Any) -> bool:
+    return isinstance(group, ElasticGroup)
+
+
+__all__: List[str] = ["ElasticGroup", "ElasticWork", "all_gather", "all_reduce", "group_rank", "group_size",
+                      "is_elastic"]

@@ -1,0 +1,354 @@
+"""Replica groups that come and go: ``TopKDDPStrategy(fault_tolerance="torchft")`` (``docs/elastic.md``).
+
+torchft is the engine. Each Trainer is one replica group (``num_nodes=1``; ``devices`` processes). A torchft
+``Manager`` per process (the group's rank 0 serves the group) forms the quorum with the lighthouse at the start of
+every step and reconfigures torchft's ``ProcessGroupGloo`` over the replicas in it, one per local rank. The top-k
+exchange's flat group is that process group, wrapped in :class:`~lightning_topk.comm.elastic.ElasticGroup`
+(world size = the quorum's participants), so each step averages over the replicas present; with several processes
+per group, each bucket is first averaged over the group's own ranks (torch's process group), so every rank of a
+group holds the same gradient, residuals and result. The step controller's decision and ``Manager.should_commit`` are one
+decision (:class:`TorchFTReplica.commit` is the controller's commit gate): a step either side refuses changes
+nothing (parameters, optimizer state, residuals: the undo log). A group that (re)starts behind the others heals
+from a live peer through torchft's checkpoint transport before its first step: parameters and buffers,
+optimizer state, the top-k state without residuals (its residual mass died with it) and the step counters;
+nothing is read from disk. Lightning's LR schedulers and step count come along (``max_steps`` stays aligned).
+
+Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
+:class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+import uuid
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.elastic import ElasticGroup
+from lightning_topk.optional import require
+
+log = logging.getLogger(__name__)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+#: the replica group's name (torchft appends a unique suffix to each start); default: host and process id
+REPLICA_ID_ENV = "REPLICA_GROUP_ID"
+
+
+def lighthouse_address(config: TopKConfig) -> str:
+    """The lighthouse's address: ``config.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``; a missing one is an error."""
+    addr = config.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "").strip()
+    if not addr:
+        raise ValueError("topk_ddp: fault_tolerance='torchft' needs a torchft lighthouse: set lighthouse='http://HOST:PORT' "
+                         f"or the environment variable {LIGHTHOUSE_ENV} (start one with `python -m "
+                         "lightning_topk.app.elastic_launch --bind HOST:PORT --min_replicas N`, docs/elastic.md)")
+    return addr if "://" in addr else f"http://{addr}"
+
+
+# HTTP/2's client preface and an empty SETTINGS frame: the lighthouse speaks gRPC, so it answers with a SETTINGS
+# frame (frame type 4 in the 4th byte of its 9-byte header) and nothing else happens on its side.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def check_lighthouse(addr: str, timeout: float) -> None:
+    """Raise ``ConnectionError`` naming ``addr`` unless an HTTP/2 (gRPC) server answers there within ``timeout``
+    seconds: refused, unroutable, or a listener that never answers all fail within the timeout (torchft's own
+    client would fail deep inside the first quorum call, after its connect timeout). No side effect on the
+    lighthouse (no heartbeat, no quorum request)."""
+    url = urlparse(addr)
+    host, port = url.hostname, url.port
+    if not host or not port:
+        raise ValueError(f"topk_ddp: lighthouse={addr!r} is not an address such as 'http://host:29510'")
+    t0 = time.monotonic()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(max(0.05, timeout - (time.monotonic() - t0)))
+            sock.sendall(_H2_PREFACE)
+            head = sock.recv(9)
+        if len(head) < 4 or head[3] != 4:
+            raise ConnectionError(f"it answered {head[:16]!r}, not an HTTP/2 SETTINGS frame")
+    except OSError as e:  # ConnectionError, socket.timeout and the others
+        raise ConnectionError(
+            f"topk_ddp: fault_tolerance='torchft': no torchft lighthouse answers at {addr} ({e.__class__.__name__}: "
+            f"{e}; gave up after {time.monotonic() - t0:.1f} s, ft_connect_timeout={timeout:g} s). Start one with "
+            "`python -m lightning_topk.app.elastic_launch --bind HOST:PORT --min_replicas N` (or torchft_lighthouse) "
+            f"and pass its address as lighthouse= or {LIGHTHOUSE_ENV}") from None
+
+
+class TorchFTReplica:
+    """This process's replica group under torchft: the Manager, the process group the exchange runs on, and what
+    a heal sends and receives (``state_dict``/``load_state_dict`` callables of the strategy).
+
+    Telemetry (:meth:`metrics`): quorum size of the last step, quorum changes, steps not committed, heals and
+    the last heal's time, failed collectives, and the residual mass this replica holds unsent (what its death
+    would lose; one host read, on logging steps only).
+    """
+
+    def __init__(self, config: TopKConfig, state_dict: Callable[[], Dict[str, Any]],
+                 load_state_dict: Callable[[Dict[str, Any]], None],
+                 residual_mass: Optional[Callable[[], float]] = None) -> None:
+        self.config = config
+        self._residual_mass = residual_mass
+        self._state_dict = state_dict
+        self._load_state_dict = load_state_dict
+        self.manager: Any = None
+        self.group: Optional[ElasticGroup] = None
+        self._store: Any = None
+        self.quorum_size = 0
+        self.quorum_sizes: List[int] = []  # per step, this run (telemetry; small: one int per step)
+        self.quorum_changes = 0
+        self.uncommitted = 0
+        self.committed = 0
+        self.heals = 0
+        self.heal_time_s = 0.0
+        self._healing_t0: Optional[float] = None
+        self._quorum_id: Optional[int] = None
+        self.replica_id = ""
+        self.lighthouse = ""
+
+    # ---- life ------------------------------------------------------------------------------------
+    def check(self) -> None:
+        """Before any process group: torchft installed, and a lighthouse answering (errors name what to do)."""
+        require("torchft", "ft", "fault_tolerance='torchft'")  # the install hint before anything else
+        addr = self.lighthouse = lighthouse_address(self.config)
+        check_lighthouse(addr, self.config.ft_connect_timeout)
+
+    def join(self, group_rank: int = 0, group_size: int = 1) -> None:
+        """This process's Manager (``group_rank`` of ``group_size`` processes of the replica group; with several,
+        torch's default process group is the group's own and must exist), its torchft process group and the
+        :class:`ElasticGroup` the exchange runs on."""
+        cfg = self.config
+        from torch.distributed import TCPStore
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        host = os.environ.get("LIGHTNING_TOPK_FT_HOST") or socket.gethostname()
+        replica_id = os.environ.get(REPLICA_ID_ENV) or f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        if group_rank == 0:
+            # The replica group's own store: its manager's address, and the quorum's gloo rendezvous when this group
+            # is the quorum's first replica (the others connect to it: it must be reachable from them).
+            self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(seconds=cfg.ft_timeout))
+            store_host, store_port = host, self._store.port
+        if group_size > 1:  # the group's other ranks learn the store and the replica id from rank 0
+            shared = [f"{store_host}|{store_port}|{replica_id}" if group_rank == 0 else None]
+            dist.broadcast_object_list(shared, src=0)
+            store_host, port, replica_id = str(shared[0]).split("|", 2)
+            store_port = int(port)
+        self.replica_id = replica_id
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.ft_timeout))
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=self._save, min_replica_size=cfg.min_replicas,
+            use_async_quorum=False,  # the quorum (and a heal) completes before the forward pass
+            timeout=timedelta(seconds=cfg.ft_timeout), quorum_timeout=timedelta(seconds=cfg.ft_quorum_timeout),
+            connect_timeout=timedelta(seconds=cfg.ft_connect_timeout), rank=group_rank, world_size=group_size,
+            store_addr=store_host, store_port=store_port, lighthouse_addr=self.lighthouse, replica_id=replica_id,
+            hostname=host,
+        )
+        m = self.manager
+        intra = None
+        if group_size > 1:
+            intra = dist.group.WORLD
+        self.group = ElasticGroup(pg, size=m.num_participants, rank=m.participating_rank, on_error=m.report_error,
+                                  errored=m.errored, intra=intra)
+        log.info("topk_ddp: replica group %s (rank %d of %d) joined torchft (lighthouse %s, min_replicas %d)",
+                 replica_id, group_rank, group_size, self.lighthouse, cfg.min_replicas)
+
+    def shutdown(self) -> None:
+        m, self.manager = self.manager, None
+        if m is not None:
+            m.shutdown(wait=False)
+        self._store = None
+
+    # ---- one step --------------------------------------------------------------------------------
+    def begin_step(self) -> bool:
+        """Before the forward pass: the quorum of this step (a heal from a peer, when this group is behind).
+        Returns whether this process healed."""
+        m = self.manager
+        t0 = time.monotonic()
+        try:
+            m.start_quorum()
+        except Exception as e:
+            raise RuntimeError(
+                f"topk_ddp: torchft quorum failed for replica group {self.replica_id!r} at step {m.current_step()} "
+                f"({e}): fewer than min_replicas={self.config.min_replicas} replica groups joined the lighthouse "
+                f"{self.lighthouse} within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s (the last quorum had "
+                f"{self.quorum_size}), or the lighthouse is gone (docs/elastic.md)") from e
+        healed = self._healing_t0 is not None  # set by _load during this quorum
+        if healed:
+            self.heal_time_s = time.monotonic() - t0
+            self.heals += 1
+            self._healing_t0 = None
+            log.warning("topk_ddp: replica group healed from a live peer at step %d in %.2f s", m.current_step(),
+                        self.heal_time_s)
+        n = m.num_participants()
+        qid = getattr(m, "_quorum_id", None)
+        if self._quorum_id is not None and qid != self._quorum_id:
+            self.quorum_changes += 1
+            log.warning("topk_ddp: quorum changed at step %d: %d replica group(s) now", m.current_step(), n)
+        self._quorum_id = qid
+        self.quorum_size = n
+        self.quorum_sizes.append(n)
+        return healed
+
+    def commit(self, ok: bool) -> bool:
+        """The controller's commit gate: ``ok`` is its verdict; torchft's ``should_commit`` has the last word."""
+        m = self.manager
+        if not ok:
+            m.report_error(RuntimeError("the step controller skipped this step"))
+        committed = bool(m.should_commit())
+        if committed:
+            self.committed += 1
+        elif ok:
+            self.uncommitted += 1
+        return committed
+
+    @property
+    def step(self) -> int:
+        """Committed steps of the replicas (torchft's step counter; a healed group takes its peer's)."""
+        return 0 if self.manager is None else int(self.manager.current_step())
+
+    def metrics(self) -> Dict[str, float]:
+        return {"ft/quorum_size": float(self.quorum_size), "ft/quorum_changes": float(self.quorum_changes),
+                "ft/uncommitted_steps": float(self.uncommitted), "ft/heals": float(self.heals),
+                "ft/heal_time_s": float(self.heal_time_s), "ft/step": float(self.step),
+                "ft/failed_collectives": float(self.group.failures if self.group is not None else 0),
+                # what this replica's error feedback holds unsent (L1): the mass lost if it dies now
+                "ft/residual_mass": float(self._residual_mass()) if self._residual_mass is not None else 0.0}
+
+    # ---- heal ------------------------------------------------------------------------------------
+    def _save(self) -> Dict[str, Any]:
+        return self._state_dict()
+
+    def _load(self, sd: Dict[str, Any]) -> None:
+        self._healing_t0 = time.monotonic()
+        self._load_state_dict(sd)
+
+
+class ElasticMixin:
+    """The strategy's side of ``fault_tolerance="torchft"`` (see the module docstring): starts the replica after
+    the (one-process) process group exists, runs a quorum before each training batch, closes it at teardown."""
+
+    topk_elastic: Optional[TorchFTReplica] = None
+
+    def setup_distributed(self) -> None:
+        cfg = self.topk_config  # type: ignore[attr-defined]
+        if cfg.elastic:
+            if self.num_nodes != 1:  # type: ignore[attr-defined]
+                raise ValueError(
+                    "topk_ddp: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
+                    f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
+            kw = self._ddp_kwargs  # type: ignore[attr-defined]
+            if kw.get("static_graph"):
+                raise ValueError("topk_ddp: fault_tolerance='torchft' does not support static_graph=True (it rebuilds "
+                                 "DDP's buckets after the first iteration; see find_unused_parameters in docs/elastic.md)")
+            # Every replica's buckets must lay the parameters out alike: the packets' indices are positions in the
+            # bucket. DDP rebuilds its buckets after a process's first iteration (in gradient-ready order), so a
+            # replica that joins mid-run would step once with the initial layout while its peers use the rebuilt
+            # one (seen: its first step's gradient differed). With find_unused_parameters DDP never rebuilds.
+            kw["find_unused_parameters"] = True
+            self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict,
+                                               self._elastic_residual_mass)
+            self.topk_elastic.check()  # a missing lighthouse fails before any process group
+        super().setup_distributed()  # type: ignore[misc]
+        if self.topk_elastic is not None:
+            self.topk_elastic.join(self.global_rank, self.world_size)  # type: ignore[attr-defined]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.topk_elastic is not None:
+            healed = self.topk_elastic.begin_step()
+            group = self.topk_elastic.group
+            if group is not None and group.intra is not None:
+                self._elastic_group_sync(healed, group.intra)
+        parent = getattr(super(), "on_train_batch_start", None)
+        if parent is not None:
+            parent(batch, batch_idx)
+
+    def _elastic_group_sync(self, healed: bool, intra: Any) -> None:
+        """Several processes per group: after a heal on any of its ranks, the group's rank 0 state is the group's.
+        torchft picks each rank's heal source by its rank in the group, and at step 0 (``init_sync``) the source of
+        rank r is the quorum's replica r: a group's ranks could start from different replicas' initial weights
+        (seen in the 2 x 2 test). Later heals take any up-to-date replica, all identical. One tiny all-reduce per
+        step; the broadcast only after a heal."""
+        flag = torch.tensor([1.0 if healed else 0.0], device=self.root_device)  # type: ignore[attr-defined]
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=intra)
+        if float(flag.item()) == 0.0:
+            return
+        module = self.lightning_module  # type: ignore[attr-defined]
+        with torch.no_grad():
+            for t in [*module.parameters(), *module.buffers()]:
+                dist.broadcast(t.data, src=0, group=intra)
+        opts = self.optimizers  # type: ignore[attr-defined]
+        shared: List[Any] = [[o.state_dict() for o in opts] if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(shared, src=0, group=intra)
+        for o, osd in zip(opts, shared[0]):
+            o.load_state_dict(osd)
+
+    def teardown(self) -> None:
+        super().teardown()  # type: ignore[misc]
+        if self.topk_elastic is not None:
+            self.topk_elastic.shutdown()
+
+    def _elastic_gate(self) -> Optional[Callable[[bool], bool]]:
+        return None if self.topk_elastic is None else self.topk_elastic.commit
+
+    def _elastic_residual_mass(self) -> float:
+        state = self.topk_state  # type: ignore[attr-defined]
+        if state is None:
+            return 0.0
+        return float(sum(float(r.abs().sum()) for r in state.residuals().values()))
+
+    # ---- what a heal carries ---------------------------------------------------------------------
+    def _elastic_state_dict(self) -> Dict[str, Any]:
+        """Parameters and buffers, optimizer state, the top-k state without this replica's residuals and
+        velocities (error feedback is per replica: a copy would count the peer's unsent mass twice) and the
+        Trainer's step count. Copies: the transport serves them while this replica goes on stepping."""
+        import copy
+
+        module = self.lightning_module  # type: ignore[attr-defined]
+        state = self.topk_state  # type: ignore[attr-defined]
+        topk = state.state_dict() if state is not None else None
+        if topk is not None:
+            topk["residual"], topk["velocity"] = {}, {}
+        trainer = getattr(module, "_trainer", None)
+        schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs] if trainer else []
+        return {
+            "module": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # type: ignore[attr-defined]
+            "schedulers": schedulers,
+            "topk": topk,
+            "global_step": int(trainer.global_step) if trainer is not None else 0,
+        }
+
+    def _elastic_load_state_dict(self, sd: Dict[str, Any]) -> None:
+        module = self.lightning_module  # type: ignore[attr-defined]
+        module.load_state_dict(sd["module"])  # in place: the optimizers and DDP keep the same tensors
+        for opt, osd in zip(self.optimizers, sd["optimizers"]):  # type: ignore[attr-defined]
+            opt.load_state_dict(osd)
+        state = self.topk_state  # type: ignore[attr-defined]
+        if state is not None and sd.get("topk") is not None:
+            self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None:
+            for c, ssd in zip(trainer.lr_scheduler_configs, sd.get("schedulers", [])):
+                c.scheduler.load_state_dict(ssd)
+            _set_global_step(trainer, int(sd.get("global_step", 0)))
+
+
+def _set_global_step(trainer: Any, step: int) -> None:
+    """Give a healed replica its peer's Trainer step count (optimizer-step attempts, committed or not: the same on
+    every replica of a quorum), so that ``max_steps``, schedulers stepped by interval and logging stay aligned."""
+    loop = trainer.fit_loop.epoch_loop
+    module = trainer.lightning_module
+    if module is None or module.automatic_optimization:
+        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
+    else:
+        progress = loop.manual_optimization.optim_step_progress.total
+    progress.ready = progress.completed = step
+    loop._batches_that_stepped = step

@@ -1,0 +1,354 @@
+"""``fault_tolerance="torchft"`` on real processes (gloo on loopback, a real torchft lighthouse): replica groups of
+one process keep training while one is killed with SIGKILL, the killed one restarts, heals from a live peer and
+rejoins, and at the end every replica holds the same parameters; an uncommitted step changes nothing; a missing
+or unreachable lighthouse is a clear error within the connect timeout. The options' checks need no torchft."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lightning_topk.comm.config import TopKConfig
+from tests.helpers.dist import free_port
+from tests.helpers.procs import ROOT, python_for
+
+SCRIPT = ROOT / "tests" / "scripts" / "elastic_replica.py"
+
+
+def test_options_are_checked():
+    cfg = TopKConfig(fault_tolerance="torchft", lighthouse="http://h:1", min_replicas=2)
+    assert cfg.elastic and cfg.min_replicas == 2 and isinstance(cfg.ft_timeout, float)
+    assert not TopKConfig().elastic
+    for bad, match in [(dict(fault_tolerance="yes"), "fault_tolerance"), (dict(min_replicas=0), "min_replicas"),
+                       (dict(ft_timeout=0), "ft_timeout"), (dict(lighthouse=""), "lighthouse"),
+                       (dict(ft_timeout=30, ft_quorum_timeout=10), "ft_quorum_timeout"),
+                       (dict(fault_tolerance="torchft", exchange="scatter"), "exchange='scatter'"),
+                       (dict(fault_tolerance="torchft", local_steps=4), "local_steps=0")]:
+        with pytest.raises(ValueError, match=match):
+            TopKConfig(**bad)
+
+
+def test_missing_or_unreachable_lighthouse_is_a_clear_error(monkeypatch):
+    from lightning_topk.lightning.elastic import check_lighthouse, lighthouse_address
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match="needs a torchft lighthouse.*TORCHFT_LIGHTHOUSE"):
+        lighthouse_address(TopKConfig(fault_tolerance="torchft"))
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "127.0.0.1:29999")
+    assert lighthouse_address(TopKConfig(fault_tolerance="torchft")) == "http://127.0.0.1:29999"
+    port = free_port()  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"no torchft lighthouse answers at http://127.0.0.1:{port}"):
+        check_lighthouse(f"http://127.0.0.1:{port}", timeout=2.0)
+    assert time.monotonic() - t0 < 2.5
+    # a listener that accepts and never answers (a hung host, a half-open proxy): bounded by the timeout
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match="ft_connect_timeout=1"):
+        check_lighthouse(f"http://127.0.0.1:{srv.getsockname()[1]}", timeout=1.0)
+    assert time.monotonic() - t0 < 2.0
+    srv.close()
+
+
+def test_without_torchft_the_error_names_the_extra(monkeypatch):
+    from lightning_topk.lightning.elastic import TorchFTReplica
+    from lightning_topk.optional import MissingDependency
+
+    monkeypatch.setitem(sys.modules, "torchft", None)  # as if not installed
+    replica = TorchFTReplica(TopKConfig(fault_tolerance="torchft", lighthouse="http://127.0.0.1:1"), dict, print)
+    with pytest.raises(MissingDependency, match=r"pip install 'lightning-topk\[ft\]'"):
+        replica.check()
+
+
+def test_trainer_without_lighthouse_fails_fast(tmp_path):
+    pytest.importorskip("torchft")
+    port = free_port()
+    code = (
+        "import pytorch_lightning as pl, torch, lightning_topk\n"
+        "from tests.helpers.digits import DigitsNet\n"
+        f"s = lightning_topk.TopKDDPStrategy(fault_tolerance='torchft', lighthouse='http://127.0.0.1:{port}', "
+        "ft_connect_timeout=2)\n"
+        "pl.Trainer(accelerator='cpu', devices=1, strategy=s, max_steps=1, logger=False, enable_checkpointing=False"
+        ").fit(DigitsNet())\n")
+    t0 = time.monotonic()
+    script = tmp_path / "fit.py"
+    script.write_text(f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + code)
+    exe, env = python_for(_env())
+    p = subprocess.run([exe, str(script)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0
+    assert f"no torchft lighthouse answers at http://127.0.0.1:{port}" in p.stderr, p.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+
+
+def _env(**kw):
+    e = dict(os.environ, OMP_NUM_THREADS="1", **kw)
+    for k in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR", "GROUP_RANK",
+              "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED"):
+        e.pop(k, None)
+    return e
+
+
+class Cluster:
+    """A lighthouse from the documented launcher, and replica processes of tests/scripts/elastic_replica.py."""
+
+    def __init__(self, tmp_path, min_replicas=1):
+        self.tmp, self.port = tmp_path, free_port()
+        self.addr = f"http://127.0.0.1:{self.port}"
+        exe, env = python_for(_env())
+        self.lighthouse = subprocess.Popen(
+            [exe, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{self.port}",
+             "--min_replicas", str(min_replicas), "--join_timeout_ms", "500", "--heartbeat_timeout_ms", "1500"],
+            cwd=ROOT, env=env, stdout=open(tmp_path / "lighthouse.log", "w"), stderr=subprocess.STDOUT)
+        self.procs = {}
+        try:
+            _wait(lambda: _listening(self.port), 90, "the lighthouse")
+        except AssertionError:
+            self.close()  # no Cluster object reaches the test's finally: stop the launcher here
+            raise
+
+    def start(self, r, *args):
+        log = open(self.tmp / f"replica{r}.{len([k for k in self.procs if k[0] == r])}.log", "w")
+        # from a test zygote (torch and Lightning imported once: a replica starts in ~1 s, not ~15 s on 2 cores);
+        # SIGKILL of the returned process kills the replica too (tests/helpers/zygote.py)
+        exe, env = python_for(_env(TORCHFT_LIGHTHOUSE=self.addr, REPLICA_GROUP_ID=f"replica{r}"))
+        p = subprocess.Popen([exe, str(SCRIPT), "--replica", str(r), "--out", str(self.tmp), *map(str, args)],
+                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self.procs[(r, p.pid)] = p
+        return p
+
+    def rows(self, r, suffix=""):
+        path = self.tmp / f"replica{r}{suffix}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def close(self):
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        self.lighthouse.terminate()
+        self.lighthouse.wait(timeout=10)
+
+
+def _listening(port):
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+        return True
+    except OSError:
+        return False
+
+
+def _wait(cond, timeout, what):
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def _logs(tmp_path):
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(tmp_path.glob("*.log")))
+
+
+@pytest.mark.timeout(240)
+def test_uncommitted_step_changes_nothing(tmp_path):
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path)
+    try:
+        p = c.start(0, "--steps", "6", "--refuse-at", "3")
+        assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    rows = c.rows(0)
+    refused = [r for r in rows if "unchanged" in r]
+    assert len(refused) == 1, rows
+    assert refused[0]["unchanged"] and refused[0]["residuals_checked"] > 0, refused
+    assert refused[0]["ft_step"] == 3 and refused[0]["uncommitted"] == 1
+    assert rows[-1]["ft_step"] == 6 and rows[-1]["global_step"] == 7  # 7 attempts, 6 committed
+
+
+@pytest.mark.timeout(240)
+def test_quorum_below_min_replicas_waits_then_fails_clearly(tmp_path):
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)
+    try:
+        p = c.start(0, "--steps", "3", "--min-replicas", "2", "--quorum-timeout", "5")
+        assert p.wait(timeout=180) != 0
+    finally:
+        c.close()
+    log = (tmp_path / "replica0.0.log").read_text()
+    assert ("torchft quorum failed for replica group 'replica0' at step 0" in log
+            and "fewer than min_replicas=2 replica groups joined the lighthouse http://127.0.0.1:" in log
+            and "within ft_quorum_timeout=5 s" in log), log[-3000:]
+    assert not c.rows(0)  # no step ran
+
+
+@pytest.mark.timeout(300)
+def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
+    """3 replica groups of 1 process: SIGKILL one mid-run; the two others keep committing steps during the outage;
+    the killed one is restarted, heals from a live peer (nothing read from disk) and rejoins; at the end all three
+    hold identical parameters."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    delay, stop = 0.1, tmp_path / "stop_at"
+    c = Cluster(tmp_path)
+    args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 10 for r in range(3)), 150, "10 steps on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(c.rows(0)[-1]["ft_step"], c.rows(2)[-1]["ft_step"])
+        t_kill = time.time()
+        time.sleep(3.0)  # the outage: the survivors step on without it
+        during = min(c.rows(0)[-1]["ft_step"], c.rows(2)[-1]["ft_step"])
+        os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: any(r["quorum"] == 3 for r in c.rows(1)), 150, "the restarted replica to rejoin")
+        end = max(c.rows(r)[-1]["ft_step"] for r in range(3)) + 10
+        stop.write_text(str(end))
+        for p in (procs[0], procs[2], restarted):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    logs = _logs(tmp_path)
+    assert during > killed_at + 3, (killed_at, during, logs)  # the survivors advanced during the outage
+    outage = [r for r in c.rows(0) if r["t"] > t_kill and r["quorum"] == 2]
+    assert outage, "no step ran with the quorum of 2"
+    back = c.rows(1)
+    assert back[-1]["heals"] == 1 and back[-1]["heal_time_s"] > 0, back[-3:]
+    first = back[0]
+    assert first["ft_step"] >= during, (first, during)  # it took the peers' step count: healed, not restarted at 0
+    assert first["global_step"] > 1 and back[-1]["global_step"] == c.rows(0)[-1]["global_step"]  # Lightning's too
+    rejoined = [r for r in c.rows(0) if r["t"] > t_kill and r["quorum"] == 3]
+    assert rejoined, "the restarted replica never rejoined the quorum"
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
+    for f in finals[1:]:
+        for k, v in finals[0]["params"].items():
+            assert torch.equal(v, f["params"][k]), k
+    assert all(f["metrics"]["ft/step"] == end for f in finals)
+    assert all(f["metrics"]["ft/residual_mass"] > 0 for f in finals)  # each holds its own unsent mass
+    report = dict(killed_at=killed_at, steps_during_outage=during - killed_at, heal_time_s=back[-1]["heal_time_s"],
+                  healed_at_step=first["ft_step"], uncommitted=[c.rows(r)[-1]["uncommitted"] for r in (0, 2)],
+                  quorum_changes=[c.rows(r)[-1]["quorum_changes"] for r in (0, 2)])
+    print("ELASTIC", json.dumps(report))
+
+
+@pytest.mark.timeout(240)
+def test_kill_mid_step_survivors_roll_back_and_go_on(tmp_path):
+    """No sleep between steps, so the SIGKILL usually lands inside a step's collectives: a survivor whose all-gather
+    or decision all-reduce failed reports it to torchft, its step is not committed and changes nothing; the two
+    survivors go on with a quorum of 2 and end with identical parameters."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path)
+    args = ("--steps", 100000, "--delay", 0, "--init-differs", "--stop-file", stop)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 30 for r in range(3)), 150, "30 steps on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        _wait(lambda: all(c.rows(r)[-1]["quorum"] == 2 for r in (0, 2)), 60, "a quorum of 2")
+        stop.write_text(str(max(c.rows(r)[-1]["ft_step"] for r in (0, 2)) + 20))
+        for p in (procs[0], procs[2]):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    last = [c.rows(r)[-1] for r in (0, 2)]
+    assert last[0]["ft_step"] == last[1]["ft_step"] and all(r["quorum"] == 2 for r in last), last
+    assert all(r["uncommitted"] <= 1 for r in last), last  # at most the step the kill interrupted
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in (0, 2)]
+    for k, v in finals[0]["params"].items():
+        assert torch.equal(v, finals[1]["params"][k]), k
+    print("ELASTIC_MID", json.dumps({"uncommitted": [r["uncommitted"] for r in last],
+                                     "failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals]}))
+
+
+def test_fabric_refuses_torchft_clearly():
+    import torch
+
+    from lightning_topk.lightning.fabric import FabricTopKDDPStrategy
+
+    s = FabricTopKDDPStrategy(fault_tolerance="torchft")
+    with pytest.raises(ValueError, match="not available with Fabric yet"):
+        s.setup_module(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.timeout(420)
+def test_two_groups_of_two_processes_kill_heal_rejoin(tmp_path):
+    """2 replica groups of 2 processes (Lightning DDP inside a group, torchft between the groups, per local rank):
+    SIGKILL both processes of one group; the other keeps stepping alone; the killed group is restarted, heals
+    from the live one and rejoins; at the end all four processes hold identical parameters."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path)
+    args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2)
+    ranks = [".rank0", ".rank1"]
+    try:
+        c.start(0, *args)
+        victim = c.start(1, *args)
+        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 8 for r in (0, 1) for k in ranks), 240,
+              "8 steps on all four processes")
+        for k in ranks:  # the whole group: both of its processes
+            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+        victim.wait(timeout=60)
+        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
+        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
+              120, "the survivor to step on alone")
+        during = c.rows(0, ".rank0")[-1]["ft_step"]
+        for k in ranks:
+            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in ranks), 240, "the group to rejoin")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + 8))
+        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    back = [c.rows(1, k) for k in ranks]
+    assert all(b[0]["heals"] == 1 and b[0]["ft_step"] >= during for b in back), [b[0] for b in back]
+    finals = [torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1) for k in ranks]
+    for f in finals[1:]:
+        for name, v in finals[0]["params"].items():
+            assert torch.equal(v, f["params"][name]), name
+    print("ELASTIC_2x2", json.dumps({"killed_at": killed_at, "steps_alone": during - killed_at,
+                                     "heal_time_s": [b[-1]["heal_time_s"] for b in back]}))
+
+
+@pytest.mark.timeout(120)
+def test_launcher_starts_replicas_and_restarts_a_failed_one(tmp_path):
+    """elastic_launch: the lighthouse bound to --bind, --replicas copies of the command with TORCHFT_LIGHTHOUSE and
+    REPLICA_GROUP_ID, a failed copy restarted (within --max_restarts)."""
+    pytest.importorskip("torchft")
+    port = free_port()
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, pathlib, sys\n"
+        f"d = pathlib.Path({str(tmp_path)!r})\n"
+        "rid = os.environ['REPLICA_GROUP_ID']\n"
+        "(d / f'{rid}.{os.getpid()}').write_text(os.environ['TORCHFT_LIGHTHOUSE'])\n"
+        "first = not (d / f'{rid}.ran').exists()\n"
+        "(d / f'{rid}.ran').write_text('')\n"
+        "sys.exit(3 if rid == 'replica1' and first else 0)\n")
+    p = subprocess.run([sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}",
+                        "--replicas", "2", "--max_restarts", "1", "--", sys.executable, str(child)],
+                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port}" in p.stdout
+    assert "replica1 exited with 3; restart 1/1" in p.stdout
+    runs = {}
+    for f in tmp_path.glob("replica*.*"):
+        if f.suffix != ".ran":
+            assert f.read_text() == f"http://127.0.0.1:{port}"
+            runs[f.name.split(".")[0]] = runs.get(f.name.split(".")[0], 0) + 1
+    assert runs == {"replica0": 1, "replica1": 2}, runs
+    assert not _listening(port)  # the lighthouse is gone with the launcher

@@ -1,0 +1,149 @@
+"""One replica group (one process) of a ``fault_tolerance="torchft"`` run on the digits; tests/lightning/test_elastic.py
+starts several against one lighthouse, kills and restarts them.
+
+Writes ``<out>/replica<R>.jsonl`` (one line per training batch: Lightning's step, torchft's committed step, the
+quorum size, whether the step committed, heals) and, at the end, ``<out>/replica<R>.pt`` (parameters, metrics).
+Stops once the replicas' committed step count reaches ``--steps``, or the step written in ``--stop-file``.
+
+``--refuse-at K``: at committed step K this replica reports an error to its torchft Manager after the backward,
+so ``should_commit`` says no; the line of that batch records whether parameters, optimizer state and residuals
+are bitwise what they were before the batch.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_topk  # noqa: F401  (registers topk_ddp)
+from lightning_topk import TopKDDPStrategy
+from tests.helpers.digits import accuracy, digits
+
+
+def _rank_suffix():
+    """'' with one process per replica group, '.rank<L>' with several (devices > 1)."""
+    return f".rank{os.environ.get('LOCAL_RANK', '0')}" if os.environ.get("ELASTIC_DEVICES", "1") != "1" else ""
+
+
+def snapshot(module, strategy):
+    opt = strategy.optimizers[0]
+    state = strategy.topk_state
+    return {
+        "params": [p.detach().clone() for p in module.parameters()],
+        "opt": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.state.values()],
+        "res": {} if state is None else {k: v.clone() for k, v in state.residuals().items()},
+    }
+
+
+def same(a, b):
+    return (len(a["params"]) == len(b["params"]) and all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+            and len(a["opt"]) == len(b["opt"])
+            and all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x) for x, y in zip(a["opt"], b["opt"]))
+            and a["res"].keys() == b["res"].keys() and all(torch.equal(a["res"][k], b["res"][k]) for k in a["res"]))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, args):
+        super().__init__()
+        torch.manual_seed(100 + args.replica if args.init_differs else 0)  # init_sync makes them equal
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.args = args
+        self.log_path = Path(args.out) / f"replica{args.replica}{_rank_suffix()}.jsonl"
+        self._before = None
+        self._refused = False
+
+    def setup(self, stage):
+        torch.set_num_threads(1)
+
+    def training_step(self, batch, _):
+        x, y = batch
+        self._psum_fwd = float(sum(p.detach().double().abs().sum() for p in self.parameters()))
+        opt = self.trainer.strategy.optimizers[0]
+        self._osum_fwd = float(sum(v.double().abs().sum() for s in opt.state.values() for v in s.values()))
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.args.delay:
+            time.sleep(self.args.delay)
+
+    def on_after_backward(self):
+        ft = self.trainer.strategy.topk_elastic
+        if self.args.refuse_at is not None and ft.step == self.args.refuse_at and not self._refused:
+            self._refused = True
+            ft.manager.report_error(RuntimeError("injected by the test"))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        s = self.trainer.strategy
+        ft = s.topk_elastic
+        ctl = s.topk_controller
+        row = {"global_step": self.trainer.global_step, "ft_step": ft.step, "quorum": ft.quorum_size,
+               "uncommitted": ft.uncommitted, "committed": ft.committed, "heals": ft.heals,
+               "heal_time_s": ft.heal_time_s, "quorum_changes": ft.quorum_changes, "t": time.time(),
+               "skipped": ctl.skipped_steps if ctl is not None else 0,
+               "psum_fwd": self._psum_fwd, "osum_fwd": self._osum_fwd,
+               "psum": float(sum(p.detach().double().abs().sum() for p in self.parameters())),
+               "gsum": float(sum(p.grad.detach().double().abs().sum() for p in self.parameters() if p.grad is not None))}
+        if self._before is not None:
+            row["unchanged"] = same(self._before, snapshot(self, s))
+            row["residuals_checked"] = len(self._before["res"])
+            self._before = None
+        if self.args.refuse_at is not None and ft.step == self.args.refuse_at and not self._refused:
+            self._before = snapshot(self, s)  # before the next batch: the one that will be refused
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        target = self.args.steps
+        if self.args.stop_file and os.path.exists(self.args.stop_file):
+            text = Path(self.args.stop_file).read_text().strip()
+            target = int(text) if text else target
+        if ft.step >= target:
+            self.trainer.should_stop = True
+
+    def on_train_end(self):
+        ft = self.trainer.strategy.topk_elastic
+        torch.save({"params": {k: v.detach().clone() for k, v in self.net.state_dict().items()},
+                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes, "accuracy": accuracy(self)},
+                   Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self):
+        train, _ = digits()
+        g = torch.Generator().manual_seed(1000 + self.args.replica + 7 * os.getpid())  # each replica its own order
+        return DataLoader(train, batch_size=32, shuffle=True, generator=g)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--delay", type=float, default=0.0)
+    ap.add_argument("--refuse-at", type=int, default=None)
+    ap.add_argument("--init-differs", action="store_true")
+    ap.add_argument("--stop-file", default=None, help="once it exists: the committed step to stop at")
+    ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--quorum-timeout", type=float, default=60.0)
+    ap.add_argument("--devices", type=int, default=1, help="processes per replica group")
+    args = ap.parse_args()
+    os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
+    (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
+    strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange="allgather", min_sparse_numel=4096,
+                               min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout), ft_quorum_timeout=args.quorum_timeout,
+                               ft_connect_timeout=5.0, log_telemetry=False)
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=10_000, max_steps=-1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+    trainer.fit(Net(args))
+
+
+if __name__ == "__main__":
+    main()
