@@ -53,7 +53,11 @@ def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any]) -> TopKCo
     if kwargs.get("save_distributed_checkpoint", True) is not True:
         raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
                          "and outer state are sharded with the parameters")
-    return config_from(config, kwargs, "topk_fsdp")
+    cfg = config_from(config, kwargs, "topk_fsdp")
+    if cfg.fault_tolerance != "none":
+        raise ValueError(f"topk_fsdp: fault_tolerance={cfg.fault_tolerance!r} is not supported with sharded models yet "
+                         "(docs/elastic.md); use topk_ddp for elastic replicas, or fault_tolerance='none'")
+    return cfg
 
 
 class TopKFSDPMixin(TelemetryMixin):

@@ -121,3 +121,18 @@ def test_bf16_mixed_accumulation_and_last_checkpoint(tmp_path):
 def test_topk_precision_is_refused(tmp_path):
     with pytest.raises(AssertionError, match="TopKPrecision with fp16 loss scaling or master_weights is not supported"):
         train(tmp_path, "tp", "--topk-precision", "--steps", "1")
+
+
+def test_options_that_do_not_apply_are_refused():
+    from lightning_topk.lightning.fsdp import TopKFSDPStrategy
+    from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
+
+    for cls in (TopKFSDPStrategy, fabric_fsdp_class("lightning.fabric")):
+        with pytest.raises(ValueError, match="fault_tolerance='torchft' is not supported with sharded models"):
+            cls(fault_tolerance="torchft")
+        with pytest.raises(ValueError, match="tensor parallelism is not supported"):
+            cls(tensor_parallel_size=2)
+        with pytest.raises(ValueError, match="static_graph is an option of DDP"):
+            cls(static_graph=True)
+        with pytest.raises(ValueError, match="checkpoints are distributed"):
+            cls(save_distributed_checkpoint=False)
