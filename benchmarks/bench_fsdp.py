@@ -17,6 +17,8 @@ Every run is a Lightning Trainer on ``num_nodes=2, devices=2``, started as two s
   topk_fsdp_local_lm  topk_fsdp with the LM's local SGD recipe (conf/experiment_strategy/
                   transformer_lm_bytes_topk_local.yaml: dense_steps=160, local_steps=4, outer density 1, 4 bits,
                   outer lr 1, no outer momentum)
+  topk_fsdp_update  topk_fsdp with local_steps=1: the top-k (1%, fp32, error feedback) of each step's AdamW update
+                  instead of its gradient, plain averaging
   topk_local      TopKDDPStrategy with the ``topk_local`` preset (the same options as topk_fsdp_local): local
                   SGD's DDP counterpart (θ_outer whole on every rank, momentum and error feedback on its part)
 
@@ -71,7 +73,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NODES, DEVICES = 2, 2
 CONFIGS = ("hsdp", "topk_fsdp", "topk_fsdp_local", "topk_ddp", "topk_local", "topk_fsdp_warmup",
-           "topk_fsdp_local_lm")
+           "topk_fsdp_local_lm", "topk_fsdp_update")
+# topk_fsdp_update: the top-k of each step's optimizer update instead of its gradient (local SGD with one inner step:
+# each replica's AdamW sees only its own gradients, the update's error feedback keeps what was not sent), at the
+# per-step exchange's density, fp32 values, plain averaging
+UPDATE = dict(local_steps=1, outer_density=0.01, outer_value_bits=32, outer_recipe="average", outer_ef_decay=1.0)
 WARMUP_STEPS = 100  # topk_fsdp_warmup: DGC's warm-up, density 0.25 -> 0.01 geometrically over these steps
 # topk_fsdp_local_lm: conf/experiment_strategy/transformer_lm_bytes_topk_local.yaml's recipe for this LM (post-local
 # SGD: 160 synchronous steps, then H 4 with dense 4-bit outer values and plain averaging)
@@ -216,6 +222,8 @@ def worker(a):
         strategy = TopKFSDPStrategy(density=0.01, exchange=a.exchange, warmup_steps=WARMUP_STEPS)
     elif a.config == "topk_fsdp_local_lm":
         strategy = TopKFSDPStrategy(**LM_LOCAL)
+    elif a.config == "topk_fsdp_update":
+        strategy = TopKFSDPStrategy(**UPDATE)
     else:
         raise ValueError(a.config)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=strategy, max_steps=a.steps,

@@ -473,7 +473,9 @@ def _summary_rows() -> List[Tuple[str, str, str, str, str]]:
 FSDP_LABELS = {"topk_ddp": "`topk_ddp` ρ 0.01", "hsdp": "dense HSDP (torch)", "topk_fsdp": "`topk_fsdp` ρ 0.01",
                "topk_local": "`topk_local` (DDP local SGD)", "topk_fsdp_local": "`topk_fsdp_local` (preset)",
                "topk_fsdp_warmup": "`topk_fsdp` ρ 0.01, `warmup_steps=100`",
-               "topk_fsdp_local_lm": "`topk_fsdp_local`, the LM recipe (160 dense steps, H 4, outer density 1)"}
+               "topk_fsdp_local_lm": "`topk_fsdp_local`, the LM recipe (160 dense steps, H 4, outer density 1)",
+               "topk_fsdp_update": "top-k of the AdamW update, not the gradient (`local_steps=1`, outer density 0.01, "
+                                   "fp32; `fsdp_accuracy_update.json`)"}
 
 
 def fsdp_tables() -> str:
@@ -497,7 +499,8 @@ def fsdp_tables() -> str:
               f"{a0['layers']} layers, the shipped byte-level text; {acc['date'][:10]}, `{acc['command']}`), and the "
               "cross-node bytes per rank per step:", "",
               "| config | held-out loss | / HSDP | cross-node wire bytes per step per rank | source |", "|---|---:|---:|---:|---|"]
-    for r in acc["rows"]:
+    extra = [r for r in _load("fsdp_accuracy_update.json")["rows"] if r["config"] != "hsdp"]
+    for r in acc["rows"] + extra:
         x = r.get("cross_node") or {}
         b = x.get("bytes_wire_per_step", x.get("bytes_inter_per_step"))
         lines.append(f"| {FSDP_LABELS.get(r['config'], r['config'])} | {r['val_loss']:.4f} | {r['val_ratio_to_hsdp']:.3f} | "
@@ -536,7 +539,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
     "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
-    "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy}.json", fsdp_tables),
+    "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy,accuracy_update}.json", fsdp_tables),
 }
 
 # the runs rendered through their benchmark script's own table, named after their results file: cluster_compare.py's
