@@ -140,12 +140,11 @@ def load(top: Any, path: Any) -> str:
         for r in replicas:
             box[f"{PREFIX}.{kind}.{r}.{name}"] = fp.to_sharded_dtensor(torch.zeros_like(view))
     dcp_load(box, checkpoint_id=folder(path))
-    got = box
     for kind, name, _, view in views:
         if kind not in kinds:
             view.zero_()
             continue
-        parts = [got[f"{PREFIX}.{kind}.{r}.{name}"].to_local() for r in replicas]
+        parts = [box[f"{PREFIX}.{kind}.{r}.{name}"].to_local() for r in replicas]
         view.copy_(parts[0] if same else torch.stack(parts).mean(0))
     own = _read_rank(path, rank, key) if same else first
     st.step = int(own["step"])

@@ -17,7 +17,7 @@ With one node there is nothing to exchange across nodes: the model trains as FSD
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -201,12 +201,12 @@ class ShardedTopK:
         whether a round ran."""
         return self.outer.step() if self.outer is not None else False
 
+    def start_training(self) -> None:
+        """A fit after :meth:`end_training` in this process goes on from the state before it (local SGD streaming)."""
+        if self.outer is not None:
+            self.outer.resume_in_flight()
+
     def end_training(self) -> None:
         """Apply a streamed outer exchange still in flight (local SGD), so the final weights hold every round."""
         if self.outer is not None:
             self.outer.apply_in_flight()
-
-    # ---- telemetry --------------------------------------------------------------------------------------
-    def param_groups_numel(self) -> List[int]:
-        """Entries of each group's gradient shard on this rank (padded)."""
-        return [sum(n) for _, n in self.specs]

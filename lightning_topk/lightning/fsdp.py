@@ -17,7 +17,6 @@ from typing_extensions import override
 
 from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
-from lightning_topk.comm.controller import Decision
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning import faults
 from lightning_topk.lightning.precision import TopKPrecisionMixin
@@ -60,7 +59,30 @@ def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any]) -> TopKCo
     return cfg
 
 
-class TopKFSDPMixin(TelemetryMixin):
+class ShardedTopKMixin:
+    """What the Trainer's and Fabric's ``topk_fsdp`` share: the options, the algorithm's object (``topk``) and the data
+    split."""
+
+    topk: Optional[ShardedTopK] = None
+
+    def _init_topk(self, config: Optional[TopKConfig], shard_modules: Optional[Sequence[str]],
+                   kwargs: Dict[str, Any]) -> None:
+        self.topk_config = fsdp_options(config, kwargs)
+        self.topk_shard_modules = list(shard_modules) if shard_modules else None
+        self.topk = None
+
+    @property
+    def topk_state(self) -> Any:
+        """The per-step exchange's state (None under local SGD or on one node)."""
+        return self.topk.state if self.topk is not None else None
+
+    @property
+    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
+        # every process reads its own batches: FSDP shards parameters, not data
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+
+class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
     """FSDP2 inside the node, the top-k exchange across nodes (see the module docstring).
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (``config=`` as
@@ -71,22 +93,9 @@ class TopKFSDPMixin(TelemetryMixin):
 
     def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
                  **kwargs: Any) -> None:
-        self.topk_config = fsdp_options(config, kwargs)
-        self.topk_shard_modules = list(shard_modules) if shard_modules else None
-        self.topk: Optional[ShardedTopK] = None
+        self._init_topk(config, shard_modules, kwargs)
         self._topk_heartbeat: Optional[faults.Heartbeat] = None
         super().__init__(**kwargs)
-
-    @property
-    def topk_state(self) -> Any:
-        """The per-step exchange's state (None under local SGD or on one node)."""
-        return self.topk.state if self.topk is not None else None
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        # every process reads its own batches: FSDP shards parameters, not data
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @override
     def setup_environment(self) -> None:
@@ -135,10 +144,8 @@ class TopKFSDPMixin(TelemetryMixin):
 
         def closure_then_decide() -> Any:
             out = closure()
-            if top is not None and top.before_optimizer_step() is Decision.SKIP:
-                for group in optimizer.param_groups:
-                    for p in group["params"]:
-                        p.grad = None
+            if top is not None:
+                top.before_optimizer_step()  # a skipped step drops the gradients: the optimizer leaves every parameter
             return out
 
         out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
@@ -159,6 +166,12 @@ class TopKFSDPMixin(TelemetryMixin):
         finally:
             for m in mods:
                 m.set_requires_gradient_sync(True, recurse=False)
+
+    @override
+    def on_train_start(self) -> None:
+        if self.topk is not None:
+            self.topk.start_training()
+        super().on_train_start()
 
     @override
     def on_train_end(self) -> None:

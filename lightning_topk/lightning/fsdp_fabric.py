@@ -19,30 +19,19 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
-from lightning_topk.comm.controller import Decision
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning.fabric import FABRIC_PACKAGES
-from lightning_topk.lightning.fsdp import fsdp_options, mixed_precision_policy
+from lightning_topk.lightning.fsdp import ShardedTopKMixin, mixed_precision_policy
 
 
-class _FabricTopKFSDPMixin:
+class _FabricTopKFSDPMixin(ShardedTopKMixin):
     """The Fabric adapter (see the module docstring)."""
 
     def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
                  parallelize_fn: Optional[Callable[[Any, Any], Any]] = None, **kwargs: Any) -> None:
-        self.topk_config = fsdp_options(config, kwargs)
-        self.topk_shard_modules = list(shard_modules) if shard_modules else None
+        self._init_topk(config, shard_modules, kwargs)
         self._topk_user_parallelize = parallelize_fn
-        self.topk: Optional[ShardedTopK] = None
         super().__init__(parallelize_fn=self._topk_parallelize, **kwargs)
-
-    @property
-    def topk_state(self) -> Any:
-        return self.topk.state if self.topk is not None else None
-
-    @property
-    def distributed_sampler_kwargs(self) -> Dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -69,10 +58,8 @@ class _FabricTopKFSDPMixin:
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         top = self.topk
-        if top is not None and top.before_optimizer_step() is Decision.SKIP:
-            for group in optimizer.param_groups:
-                for p in group["params"]:
-                    p.grad = None
+        if top is not None:
+            top.before_optimizer_step()  # a skipped step drops the gradients: the optimizer leaves every parameter
         out = super().optimizer_step(optimizer, **kwargs)
         if top is not None:
             top.after_optimizer_step()
