@@ -6,6 +6,7 @@ others alone). Each prints what it checked and exits non-zero on a failed check.
     python benchmarks/gpu_check.py kernels   # CUDA kernels (CuPy) against their torch references
     python benchmarks/gpu_check.py nccl1     # a world-size-1 NCCL Trainer run with TopKDDPStrategy
     python benchmarks/gpu_check.py gloo2     # 2 (and 4) processes on one GPU, gloo on CUDA tensors
+    python benchmarks/gpu_check.py fsdp      # topk_fsdp on CUDA: 2x2 over gloo vs HSDP, memory, NCCL world size 1
 
 Only public names are used: ``lightning_topk``'s exports, ``lightning_topk.comm.make_groups`` and
 ``lightning_topk.ops.cuda``; the hooks the strategy picks are found by wrapping
@@ -412,8 +413,212 @@ def gloo2() -> int:
     return 1 if failed else 0
 
 
+# ------------------------------------------------------------------------------------------- topk_fsdp
+def _fsdp_rank(rank: int, world: int, port: int, out: str, mode: str) -> None:
+    """One of 4 processes on one GPU over gloo with CUDA tensors, as 2 simulated nodes of 2: torch's HSDP
+    (``hsdp``), ``topk_fsdp``'s per-step exchange (``topk1``: density 1, fp32 values; ``topk01``: density 0.1)
+    on the test suite's small net; or, for the memory table, a 4-block Transformer with AdamW under
+    ``mem_hsdp`` / ``mem_topk_fsdp`` / ``mem_topk_ddp`` (peak and steady CUDA memory of this process)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.fsdp import fully_shard
+
+    from lightning_topk.comm.config import TopKConfig
+    from lightning_topk.comm.sharded import ShardedTopK, make_mesh, shard_model
+
+    dev = os.environ.get("GPU_CHECK_DEVICE", "cuda")  # "cpu": a dry run of this step's code without a GPU
+    cuda = dev == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank % 2))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result: Dict[str, Any] = {}
+    try:
+        mem = mode.startswith("mem_")
+        torch.manual_seed(0)
+        if mem:
+            from lightning_topk.models.components.transformer import TransformerLM
+
+            holder = nn.Module()
+            holder.net = TransformerLM(256, d_model=int(os.environ.get("GPU_CHECK_MEM_D", 1024)), layers=4, heads=8, ff_mult=4, max_len=128, dropout=0.0)
+            blocks = list(holder.net.blocks.layers)
+        else:
+            class Block(nn.Module):
+                def __init__(self, d: int) -> None:
+                    super().__init__()
+                    self.l1, self.l2, self.n = nn.Linear(d, 4 * d), nn.Linear(4 * d, d), nn.LayerNorm(d)
+
+                def forward(self, x: Any) -> Any:
+                    return x + self.l2(torch.relu(self.l1(self.n(x))))
+
+            class Net(nn.Module):
+                def __init__(self, d: int = 16) -> None:
+                    super().__init__()
+                    self.emb, self.head = nn.Linear(8, d), nn.Linear(d, 3)
+                    self.blocks = nn.ModuleList([Block(d), Block(d)])
+
+                def forward(self, x: Any) -> Any:
+                    h = self.emb(x)
+                    for b in self.blocks:
+                        h = b(h)
+                    return self.head(h)
+
+            holder = nn.Module()
+            holder.net = Net()
+            blocks = list(holder.net.blocks)
+        holder.to(dev)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        top = ddp = st = None
+        if mode in ("hsdp", "mem_hsdp"):
+            mesh = make_mesh(dev, 2, 2)
+            for b in blocks:
+                fully_shard(b, mesh=mesh)
+            fully_shard(holder.net, mesh=mesh)
+            model: Any = holder.net
+        elif mode == "mem_topk_ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            import lightning_topk as lt
+
+            model = ddp = DDP(holder.net, device_ids=[0] if cuda else None)
+            st = lt.TopKState(lt.TopKConfig(density=0.01, exchange="allgather"))
+            st.bind(holder.net.named_parameters())
+            ddp.register_comm_hook(st, lt.topk_allgather_hook)
+            ctl = lt.StepController(st)
+        else:
+            mesh = make_mesh(dev, 2, 2)
+            shard_model(holder, mesh)
+            density = {"topk1": 1.0, "topk01": 0.1}.get(mode, 0.01)
+            vdt = "fp32" if mode in ("topk1", "topk01") else "bf16"
+            top = ShardedTopK(TopKConfig(density=density, exchange="allgather", value_dtype=vdt, min_sparse_numel=0),
+                              holder, mesh)
+            model = holder.net
+        params = list(holder.parameters())
+        opt = (torch.optim.AdamW(params, lr=1e-4) if mem else torch.optim.SGD(params, lr=0.1, momentum=0.9))
+        g = torch.Generator().manual_seed(100 + rank)
+        for _ in range(3 if mem else 6):
+            if mem:
+                x = torch.randint(0, 256, (4, 129), generator=g).to(dev)
+                logits = model(x[:, :-1])
+                loss = nn.functional.cross_entropy(logits.reshape(-1, 256), x[:, 1:].reshape(-1))
+            else:
+                x, y = torch.randn(16, 8, generator=g).to(dev), torch.randint(0, 3, (16,), generator=g).to(dev)
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            if top is not None:
+                top.before_optimizer_step()
+            if ddp is not None:
+                ctl.finish_step()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        if cuda:
+            torch.cuda.synchronize()
+        if mem:
+            n = sum(p.numel() for p in holder.net.parameters()) if ddp is not None else \
+                sum(p.full_tensor().numel() if hasattr(p, "full_tensor") else p.numel() for p in params)
+            result = {"params": n, "steady": (torch.cuda.memory_allocated() - base) if cuda else 0,
+                      "peak": (torch.cuda.max_memory_allocated() - base) if cuda else 0, "loss": float(loss.detach())}
+        else:
+            result = {"full": {n: p.full_tensor().detach().cpu() for n, p in holder.named_parameters()},
+                      "step": top.state.step if top is not None else None}
+        torch.save(result, os.path.join(out, f"{mode}{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp() -> int:
+    """topk_fsdp on CUDA tensors: 4 processes on one GPU over gloo (2 simulated nodes x 2) against torch's HSDP
+    at density 1, and the per-rank CUDA memory of HSDP, topk_fsdp and topk_ddp on a 4-block Transformer with
+    AdamW; then a world-size-1 NCCL Trainer run of topk_fsdp and topk_fsdp_local in bf16-mixed."""
+    import json
+    import socket
+    import subprocess
+
+    import torch
+    import torch.multiprocessing as mp
+
+    def spawn(mode: str, out: str) -> List[Any]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_fsdp_rank, args=(4, port, out, mode), nprocs=4, join=True, start_method="spawn")
+        return [torch.load(os.path.join(out, f"{mode}{r}.pt")) for r in range(4)]
+
+    failed = 0
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            ref, dense, sparse = (spawn(m, out) for m in ("hsdp", "topk1", "topk01"))
+            diff = max(float((ref[0]["full"][k] - dense[0]["full"][k]).abs().max()) for k in ref[0]["full"])
+            agree = all(torch.equal(sparse[0]["full"][k], s["full"][k]) for s in sparse[1:] for k in ref[0]["full"])
+            moved = max(float((ref[0]["full"][k] - sparse[0]["full"][k]).abs().max()) for k in ref[0]["full"])
+            ok = diff <= 1e-6 and agree and moved > 1e-4 and dense[0]["step"] == 6
+            print(f"{'ok  ' if ok else 'FAIL'} topk_fsdp 2x2 on CUDA over gloo: density 1 vs torch HSDP max|d|={diff:.2e}"
+                  f" (<= 1e-6); density 0.1: replicas identical={agree}, differs from HSDP by {moved:.2e}")
+            failed += not ok
+        except Exception as e:
+            print(f"SKIP topk_fsdp 2x2 on CUDA over gloo: {type(e).__name__}: {str(e)[-600:]}")
+        rows = {}
+        for m in ("mem_hsdp", "mem_topk_fsdp", "mem_topk_ddp"):
+            try:
+                r = spawn(m, out)
+                rows[m] = {k: max(x[k] for x in r) for k in ("steady", "peak")} | {"params": r[0]["params"],
+                                                                                  "loss": r[0]["loss"]}
+            except Exception as e:
+                print(f"SKIP memory {m}: {type(e).__name__}: {str(e)[-400:]}")
+        if rows:
+            print("memory per rank (CUDA allocator, max over 4 ranks; AdamW, 4-block Transformer d=1024):")
+            for m, r in rows.items():
+                print(f"  {m[4:]:10s} params {r['params'] / 1e6:.1f}M steady {r['steady'] / 2**20:8.1f} MiB "
+                      f"peak {r['peak'] / 2**20:8.1f} MiB loss {r['loss']:.3f}")
+            if "mem_topk_ddp" in rows and "mem_topk_fsdp" in rows and rows["mem_topk_ddp"]["steady"] > 0:
+                print(f"  topk_fsdp / topk_ddp steady {rows['mem_topk_fsdp']['steady'] / rows['mem_topk_ddp']['steady']:.3f}"
+                      f", peak {rows['mem_topk_fsdp']['peak'] / rows['mem_topk_ddp']['peak']:.3f}")
+            if os.environ.get("OUT"):
+                with open(os.path.join(os.environ["OUT"], "gpu_fsdp_memory.json"), "w") as f:
+                    json.dump({"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "rows": rows}, f,
+                              indent=1)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "scripts", "fsdp_train.py")
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", WORLD_SIZE="1", RANK="0", LOCAL_RANK="0",
+                   NODE_RANK="0")
+        ref_loss = float("nan")
+        for name, extra in (("hsdp", ["--strategy", "hsdp", "--precision", "32-true"]),
+                            ("topk1", ["--density", "1", "--value-dtype", "fp32", "--precision", "32-true"]),
+                            ("topk_bf16", ["--precision", "bf16-mixed"]),
+                            ("local_bf16", ["--precision", "bf16-mixed", "--local-steps", "4"])):
+            o = os.path.join(out, name)
+            cmd = [sys.executable, script, "--accelerator", "gpu" if torch.cuda.is_available() else "cpu", "--devices", "1", "--nodes", "1", "--steps", "30",
+                   "--optimizer", "adamw", "--out", o] + extra
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+            if p.returncode:
+                print(f"FAIL fsdp_train {name} on NCCL world size 1: exit {p.returncode}\n{p.stderr[-1500:]}")
+                failed += 1
+                continue
+            info = torch.load(o + ".rank0")
+            ok = info["step"] == 30 and info["loss"] < 4.1  # ln(64) = 4.16 at the start
+            if name == "hsdp":
+                ref_loss = info["loss"]
+            else:
+                ok = ok and abs(info["loss"] - ref_loss) < 0.1
+            print(f"{'ok  ' if ok else 'FAIL'} fsdp_train {name} on NCCL world size 1: step {info['step']} loss "
+                  f"{info['loss']:.4f} param dtype {info['param_dtype']}")
+            failed += not ok
+        try:
+            a, b = torch.load(os.path.join(out, "hsdp")), torch.load(os.path.join(out, "topk1"))
+            d = max(float((a[k] - b[k]).abs().max()) for k in a)
+            print(f"{'ok  ' if d <= 1e-6 else 'FAIL'} world size 1: topk_fsdp density 1 vs HSDP max|d|={d:.2e}")
+            failed += d > 1e-6
+        except Exception as e:
+            print(f"FAIL comparing the world-size-1 runs: {e}")
+            failed += 1
+    return 1 if failed else 0
+
+
 STEPS: Dict[str, Callable[[], int]] = {"probe": probe, "syncs": syncs, "kernels": kernels, "nccl1": nccl1,
-                                       "gloo2": gloo2}
+                                       "gloo2": gloo2, "fsdp": fsdp}
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in STEPS:

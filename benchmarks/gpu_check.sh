@@ -15,13 +15,13 @@
 #    Exit status: 0 if every step passed (or was skipped), 1 if any failed.
 #
 # Environment: PYTHON (default python3: the image's Python with torch), STEP_TIMEOUT (seconds per step,
-# default 900), GPU_CHECK_STEPS (space-separated subset of: install gpu_tests syncs kernels bench nccl1 gloo2).
+# default 900), GPU_CHECK_STEPS (space-separated subset of: install gpu_tests syncs kernels bench nccl1 gloo2 fsdp).
 set -uo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$REPO" || exit 1
 PY=${PYTHON:-python3}
 STEP_TIMEOUT=${STEP_TIMEOUT:-900}
-STEPS=${GPU_CHECK_STEPS:-install gpu_tests syncs kernels bench nccl1 gloo2}
+STEPS=${GPU_CHECK_STEPS:-install gpu_tests syncs kernels bench nccl1 gloo2 fsdp}
 
 if ! probe=$("$PY" benchmarks/gpu_check.py probe 2>&1); then
   echo "gpu_check: no CUDA device: nothing checked (${probe##*$'\n'})"
@@ -117,6 +117,8 @@ step bench "selection benchmark at 25M and 250M entries" \
 step nccl1 "TopKDDPStrategy on NCCL, world size 1" "$PY" benchmarks/gpu_check.py nccl1
 step gloo2 "2 processes on one GPU over gloo with CUDA tensors (and 4 for hierarchical)" \
   "$PY" benchmarks/gpu_check.py gloo2
+step fsdp "topk_fsdp on CUDA: 2x2 over gloo vs torch HSDP, per-rank memory, NCCL world size 1 (bf16, local SGD)" \
+  "$PY" benchmarks/gpu_check.py fsdp
 
 {
   cat "$LOGS/head.md"

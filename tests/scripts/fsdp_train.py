@@ -116,6 +116,7 @@ def main():
     p.add_argument("--ckpt-dir")
     p.add_argument("--last", action="store_true")
     p.add_argument("--topk-precision", action="store_true")
+    p.add_argument("--accelerator", default="cpu")
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.strategy in ("hsdp", "avg"):
@@ -134,7 +135,7 @@ def main():
         from lightning_topk import TopKPrecision
 
         plugins.append(TopKPrecision("16-mixed"))
-    trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy,
+    trainer = pl.Trainer(accelerator=a.accelerator, devices=a.devices, num_nodes=a.nodes, strategy=strategy,
                          max_steps=a.steps, use_distributed_sampler=False, logger=False,
                          enable_checkpointing=bool(a.ckpt_dir), callbacks=callbacks, plugins=plugins,
                          precision=None if a.topk_precision else a.precision, accumulate_grad_batches=a.accumulate,
