@@ -36,6 +36,18 @@ SUMMARY="$LOGS/summary.md"
 DETAILS="$LOGS/details.md"
 failed=0
 
+# the report as it stands (atomic): written after every step and at the end
+write_report() {
+  {
+    cat "$LOGS/head.md"
+    echo
+    echo "| step | what | status | seconds |"
+    echo "|---|---|---|---:|"
+    cat "$SUMMARY" 2>/dev/null
+    cat "$DETAILS" 2>/dev/null
+  } > "$REPORT.tmp" && mv "$REPORT.tmp" "$REPORT"
+}
+
 # step NAME TITLE COMMAND...: runs it with a timeout, records status and time, keeps its output's tail
 step() {
   local name=$1 title=$2 start end rc status
@@ -66,9 +78,10 @@ step() {
     tail -n 80 "$LOGS/$name.log"
     echo '```'
   } >> "$DETAILS"
+  [ -f "$LOGS/head.md" ] && write_report  # after every step: a run cut short keeps what ran
 }
 
-install() {
+install_missing() {
   local missing=()
   "$PY" -c "import hydra" 2>/dev/null || missing+=(hydra-core)
   "$PY" -c "import webdataset" 2>/dev/null || missing+=(webdataset)
@@ -107,7 +120,10 @@ for d in ("torch", "pytorch-lightning", "lightning", "cupy-cuda13x", "cupy-cuda1
 print(", ".join(out))' 2>&1)"
 } > "$LOGS/head.md"
 
-step install "install missing packages (offline wheels) and this repository" install
+# `timeout` runs programs, not shell functions (a bare `install` ran coreutils' install(1) on 2026-11-27)
+export -f install_missing
+export PY REPO
+step install "install missing packages (offline wheels) and this repository" bash -c install_missing
 step gpu_tests "pytest -m gpu" "$PY" -m pytest -q -m gpu -p no:cacheprovider --durations=10 tests
 step syncs "exchange hooks under set_sync_debug_mode(\"error\"), sync-free path, NCCL world size 1" \
   "$PY" benchmarks/gpu_check.py syncs
@@ -120,13 +136,6 @@ step gloo2 "2 processes on one GPU over gloo with CUDA tensors (and 4 for hierar
 step fsdp "topk_fsdp on CUDA: 2x2 over gloo vs torch HSDP, per-rank memory, NCCL world size 1 (bf16, local SGD)" \
   "$PY" benchmarks/gpu_check.py fsdp
 
-{
-  cat "$LOGS/head.md"
-  echo
-  echo "| step | what | status | seconds |"
-  echo "|---|---|---|---:|"
-  cat "$SUMMARY" 2>/dev/null
-  cat "$DETAILS" 2>/dev/null
-} > "$REPORT"
+write_report
 echo "gpu_check: report in $REPORT ($([ "$failed" -eq 0 ] && echo 'all passed' || echo 'some steps FAILED'))"
 exit "$failed"
