@@ -12,8 +12,14 @@ inside the model's distributed checkpoint folder (Lightning's and Fabric's alike
 Loading at the saved layout restores every rank exactly. Per step, another number of nodes or of processes per node
 gives every new replica the average of the saved replicas' residuals, re-sharded by the checkpoint reader (the
 pending update, ``(1/R) Σ_r residual_r``, is unchanged); the exchange sections are dropped. On one node (no cross-node
-exchange) the residuals are sent, densely, with the next step's gradient. Local SGD's outer state is restored at the
-saved layout only.
+exchange) the residuals are sent, densely, with the next step's gradient.
+
+Local SGD's outer state is in both places: the rank files (exact at the saved layout) and, per parameter and replica,
+``_topk.outer.<kind>.<replica>.<name>`` ``DTensor`` entries, from which another layout's ranks read their new shards
+by the rules of :func:`lightning_topk.comm.local.checkpoint.reshard` (:data:`OUTER_RULES`): θ_outer, momentum and a
+pending streamed update from replica 0 (they are the same on every replica), the error feedback averaged over the
+saved replicas (the pending update ``(1/R) Σ_r e_r`` is unchanged; owner error feedback is added to it), θ_local from
+saved replica ``new replica mod R``. The position, step and round counts and the module's buffers are rank 0's.
 """
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ from torch import Tensor
 import lightning_topk.files as files
 
 PREFIX = "_topk"
+# how a new replica's per-parameter outer tensor comes from the saved replicas' (local SGD, another layout)
+OUTER_RULES = {"theta_outer": "first", "anchor": "first", "momentum": "first", "pending": "first", "ef": "mean",
+               "owner_ef": "sum", "theta_local": "own"}
 log = logging.getLogger(__name__)
 
 
@@ -35,7 +44,8 @@ def meta(top: Any) -> Dict[str, Any]:
     """The layout that a load compares with (the same on every rank)."""
     return {"version": 1, "replicas": top.replicas, "local": top.local, "local_steps": top.config.local_steps,
             "residuals": top.state is not None, "velocity": bool(top.state is not None
-                                                                and top.state.config.momentum_correction)}
+                                                                and top.state.config.momentum_correction),
+            "outer_tensors": top.outer is not None}
 
 
 def _views(top: Any) -> List[Tuple[str, str, Any, Tensor]]:
@@ -52,6 +62,50 @@ def _views(top: Any) -> List[Tuple[str, str, Any, Tensor]]:
                 n = fp.sharded_size.numel()
                 out.append((kind, name, fp, flat[off:off + n].view(fp.sharded_size)))
                 off += slot.numel()
+    return out
+
+
+def _fsdp_params(top: Any) -> Dict[str, Any]:
+    """Parameter name -> its FSDPParam (which makes a ``DTensor`` of a local shard)."""
+    return {name: fp for (_, g), (names, _) in zip(top.groups, top.specs) for fp, name in zip(g.fsdp_params, names)}
+
+
+def outer_tensors(top: Any, section: Dict[str, Any]) -> Dict[str, Any]:
+    """This rank's local SGD outer ``section`` (:meth:`OuterState.state_dict`: per-parameter local shards) as
+    ``DTensor`` entries ``_topk.outer.<kind>.<replica>.<name>``."""
+    fps = _fsdp_params(top)
+    out: Dict[str, Any] = {}
+    for kind in OUTER_RULES:
+        for name, t in section.get(kind, {}).items():
+            fp = fps[name]
+            out[f"{PREFIX}.outer.{kind}.{top.replica}.{name}"] = fp.to_sharded_dtensor(
+                t.to(top.device, torch.float32).view(fp.sharded_size))
+    return out
+
+
+def _reshard_outer(top: Any, path: Any, first: Dict[str, Any], replicas: int) -> Dict[str, Any]:
+    """This rank's outer section in this run's layout, read from the saved ``DTensor`` entries (a collective)."""
+    from torch.distributed.checkpoint import load as dcp_load
+
+    sec0, fps = first["outer"], _fsdp_params(top)
+    which = {"first": [0], "own": [top.replica % replicas], "mean": list(range(replicas)),
+             "sum": list(range(replicas))}
+    plan = {kind: which[rule] for kind, rule in OUTER_RULES.items() if kind in sec0}
+    box = {f"{PREFIX}.outer.{kind}.{r}.{name}": fp.to_sharded_dtensor(torch.zeros(fp.sharded_size, device=top.device))
+           for kind, reps in plan.items() for name, fp in fps.items() for r in reps}
+    dcp_load(box, checkpoint_id=folder(path))
+    out = {k: v for k, v in sec0.items() if k not in OUTER_RULES and k not in ("owner", "shard")}
+    out["resharded"] = True
+    for kind, reps in plan.items():
+        per = {}
+        for name in fps:
+            parts = torch.stack([box[f"{PREFIX}.outer.{kind}.{r}.{name}"].to_local() for r in reps])
+            rule = OUTER_RULES[kind]
+            per[name] = (parts.mean(0) if rule == "mean" else parts.sum(0) if rule == "sum" else parts[0]).cpu()
+        out[kind] = per
+    owner = out.pop("owner_ef", None)
+    if owner is not None:  # the owners' pending mass (already in mean units) joins every replica's
+        out["ef"] = {n: e + owner[n] for n, e in out["ef"].items()}
     return out
 
 
@@ -83,13 +137,14 @@ def save(top: Any, path: Any) -> None:
     dist.broadcast_object_list(box, src=0)
     sd: Dict[str, Any] = {"key": box[0], "meta": meta(top)}
     dtensors = tensors(top)
+    if top.outer is not None:
+        sd["outer"] = top.outer.state_dict()
+        dtensors.update(outer_tensors(top, sd["outer"]))
     if dtensors:
         dcp_save(dtensors, checkpoint_id=folder(path))
     if top.state is not None:
         sections = {n: ex.state_dict() for n, ex in top.state.exchanges.items()}
         sd.update(step=top.state.step, exchanges={n: s for n, s in sections.items() if s})
-    if top.outer is not None:
-        sd["outer"] = top.outer.state_dict()
     files.atomic_torch_save(sd, rank_path(path, dist.get_rank()))
     dist.barrier()  # every rank's file is written before anyone reads the checkpoint
 
@@ -118,14 +173,21 @@ def load(top: Any, path: Any) -> str:
     saved, key = first["meta"], first["key"]
     same = saved["replicas"] == top.replicas and saved["local"] == top.local
     if top.outer is not None or saved.get("local_steps", 0) > 0:
-        if not (same and top.outer is not None and saved.get("local_steps", 0) > 0):
+        if top.outer is None or saved.get("local_steps", 0) == 0:
             raise ValueError(
-                f"topk_fsdp: the checkpoint's local SGD state was saved with {saved['replicas']} nodes x "
-                f"{saved['local']} processes, local_steps={saved.get('local_steps', 0)}; this run has "
-                f"{top.replicas} x {top.local}, local_steps={top.config.local_steps}. topk_fsdp restores local SGD's "
-                "outer state at the saved layout only")
-        top.outer.load_state_dict(_read_rank(path, rank, key)["outer"])
-        return "local SGD's outer state restored"
+                f"topk_fsdp: the checkpoint was saved with local_steps={saved.get('local_steps', 0)}, this run has "
+                f"local_steps={top.config.local_steps}: per-step residuals and local SGD's outer state do not convert "
+                "into each other; resume with the saved mode")
+        if same:
+            top.outer.load_state_dict(_read_rank(path, rank, key)["outer"])
+            return "local SGD's outer state restored"
+        if not saved.get("outer_tensors"):
+            raise ValueError(f"topk_fsdp: the checkpoint's local SGD state ({saved['replicas']} nodes x "
+                             f"{saved['local']} processes) was saved without its per-parameter tensors; resume it "
+                             "with the saved layout")
+        top.outer.load_state_dict(_reshard_outer(top, path, first, saved["replicas"]))
+        return (f"local SGD's outer state resharded from {saved['replicas']} nodes x {saved['local']} processes: "
+                "every replica's error feedback is the saved replicas' average (the pending update is unchanged)")
     if not saved.get("residuals"):
         return "no residuals to restore"
     top.carry_residuals()

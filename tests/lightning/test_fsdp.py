@@ -86,6 +86,40 @@ def test_local_sgd_with_dense_outer_values_equals_per_shard_averaging(tmp_path):
     assert max_diff(ref, low) > 1e-5  # the compressed outer round is in the loop
 
 
+def test_local_sgd_outer_state_reshards_with_nothing_lost(tmp_path):
+    """Saved mid-round at 2 x 2, resumed at 2 x 2, 1 x 2 and 4 x 1: θ_outer and the outer momentum are the saved
+    ones, the replicas' mean error feedback (the pending outer update) is unchanged, and θ_local is the saved
+    replica's (replica r takes saved replica r mod 2's)."""
+    ck = tmp_path / "ck"
+    opts = ("--local-steps", "4", "--outer-recipe", "diloco", "--steps", "6")
+    p_saved, saved = train(tmp_path, "a", *opts, "--save", ck)
+
+    def replica(ranks, devices, r, kind):
+        return ranks[r * devices]["outer"][kind]
+
+    def mean_ef(ranks, replicas, devices):
+        efs = [replica(ranks, devices, r, "ef") for r in range(replicas)]
+        return {n: sum(e[n] for e in efs) / replicas for n in efs[0]}
+
+    assert saved[0]["rounds"] == 1
+    pending = mean_ef(saved, 2, 2)
+    assert sum(float(t.abs().sum()) for t in pending.values()) > 0
+    assert sum(float(t.abs().sum()) for t in replica(saved, 2, 0, "momentum").values()) > 0
+    assert max_diff(replica(saved, 2, 0, "ef"), replica(saved, 2, 1, "ef")) > 0  # the replicas' buffers differ
+    for nodes, devices in ((2, 2), (1, 2), (4, 1)):
+        p, after = train(tmp_path, f"re{nodes}x{devices}", *opts, "--resume", ck, nodes=nodes, devices=devices)
+        assert after[0]["rounds"] == 1
+        assert max_diff(p, p_saved) == 0.0  # replica 0's θ_local (rank 0 writes the parameters)
+        for r in range(nodes):
+            for kind in ("theta_outer", "momentum"):
+                assert max_diff(replica(after, devices, r, kind), replica(saved, 2, 0, kind)) == 0.0, kind
+        if (nodes, devices) == (2, 2):
+            assert all(max_diff(replica(after, 2, r, "ef"), replica(saved, 2, r, "ef")) == 0.0 for r in range(2))
+        got = mean_ef(after, nodes, devices)
+        assert all(torch.allclose(got[n], pending[n], rtol=1e-6, atol=1e-9) for n in pending)
+    shutil.rmtree(ck)
+
+
 def _fabric(tmp_path, tag, *args):
     out = tmp_path / f"{tag}.pt"
     run_nodes(["tests/scripts/fsdp_fabric.py", "--out", out, *args], num_nodes=2, timeout=400)

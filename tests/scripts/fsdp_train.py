@@ -13,6 +13,7 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --bad-mesh                  configure_model shards on the 2-D mesh under topk (must be refused)
   --precision P               Lightning's precision flag (bf16-mixed: FSDP2's MixedPrecisionPolicy)
   --accumulate K              accumulate_grad_batches
+  --outer-recipe R            local SGD's outer_recipe (default "average")
   --ckpt-dir D                ModelCheckpoint(dirpath=D, save_last=True) every step; --last: ckpt_path="last"
   --topk-precision            plugins=[TopKPrecision("16-mixed")] (must be refused)
 
@@ -104,6 +105,7 @@ def main():
     p.add_argument("--local-steps", type=int, default=0)
     p.add_argument("--outer-value-bits", type=int, default=4)
     p.add_argument("--outer-density", type=float, default=0.1)
+    p.add_argument("--outer-recipe", default="average")
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--user-shard", action="store_true")
     p.add_argument("--bad-mesh", action="store_true")
@@ -126,7 +128,7 @@ def main():
                     min_sparse_numel=0, local_steps=a.local_steps)
         if a.local_steps:
             opts.update(outer_value_bits=a.outer_value_bits, outer_density=a.outer_density, outer_chunk=64,
-                        outer_recipe="average")
+                        outer_recipe=a.outer_recipe)
         strategy = TopKFSDPStrategy(**opts)
     callbacks, plugins = [], []
     if a.ckpt_dir:
@@ -163,7 +165,13 @@ def main():
                     skipped=trainer.strategy.topk.controller.skipped_steps)
     top = getattr(trainer.strategy, "topk", None)
     if top is not None and top.outer is not None:
-        info.update(rounds=top.outer.stats.rounds)
+        from lightning_topk.comm.shard_checkpoint import outer_tensors
+
+        outer = {}  # kind -> name -> full tensor of this rank's replica (a collective over the node's processes)
+        for k, t in outer_tensors(top, top.outer.state_dict()).items():
+            _, _, kind, _, name = k.split(".", 4)
+            outer.setdefault(kind, {})[name] = t.full_tensor().clone()
+        info.update(rounds=top.outer.stats.rounds, outer=outer)
     torch.save(info, f"{a.out}.rank{trainer.global_rank}")
     if trainer.global_rank == 0:
         torch.save(full, a.out)
