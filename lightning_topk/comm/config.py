@@ -37,7 +37,7 @@ RECIPE_CHOICES = ("auto", "none")
 # (lightning_topk/lightning/elastic.py, docs/elastic.md).
 FAULT_TOLERANCE_CHOICES = ("none", "torchft")
 # The exchanges that run over a replica count that changes between steps (fault_tolerance="torchft").
-ELASTIC_EXCHANGES = ("auto", "allgather", "dense")
+ELASTIC_EXCHANGES = ("auto", "allgather", "scatter", "dense")
 
 
 def _is_int(v: object) -> bool:

@@ -2,9 +2,9 @@
 
 Torch only. It wraps a reconfigurable process group (torchft's ``ProcessGroupGloo``, which a torchft ``Manager``
 reconfigures at each quorum change) and the quorum's size and rank, read from callables so that this module
-never imports torchft. The exchanges (:mod:`~lightning_topk.comm.exchanges.kit`, the dense hook) and the
-:class:`~lightning_topk.comm.controller.StepController` call :func:`group_size`, :func:`group_rank`,
-:func:`all_reduce` and :func:`all_gather` instead of ``torch.distributed``'s functions, which take it like any
+never imports torchft. The exchanges (:mod:`~lightning_topk.comm.exchanges.kit`, the dense hook, the scale-free
+exchange) and the :class:`~lightning_topk.comm.controller.StepController` call :func:`group_size`, :func:`group_rank`,
+:func:`all_reduce`, :func:`all_gather` and :func:`all_to_all` instead of ``torch.distributed``'s functions, which take it like any
 group.
 
 A collective that fails (a replica died mid-step, a timeout) does not raise into DDP's backward: the error goes
@@ -24,9 +24,9 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 
 try:  # the option objects of a process group's own collectives (not re-exported by torch.distributed)
-    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions
+    from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions
 except ImportError:  # a torch built without distributed support: no elastic group can exist
-    AllgatherOptions = AllreduceOptions = None  # type: ignore[assignment,misc]
+    AllgatherOptions = AllreduceOptions = AllToAllOptions = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,22 @@ class ElasticGroup:
         return ElasticWork(self, work, own_packet_everywhere)
 
 
+    def all_to_all(self, out: Tensor, inp: Tensor) -> ElasticWork:
+        """``dist.all_to_all_single`` with equal splits over the quorum (asynchronous): the scale-free exchange."""
+
+        def own_slots_everywhere() -> None:
+            out.copy_(inp)  # decodes (this rank's own slots from every peer); the step does not commit
+
+        if self._errored() is not None:
+            return ElasticWork(self, None, own_slots_everywhere)
+        try:
+            work = self.pg.alltoall_base(out, inp, [], [], AllToAllOptions())
+        except Exception as e:
+            self.fail(e)
+            return ElasticWork(self, None, own_slots_everywhere)
+        return ElasticWork(self, work, own_slots_everywhere)
+
+
 def group_size(group: Any) -> int:
     """``dist.get_world_size(group)``, an :class:`ElasticGroup`'s quorum size."""
     if isinstance(group, ElasticGroup):
@@ -185,9 +201,20 @@ def all_gather(out: Tensor, inp: Tensor, group: Any = None, async_op: bool = Fal
     return _dist_all_gather(out, inp, group=group, async_op=async_op)
 
 
+def all_to_all(out: Tensor, inp: Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """``dist.all_to_all_single`` (equal splits), or the elastic one (see :func:`all_reduce`)."""
+    if isinstance(group, ElasticGroup):
+        work: Any = group.all_to_all(out, inp)
+        if not async_op:
+            work.wait()
+            return None
+        return work
+    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+
+
 def is_elastic(group: Any) -> bool:
     return isinstance(group, ElasticGroup)
 
 
-__all__: List[str] = ["ElasticGroup", "ElasticWork", "all_gather", "all_reduce", "group_rank", "group_size",
-                      "is_elastic"]
+__all__: List[str] = ["ElasticGroup", "ElasticWork", "all_gather", "all_reduce", "all_to_all", "group_rank",
+                      "group_size", "is_elastic"]

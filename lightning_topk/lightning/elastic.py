@@ -306,8 +306,8 @@ class ElasticMixin:
 
     # ---- what a heal carries ---------------------------------------------------------------------
     def _elastic_state_dict(self) -> Dict[str, Any]:
-        """Parameters and buffers, optimizer state, the top-k state without this replica's residuals and
-        velocities (error feedback is per replica: a copy would count the peer's unsent mass twice) and the
+        """Parameters and buffers, optimizer state, the top-k state without this replica's residuals, velocities
+        and owner residuals (error feedback is per replica: a copy would count the peer's unsent mass twice) and the
         Trainer's step count. Copies: the transport serves them while this replica goes on stepping."""
         import copy
 
@@ -316,6 +316,9 @@ class ElasticMixin:
         topk = state.state_dict() if state is not None else None
         if topk is not None:
             topk["residual"], topk["velocity"] = {}, {}
+            # the scale-free exchange's owner residuals are this replica's unsent mass too
+            topk["exchanges"] = {n: {k: v for k, v in sec.items() if k != "owner_residual"}
+                                 for n, sec in topk.get("exchanges", {}).items()}
         trainer = getattr(module, "_trainer", None)
         schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs] if trainer else []
         return {

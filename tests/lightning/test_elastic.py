@@ -26,7 +26,7 @@ def test_options_are_checked():
     for bad, match in [(dict(fault_tolerance="yes"), "fault_tolerance"), (dict(min_replicas=0), "min_replicas"),
                        (dict(ft_timeout=0), "ft_timeout"), (dict(lighthouse=""), "lighthouse"),
                        (dict(ft_timeout=30, ft_quorum_timeout=10), "ft_quorum_timeout"),
-                       (dict(fault_tolerance="torchft", exchange="scatter"), "exchange='scatter'"),
+                       (dict(fault_tolerance="torchft", exchange="hierarchical"), "exchange='hierarchical'"),
                        (dict(fault_tolerance="torchft", local_steps=4), "local_steps=0")]:
         with pytest.raises(ValueError, match=match):
             TopKConfig(**bad)
@@ -191,15 +191,16 @@ def test_quorum_below_min_replicas_waits_then_fails_clearly(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
+@pytest.mark.parametrize("exchange", ["allgather", "scatter"])
+def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange):
     """3 replica groups of 1 process: SIGKILL one mid-run; the two others keep committing steps during the outage;
     the killed one is restarted, heals from a live peer (nothing read from disk) and rejoins; at the end all three
-    hold identical parameters."""
+    hold identical parameters. The scale-free exchange too: its owners' layout follows the quorum (3, 2, 3)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchft")
     delay, stop = 0.1, tmp_path / "stop_at"
     c = Cluster(tmp_path)
-    args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop)
+    args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--exchange", exchange)
     try:
         procs = [c.start(r, *args) for r in range(3)]
         _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 10 for r in range(3)), 150, "10 steps on all")

@@ -133,10 +133,11 @@ def main():
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--quorum-timeout", type=float, default=60.0)
     ap.add_argument("--devices", type=int, default=1, help="processes per replica group")
+    ap.add_argument("--exchange", default="allgather")
     args = ap.parse_args()
     os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
     (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
-    strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange="allgather", min_sparse_numel=4096,
+    strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange=args.exchange, min_sparse_numel=4096,
                                min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout), ft_quorum_timeout=args.quorum_timeout,
                                ft_connect_timeout=5.0, log_telemetry=False)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=10_000, max_steps=-1,

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+import lightning_topk.comm.elastic as elastic
 from lightning_topk.comm.cost import BOOKKEEPING_PASSES
 from lightning_topk.comm.exchanges.allgather import topk_allgather_hook
 from lightning_topk.comm.exchanges.base import Exchange, Layout
@@ -410,7 +411,7 @@ def scatter_launch(packed: Tensor, plan: SlotPlan, group: Any, rank: int, key: O
     """Launch the all-to-all of the packed slots (stage 1); ``owners`` holds the owner residual ``key``;
     ``unused``: spans of the flat tensor (parameters unused on this rank) that the owner step holds back."""
     recv = torch.empty_like(packed)
-    work = dist.all_to_all_single(recv, packed, group=group, async_op=True)
+    work = elastic.all_to_all(recv, packed, group=group, async_op=True)
     return ScatterJob(plan, group, rank, key, wire_dtype, work, recv, owners, list(unused))
 
 
@@ -445,7 +446,7 @@ def scatter_topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.future
     ``state.exchange_for("scatter")``."""
     ex: ScatterExchange = state.exchange_for("scatter")
     group, world = flat_group(state)
-    rank = dist.get_rank(group)
+    rank = elastic.group_rank(group)
     grad, n, params, names, device, stats = open_bucket(state, bucket)
     cfg = state.config
     k, ks, numels = sparse_k(state, params, n)
