@@ -90,7 +90,7 @@ def _reshard_outer(top: Any, path: Any, first: Dict[str, Any], replicas: int) ->
     sec0, fps = first["outer"], _fsdp_params(top)
     which = {"first": [0], "own": [top.replica % replicas], "mean": list(range(replicas)),
              "sum": list(range(replicas))}
-    plan = {kind: which[rule] for kind, rule in OUTER_RULES.items() if kind in sec0}
+    plan = {kind: which[rule] for kind, rule in OUTER_RULES.items() if sec0.get(kind)}
     box = {f"{PREFIX}.outer.{kind}.{r}.{name}": fp.to_sharded_dtensor(torch.zeros(fp.sharded_size, device=top.device))
            for kind, reps in plan.items() for name, fp in fps.items() for r in reps}
     dcp_load(box, checkpoint_id=folder(path))

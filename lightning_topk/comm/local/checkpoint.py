@@ -25,7 +25,7 @@ def save(o: Any) -> Dict[str, Any]:
     sd: Dict[str, Any] = {
         "position": o.position, "steps": o.steps, "shard": [v.local, v.local_rank, v.shard],
         "theta_outer": v.per_name(o.theta), "theta_local": v.per_name(v.flat_params()),
-        "momentum": v.per_name(o.mom, full=False), "ef": v.per_name(o.ef, full=False),
+        "momentum": v.per_name(o.mom, full=False) if o.mom.numel() else {}, "ef": v.per_name(o.ef, full=False),
         "rounds": o.stats.rounds,
     }
     ex = o.outer_exchange
@@ -99,7 +99,8 @@ def load(o: Any, sd: Dict[str, Any], first_replica: bool) -> None:
                          "resume with the same devices per node and outer_chunk")
     like = o.theta
     o.theta = v.from_names(sd["theta_outer"], True, like)
-    o.mom = v.from_names(sd["momentum"], False, like)
+    # no outer momentum yet (a recipe without it): empty, as before the first round that uses it
+    o.mom = v.from_names(sd["momentum"], False, like) if sd.get("momentum") else like.new_zeros(0)
     o.ef = v.from_names(sd["ef"], False, like)
     _load_owner(o, sd, like)
     o.anchor = v.from_names(sd["anchor"], True, like) if "anchor" in sd else None

@@ -93,7 +93,7 @@ class OuterState:
         self.theta = v.flat_params()  # θ_outer
         self.buffer_anchor = self.bufs.flat()  # the float buffers at the start of the round (same on every rank)
         self.anchor: Optional[Tensor] = None  # streaming: where this round started (θ_outer when sent)
-        self.mom = torch.zeros(self.shard, device=v.device)
+        self.mom = torch.zeros(0, device=v.device)  # outer momentum: allocated by the first round that uses it
         self.ef = torch.zeros(self.shard, device=v.device)
         self.position = 0  # inner optimizer steps since the last outer round
         self.steps = 0  # inner optimizer-step attempts since the start (the first ``dense_steps`` are synchronous)
@@ -224,6 +224,8 @@ class OuterState:
     def _update(self, g: Tensor) -> None:
         """Outer SGD on this rank's shard, then (several processes per node) the intra-node all-gather."""
         mine = self.view.mine(self.theta)
+        if self.rule.momentum > 0 and self.mom.numel() != self.shard:
+            self.mom = torch.zeros(self.shard, device=self.theta.device)
         outer_sgd_(mine, self.mom, g, self.rule.lr, self.rule.momentum, self.rule.nesterov)
         if self.local > 1:
             out = torch.empty_like(self.theta)
