@@ -274,7 +274,7 @@ def worker(a):
                          "local_steps": outer.config.local_steps, "shard_numel": int(outer.shard)}
         info["dense_steps"] = outer.config.dense_steps
     if top is not None:
-        info["shard_numel_padded"] = sum(top.param_groups_numel())
+        info["shard_numel_padded"] = sum(sum(n) for _, n in top.specs)  # this rank's padded gradient shards
     with open(f"{a.out}.rank{trainer.global_rank}", "w") as f:
         json.dump(info, f)
 
