@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.elastic import ElasticGroup
+from lightning_topk.comm.local.elastic_round import elastic_round, heal_from, heal_section
 from lightning_topk.optional import require
 
 log = logging.getLogger(__name__)
@@ -325,7 +326,7 @@ class ElasticMixin:
         heals here from a live peer, its data position included (Lightning's loop progress and the resumable
         loaders' state, which the fit loop then applies as on a resume; :meth:`_elastic_load_state_dict`).
         Per step: this quorum is the first training batch's (that batch runs no other). Local SGD: a join round
-        follows at once (:meth:`~lightning_topk.comm.local.round.OuterState.elastic_round` with ``join``: this
+        follows at once (:func:`~lightning_topk.comm.local.elastic_round.elastic_round` with ``join``: this
         replica sends nothing and takes the round's outer step), so the peers' round that formed this quorum has
         its collectives; the inner steps then start at the peers' position."""
         ft = self.topk_elastic
@@ -335,7 +336,7 @@ class ElasticMixin:
         try:
             if outer is not None:
                 outer.gate = _RoundGate(self)
-                outer.elastic_round(join=True)
+                elastic_round(outer, join=True)
                 self._elastic_first_quorum = None
             else:
                 self._elastic_first_quorum = ft.begin_step()  # the first batch's quorum
@@ -425,8 +426,8 @@ class ElasticMixin:
             "schedulers": schedulers,
             "topk": topk,
             # local SGD: θ_outer, outer momentum, the round's buffer anchor, position, step and round counts
-            # (not this replica's error feedback: OuterState.heal_section)
-            "outer": outer.heal_section() if outer is not None else None,
+            # (not this replica's error feedback: comm.local.elastic_round.heal_section)
+            "outer": heal_section(outer) if outer is not None else None,
             # at a round end the quorum runs inside the H-th inner step's optimizer step: it counts as done
             "global_step": (int(trainer.global_step) + int(at_round_end)) if trainer is not None else 0,
             # the data position: Lightning's loop progress and the resumable loaders' state (fit_loop's
@@ -446,7 +447,7 @@ class ElasticMixin:
                 sd["topk"].get("exchanges", {}).pop("local", None)
             self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
         if outer is not None and sd.get("outer") is not None:
-            outer.heal_from(sd["outer"])
+            heal_from(outer, sd["outer"])
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             for c, ssd in zip(trainer.lr_scheduler_configs, sd.get("schedulers", [])):
@@ -460,7 +461,7 @@ class ElasticMixin:
 
 
 class _RoundGate:
-    """Local SGD's round under torchft (:meth:`~lightning_topk.comm.local.round.OuterState.elastic_round`): the
+    """Local SGD's round under torchft (:func:`~lightning_topk.comm.local.elastic_round.elastic_round`): the
     round's quorum (a heal from a peer when this replica is behind) and torchft's ``should_commit``."""
 
     def __init__(self, strategy: Any) -> None:

@@ -22,6 +22,7 @@ from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.elastic import is_elastic
 from lightning_topk.comm.local.checkpoint import load as load_section
 from lightning_topk.comm.local.checkpoint import save as save_section
+from lightning_topk.comm.local.elastic_round import contribute, elastic_round
 from lightning_topk.comm.local.exchanges import (
     AllgatherOuter,
     _all_gather,
@@ -91,10 +92,8 @@ class OuterState:
         self.flag_group = flag_group
         self.layout, self.shard, self.lo, self.nbuf = v.layout, v.shard, v.lo, self.bufs.nbuf
         R = replica_count(inter)
-        # fault_tolerance="torchft": the replicas of each round's quorum, whose count may change from one round
-        # to the next: the all-gather (the scale-free owners' ranges assume a fixed count)
-        self.elastic = is_elastic(inter)
-        self.gate: Any = None  # torchft: the round's quorum and commit (:meth:`elastic_round`)
+        self.elastic = is_elastic(inter)  # fault_tolerance="torchft": each round's quorum (.elastic_round)
+        self.gate: Any = None  # torchft: the round's quorum and commit (.elastic_round.elastic_round)
         self.exchange = "allgather" if self.elastic else outer_exchange_for(config, R, self.layout)
         self.outer_exchange = build_outer_exchange(self.exchange, self.layout, inter, v.device)
         self.theta = v.flat_params()  # θ_outer
@@ -119,10 +118,9 @@ class OuterState:
 
     def use_optimizers(self, optimizers: Optional[Sequence[Any]]) -> None:
         """The outer step for these inner optimizers (``outer_recipe="auto"``; None: unknown): lr, momentum,
-        Nesterov, or the identity. Fabric sets the optimizers up after the module, so it is chosen again then."""
-        R = replica_count(self.inter)
-        # elastic: the quorum may hold one replica for a while; the outer step stays the one chosen for several
-        self.rule = outer_step_for(self.config, optimizers, max(2, R) if self.elastic else R)
+        Nesterov, or the identity (never under torchft, whose quorum may hold one replica for a while). Fabric sets
+        the optimizers up after the module, so it is chosen again then."""
+        self.rule = outer_step_for(self.config, optimizers, max(replica_count(self.inter), 2 * self.elastic))
         self.guard = AmplifyGuard(self.rule, first_replica)
 
     @property
@@ -167,93 +165,19 @@ class OuterState:
         if self.position < self.config.local_steps:
             return False
         self.position = 0
-        if self.gate is not None:
-            self.elastic_round()
-        else:
-            self.outer_round()
+        elastic_round(self) if self.gate is not None else self.outer_round()
         return True
-
-    # ---- fault_tolerance="torchft" ----------------------------------------------------------------------
-    def elastic_round(self, join: bool = False) -> bool:
-        """One outer round among the replicas of a torchft quorum (``gate``: ``begin()`` forms the quorum and
-        returns whether this replica healed from a peer in it; ``commit(ok)`` is torchft's ``should_commit``).
-        The round averages over the quorum's replicas that contribute (:meth:`outer_round`'s ``contributes``):
-        a replica that healed in this quorum, or one that joins (``join``: its first quorum, before any inner
-        step), sends nothing this round and takes the same outer step. A round the quorum does not commit (a
-        replica died during it, a collective failed, a timeout) is rolled back: θ_outer, the outer momentum, the
-        error feedback and the round count as they were before it, θ_local := θ_outer (the round's inner steps
-        are dropped), the module's buffers back to the round's start. Returns whether it committed."""
-        assert self.gate is not None
-        healed = bool(self.gate.begin())
-        saved = self._snapshot()
-        self.outer_round(contributes=not (healed or join))
-        committed = bool(self.gate.commit(True))
-        if not committed:
-            self._rollback(saved)
-        return committed
-
-    def _snapshot(self) -> Dict[str, Any]:
-        return {"theta": self.theta.clone(), "mom": self.mom.clone(), "ef": self.ef.clone(),
-                "buffer_anchor": self.buffer_anchor.clone(), "rounds": self.stats.rounds,
-                "skipped": self.stats.skipped}
-
-    def _rollback(self, saved: Dict[str, Any]) -> None:
-        self.theta, self.mom, self.ef = saved["theta"], saved["mom"], saved["ef"]
-        self.buffer_anchor = saved["buffer_anchor"]
-        self.stats.rounds, self.stats.skipped = saved["rounds"], saved["skipped"]
-        self.stats.uncommitted += 1
-        self.anchor = None
-        self.view.write_params(self.theta)
-        self.bufs.write(self.buffer_anchor)
-        log.warning("topk_local: outer round %d was not committed by the torchft quorum: rolled back (theta_outer, "
-                    "outer momentum, error feedback; the round's inner steps are dropped)", self.stats.rounds + 1)
-
-    def heal_section(self) -> Dict[str, Any]:
-        """What a peer that heals from this replica takes (torchft's checkpoint transport): the checkpoint
-        section without this replica's own error feedback, θ_local and module buffers (the heal carries the
-        module itself)."""
-        sd = save_section(self)
-        for key in ("ef", "theta_local", "owner_ef", "owner", "buffers"):
-            sd.pop(key, None)
-        return sd
-
-    def heal_from(self, sd: Dict[str, Any]) -> None:
-        """Take a peer's :meth:`heal_section`: θ_outer, outer momentum, position, step and round counts and the
-        round's buffer anchor; θ_local := θ_outer (this replica has no inner steps of the peer's round). The error
-        feedback stays this replica's own: zero after a restart (its unsent mass died with it), its own rolled-back
-        one for a survivor that fell a round behind. Copying the peer's would send the peer's unsent mass twice."""
-        v, like = self.view, self.theta
-        self.theta = v.from_names(sd["theta_outer"], True, like)
-        self.mom = v.from_names(sd["momentum"], False, like)
-        self.anchor, self.pending = None, None
-        self.flight.clear()
-        self.position, self.steps = int(sd["position"]), int(sd["steps"])
-        self.stats.rounds = int(sd.get("rounds", 0))
-        anchor = sd.get("buffer_anchor") or {}
-        b = self.bufs
-        if b.nbuf and all(b.names[i] in anchor for i in b.floating):
-            self.buffer_anchor = torch.cat([anchor[b.names[i]].reshape(-1).float() for i in b.floating]
-                                           ).to(self.buffer_anchor.device)
-        v.write_params(self.theta)
 
     def outer_round(self, local: Optional[Tensor] = None, group: Any = None, contributes: Optional[bool] = None) -> None:
         """One outer round. ``local``: θ_local as the full flat vector of which this rank owns
-        ``view.mine`` (default: read from the parameters); ``group``: the replicas (default: ``inter``).
-
-        ``contributes`` (``fault_tolerance="torchft"``, :meth:`elastic_round`): whether this replica's round
-        counts. The number of replicas that contribute is summed in the round's fault/buffer all-reduce; the
-        average is over them (R' of the quorum's R). A replica that does not (it healed in this round's quorum,
-        or it just joined: it has no inner steps of this round) sends an empty packet, keeps its error feedback
-        as it is, and adds no buffer change; it still takes the round's outer step, so it ends the round with
-        the same θ_outer as the others."""
+        ``view.mine`` (default: read from the parameters); ``group``: the replicas (default: ``inter``);
+        ``contributes``: torchft's round (:mod:`.elastic_round`: whether this replica's pseudo-gradient counts)."""
         t0 = time.perf_counter()
         o, v = self.config, self.view
         group = self.inter if group is None else group
         local = v.flat_params() if local is None else local
         anchor = self.anchor if self.anchor is not None else self.theta
         delta = v.mine(anchor) - v.mine(local)
-        if contributes is False:
-            delta.zero_()
         fault, buffers, counted = decide_counted(delta, self.bufs, self.buffer_anchor, self.flag_group, o.nonfinite,
                                                  contributes)
         hidden = 0.0
@@ -283,16 +207,8 @@ class OuterState:
             gathered, work = ex.launch(self.ef, group)
             self.flight.launch(work, gathered)
             self.anchor = self.theta.clone()
-        elif counted is not None:  # elastic: the average over the R' replicas that contribute
-            if contributes:
-                self.ef.mul_(o.outer_ef_decay).add_(delta)
-                send = self.ef
-            else:
-                send = torch.zeros_like(self.ef)  # an empty packet: this replica's own error feedback waits
-            g = ex.average(send, group, o.outer_ef_decay, self.shard)
-            if counted > 0:
-                self._update(g.mul_(replica_count(group) / counted))
-            self.stats.contributors = int(counted)
+        elif counted is not None:  # torchft: the average over the replicas that contribute
+            contribute(self, ex, group, delta, bool(contributes), counted)
         else:
             self.ef.mul_(o.outer_ef_decay).add_(delta)
             self._update(ex.average(self.ef, group, o.outer_ef_decay, self.shard))
