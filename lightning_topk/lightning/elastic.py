@@ -13,6 +13,12 @@ from a live peer through torchft's checkpoint transport before its first step: p
 optimizer state, the top-k state without residuals (its residual mass died with it) and the step counters;
 nothing is read from disk. Lightning's LR schedulers and step count come along (``max_steps`` stays aligned).
 
+The first quorum runs at the strategy's setup, before the fit loop builds its data loader, so a joining group
+also takes the peers' data position (Lightning's loop progress and resumable loaders' state). Under local SGD
+(``local_steps`` > 0) there is no quorum per inner step: each outer round forms one at its end
+(:mod:`lightning_topk.comm.local.elastic_round`), the heal carries the outer state without the error feedback,
+and a round the quorum does not commit is rolled back.
+
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
 """
