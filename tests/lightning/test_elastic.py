@@ -243,6 +243,9 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path):
             assert torch.equal(v, f["params"][k]), k
     assert all(f["metrics"]["ft/step"] == end for f in finals)
     assert all(f["metrics"]["ft/residual_mass"] > 0 for f in finals)  # each holds its own unsent mass
+    # the survivors counted the lost replica and noted their own unsent mass at the loss
+    assert all(finals[r]["metrics"]["ft/replicas_lost"] >= 1 and finals[r]["metrics"]["ft/residual_mass_at_loss"] > 0
+               for r in (0, 2)), [f["metrics"] for f in finals]
     report = dict(killed_at=killed_at, steps_during_outage=during - killed_at, heal_time_s=back[-1]["heal_time_s"],
                   healed_at_step=first["ft_step"], uncommitted=[c.rows(r)[-1]["uncommitted"] for r in (0, 2)],
                   quorum_changes=[c.rows(r)[-1]["quorum_changes"] for r in (0, 2)])
