@@ -537,3 +537,39 @@ def test_local_sgd_dense_matches_torch_averaging(tmp_path):
             worst = max(worst, float((v - ref[k]).abs().max()))
     assert float(finals[0]["outer"]["mom"].abs().sum()) > 0
     print("ELASTIC_LOCAL_DENSE", json.dumps({"max_abs_diff": worst}))
+
+
+@pytest.mark.timeout(240)
+def test_local_sgd_kill_inside_a_round_rolls_back_on_survivors(tmp_path):
+    """Local SGD under torchft, 3 replica groups: replica 1 kills itself (SIGKILL) after round 4's quorum, before
+    the round's collectives. The survivors' collectives of that round fail, the round is not committed and is
+    rolled back on both (θ_outer, outer momentum, error feedback, round count and parameters bitwise as before
+    it); their next rounds form without it, commit with 2 contributors, and they end identical."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)
+    stop = tmp_path / "stop_at"
+    stop.write_text("7")
+    try:
+        procs = [c.start(r, *_local_args(stop, *(("--die-in-round", 4) if r == 1 else ("--watch-round", 4))))
+                 for r in range(3)]
+        assert procs[1].wait(timeout=200) != 0, _logs(tmp_path)  # killed (through the test zygote: 137 or -9)
+        for r in (0, 2):
+            assert procs[r].wait(timeout=200) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    for r in (0, 2):
+        rows = c.rows(r)
+        watched = [x for x in rows if "round_unchanged" in x]
+        assert len(watched) == 1 and watched[0]["round_unchanged"], watched
+        assert watched[0]["round_uncommitted"] == 1 and watched[0]["ft_step"] == 3, watched
+        after = [x for x in rows[rows.index(watched[0]) + 1:] if x["position"] == 0]
+        assert after and all(x["quorum"] == 2 and x["contributors"] == 2 for x in after), after
+        assert rows[-1]["ft_step"] == 7 and rows[-1]["replicas_lost"] >= 1
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in (0, 2)]
+    for k, v in finals[0]["params"].items():
+        assert torch.equal(v, finals[1]["params"][k]), k
+    for k in ("theta", "mom"):
+        assert torch.equal(finals[0]["outer"][k], finals[1]["outer"][k]), k
+    print("ELASTIC_LOCAL_MID", json.dumps({"failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals],
+                                           "uncommitted": [c.rows(r)[-1]["round_uncommitted"] for r in (0, 2)]}))

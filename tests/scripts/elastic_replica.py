@@ -17,6 +17,7 @@ and the final file also hold the outer state. ``--positioned-data``: a loader th
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -78,7 +79,7 @@ class Net(pl.LightningModule):
 
     def on_train_start(self):
         outer = getattr(self.trainer.strategy.topk_state.exchange, "outer", None)
-        if outer is not None and self.args.refuse_round is not None:
+        if outer is not None and (self.args.refuse_round or self.args.watch_round or self.args.die_in_round):
             self._wrap_gate(outer)
 
     def _wrap_gate(self, outer):
@@ -88,17 +89,21 @@ class Net(pl.LightningModule):
         gate, ft = outer.gate, self.trainer.strategy.topk_elastic
         begin, commit = gate.begin, gate.commit
 
+        watch = self.args.refuse_round or self.args.watch_round
+
         def refusing_begin():
             healed = begin()
-            if ft.step == self.args.refuse_round - 1 and not self._refused:
+            if self.args.die_in_round and ft.step == self.args.die_in_round - 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # after the quorum, before the round's collectives
+            if watch and ft.step == watch - 1 and not self._refused:
                 self._refused = True
                 self._before = {"theta": outer.theta.clone(), "mom": outer.mom.clone(), "ef": outer.ef.clone(),
                                 "rounds": outer.stats.rounds}
             return healed
 
         def refusing_commit(ok):
-            if self._before is not None:  # after the round's collectives: the peers' round goes through
-                ft.manager.report_error(RuntimeError("injected by the test"))
+            if self._before is not None and self.args.refuse_round:  # after the round's collectives: the
+                ft.manager.report_error(RuntimeError("injected by the test"))  # peers' round goes through
             return commit(ok)
 
         gate.begin, gate.commit = refusing_begin, refusing_commit
@@ -219,6 +224,8 @@ def main():
     ap.add_argument("--outer-bits", type=int, default=8)
     ap.add_argument("--positioned-data", action="store_true")
     ap.add_argument("--refuse-round", type=int, default=None)
+    ap.add_argument("--watch-round", type=int, default=None, help="record whether round K left the state unchanged")
+    ap.add_argument("--die-in-round", type=int, default=None, help="SIGKILL itself after round K's quorum")
     ap.add_argument("--outer-recipe", default="diloco")
     args = ap.parse_args()
     os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
