@@ -458,11 +458,14 @@ class ElasticMixin:
         if trainer is not None:
             for c, ssd in zip(trainer.lr_scheduler_configs, sd.get("schedulers", [])):
                 c.scheduler.load_state_dict(ssd)
-            if getattr(self, "_elastic_joining", False) and sd.get("loop") is not None:
-                # joining: the fit loop has not started; it resumes at the peer's position (as from a checkpoint)
+            position = _position(sd["loop"]) if sd.get("loop") is not None else {}
+            joining = getattr(self, "_elastic_joining", False)
+            if joining and any(position.values()):
+                # joining: the fit loop has not started; it resumes at the peer's position (as from a checkpoint).
+                # A peer at the very start (every group's heal at step 0) has no position to give.
                 trainer.fit_loop.load_state_dict(sd["loop"])
-                self.topk_elastic.data_position = _position(sd["loop"])  # type: ignore[union-attr]
-            else:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
+                self.topk_elastic.data_position = position  # type: ignore[union-attr]
+            elif not joining:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
                 _set_global_step(trainer, int(sd.get("global_step", 0)) - int(getattr(self, "_elastic_round_end", False)))
 
 
