@@ -244,6 +244,28 @@ def _host_line(d: Dict[str, Any]) -> str:
             f"{'CUDA' if h['cuda'] else 'no GPU'}")
 
 
+def elastic_local_accuracy() -> str:
+    """Local SGD under torchft: test accuracy with one replica group killed and healed against the undisturbed run
+    (``elastic_accuracy.py``)."""
+    d = _load("elastic_local_accuracy.json")
+    base = {r["rounds"]: r["accuracy"][0] for r in d["rows"] if not r["killed"]}
+    rows = ["| committed rounds (inner steps) | run | test accuracy | vs undisturbed | rounds the survivors committed "
+            "before it rejoined | heal (s) | rounds rolled back (survivors) | replicas bit-identical at the end |",
+            "|---|---|---:|---:|---:|---:|---|---|"]
+    for r in d["rows"]:
+        acc = r["accuracy"][0]
+        if r["killed"]:
+            run = f"group 1 killed at round {r['killed_at_round']}, restarted, healed at round {r['rejoined_at_round']}"
+            extra = (f"{100 * (acc - base[r['rounds']]):+.1f} points | {r['rejoined_at_round'] - r['killed_at_round']} | "
+                     f"{r['heal_time_s']:.2f} | {', '.join(map(str, r['rolled_back']))}")
+        else:
+            run, extra = "undisturbed", "– | – | – | –"
+        rows.append(f"| {r['rounds']} ({r['inner_steps']}) | {run} | {100 * acc:.1f}% | {extra} | "
+                    f"{'yes' if r['identical'] else '**no**'} |")
+    head = f"{_host_line(d)}: {d['setup']} (`benchmarks/results/elastic_local_accuracy.json`):"
+    return "\n".join([head, "", *rows])
+
+
 def data_pipeline() -> str:
     """Samples/s per pipeline, cold epoch against the warm ones (``bench_data.py``)."""
     d = _load("data.json")
@@ -539,6 +561,8 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "memory": ("BENCHMARKS.md", "benchmarks/results/memory.json", memory),
     "optim": ("BENCHMARKS.md", "benchmarks/results/optim.json", optim_step),
     "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
+    "elastic-local-accuracy": ("BENCHMARKS.md", "benchmarks/results/elastic_local_accuracy.json",
+                               elastic_local_accuracy),
     "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy,accuracy_update}.json", fsdp_tables),
 }
 

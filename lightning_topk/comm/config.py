@@ -379,8 +379,10 @@ class FaultOptions:
             ``Manager`` forms it with the lighthouse); a step commits only where the step controller and
             torchft's ``should_commit`` both say so (an uncommitted step is rolled back, residuals included), and
             a restarted group heals from a live peer. One Trainer per replica group (``num_nodes=1``; its
-            ``devices`` processes average each bucket among themselves first), per-step exchange (``local_steps=0``) with ``exchange`` ``"auto"``
-            (= ``"allgather"``), ``"allgather"`` or ``"dense"``.
+            ``devices`` processes average each bucket among themselves first). Per-step exchange (``local_steps=0``)
+            with ``exchange`` ``"auto"`` (= ``"allgather"``), ``"allgather"`` or ``"dense"``; or local SGD
+            (``local_steps`` > 0, one process per group): each outer round averages over the round's quorum, with
+            the outer all-gather, no ``outer_streaming`` and no ``dense_steps``.
         lighthouse: the torchft lighthouse's address (``http://host:port``), or ``None``: the environment
             variable ``TORCHFT_LIGHTHOUSE``. Checked with a TCP connect within ``ft_connect_timeout`` when the
             strategy sets up: a missing or unreachable lighthouse is an error that names it.
@@ -465,8 +467,19 @@ class TopKConfig(FaultOptions, OuterOptions, AutoOptions, StepOptions):
     def _check_elastic(self) -> None:
         """``fault_tolerance="torchft"``: what runs over a replica count that changes between steps."""
         if self.local_steps > 0:
-            raise ValueError("topk_ddp: fault_tolerance='torchft' runs the per-step exchange only (local SGD under "
-                             "torchft is not built yet, docs/elastic.md); set local_steps=0 or fault_tolerance='none'")
+            # Local SGD under torchft: the outer all-gather over each round's quorum (docs/elastic.md). The pieces
+            # that assume a fixed replica set or a round that outlives its quorum are refused.
+            if self.outer_streaming:
+                raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 does not stream the outer "
+                                 "exchange (a round in flight would outlive its quorum); set outer_streaming=false")
+            if self.outer_exchange == "scatter":
+                raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs the outer all-gather "
+                                 "(the scale-free owners' ranges assume a fixed replica count); set "
+                                 "outer_exchange='allgather' or 'auto'")
+            if self.dense_steps > 0:
+                raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 does not run the "
+                                 "synchronous first dense_steps (post-local SGD) between replica groups; set "
+                                 "dense_steps=0")
         if self.exchange not in ELASTIC_EXCHANGES:
             raise ValueError(f"topk_ddp: fault_tolerance='torchft' runs over a replica count that changes between "
                              f"steps, which exchange={self.exchange!r} does not; use one of {list(ELASTIC_EXCHANGES)}")

@@ -13,6 +13,12 @@ from a live peer through torchft's checkpoint transport before its first step: p
 optimizer state, the top-k state without residuals (its residual mass died with it) and the step counters;
 nothing is read from disk. Lightning's LR schedulers and step count come along (``max_steps`` stays aligned).
 
+The first quorum runs at the strategy's setup, before the fit loop builds its data loader, so a joining group
+also takes the peers' data position (Lightning's loop progress and resumable loaders' state). Under local SGD
+(``local_steps`` > 0) there is no quorum per inner step: each outer round forms one at its end
+(:mod:`lightning_topk.comm.local.elastic_round`), the heal carries the outer state without the error feedback,
+and a round the quorum does not commit is rolled back.
+
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
 """
@@ -32,6 +38,7 @@ import torch.distributed as dist
 
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.elastic import ElasticGroup
+from lightning_topk.comm.local.elastic_round import elastic_round, heal_from, heal_section
 from lightning_topk.optional import require
 
 log = logging.getLogger(__name__)
@@ -111,6 +118,14 @@ class TorchFTReplica:
         self._quorum_id: Optional[int] = None
         self.replica_id = ""
         self.lighthouse = ""
+        # the members of the last quorum (torchft's replica ids, one per start of a replica group), and what
+        # leaving ones took with them: see _note_members
+        self.members: List[str] = []
+        self._new_members: Optional[List[str]] = None
+        self.replicas_lost = 0
+        self.replicas_joined = 0
+        self.residual_mass_at_loss = 0.0
+        self.data_position: Dict[str, int] = {}  # where a join's heal put the fit loop (epoch, batch, steps)
 
     # ---- life ------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -143,7 +158,7 @@ class TorchFTReplica:
             store_port = int(port)
         self.replica_id = replica_id
         pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.ft_timeout))
-        self.manager = Manager(
+        self.manager = manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=self._save, min_replica_size=cfg.min_replicas,
             use_async_quorum=False,  # the quorum (and a heal) completes before the forward pass
             timeout=timedelta(seconds=cfg.ft_timeout), quorum_timeout=timedelta(seconds=cfg.ft_quorum_timeout),
@@ -151,6 +166,7 @@ class TorchFTReplica:
             store_addr=store_host, store_port=store_port, lighthouse_addr=self.lighthouse, replica_id=replica_id,
             hostname=host,
         )
+        manager._client = _QuorumTap(manager._client, self._tap)  # the quorum's members (telemetry)
         m = self.manager
         intra = None
         if group_size > 1:
@@ -193,6 +209,7 @@ class TorchFTReplica:
             self.quorum_changes += 1
             log.warning("topk_ddp: quorum changed at step %d: %d replica group(s) now", m.current_step(), n)
         self._quorum_id = qid
+        self._note_members()
         self.quorum_size = n
         self.quorum_sizes.append(n)
         return healed
@@ -220,7 +237,30 @@ class TorchFTReplica:
                 "ft/heal_time_s": float(self.heal_time_s), "ft/step": float(self.step),
                 "ft/failed_collectives": float(self.group.failures if self.group is not None else 0),
                 # what this replica's error feedback holds unsent (L1): the mass lost if it dies now
-                "ft/residual_mass": float(self._residual_mass()) if self._residual_mass is not None else 0.0}
+                "ft/residual_mass": float(self._residual_mass()) if self._residual_mass is not None else 0.0,
+                "ft/replicas_lost": float(self.replicas_lost), "ft/replicas_joined": float(self.replicas_joined),
+                # this survivor's own unsent mass when the last replicas left (a proxy of what each of them held:
+                # the lost ones' own mass is not measured by anyone)
+                "ft/residual_mass_at_loss": float(self.residual_mass_at_loss)}
+
+    def _tap(self, members: List[str]) -> None:
+        self._new_members = members  # torchft's quorum thread; read in begin_step once the quorum is done
+
+    def _note_members(self) -> None:
+        """Count the replica groups that left the quorum since the last one (their error feedback died with
+        them) and those that joined; at a loss, note this replica's own unsent mass (one host read)."""
+        new, self._new_members = self._new_members, None
+        if new is None:
+            return
+        if self.members:
+            lost = [r for r in self.members if r not in new]
+            self.replicas_lost += len(lost)
+            self.replicas_joined += len([r for r in new if r not in self.members])
+            if lost:
+                self.residual_mass_at_loss = float(self._residual_mass()) if self._residual_mass is not None else 0.0
+                log.warning("topk_ddp: replica group(s) %s left the quorum; their unsent error feedback is lost "
+                            "(this replica's own: L1 %.4g)", ", ".join(lost), self.residual_mass_at_loss)
+        self.members = list(new)
 
     # ---- heal ------------------------------------------------------------------------------------
     def _save(self) -> Dict[str, Any]:
@@ -229,6 +269,23 @@ class TorchFTReplica:
     def _load(self, sd: Dict[str, Any]) -> None:
         self._healing_t0 = time.monotonic()
         self._load_state_dict(sd)
+
+
+class _QuorumTap:
+    """torchft's manager client, with each quorum's member ids handed to ``sink`` (torchft's ``Manager`` keeps
+    only their count); every other attribute is the client's."""
+
+    def __init__(self, client: Any, sink: Callable[[List[str]], None]) -> None:
+        self._client = client
+        self._sink = sink
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        q = self._client._quorum(*args, **kwargs)
+        self._sink([str(r) for r in getattr(q, "replica_ids", [])])
+        return q
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
 
 
 class ElasticMixin:
@@ -244,6 +301,11 @@ class ElasticMixin:
                 raise ValueError(
                     "topk_ddp: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
                     f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
+            if cfg.local_steps > 0 and self.num_processes > 1:  # type: ignore[attr-defined]
+                raise ValueError(
+                    "topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs one process per replica group "
+                    f"(got devices={self.num_processes}); the outer round's shards over a group's processes are not "  # type: ignore[attr-defined]
+                    "built under torchft yet (docs/elastic.md): set devices=1, or local_steps=0")
             kw = self._ddp_kwargs  # type: ignore[attr-defined]
             if kw.get("static_graph"):
                 raise ValueError("topk_ddp: fault_tolerance='torchft' does not support static_graph=True (it rebuilds "
@@ -260,10 +322,44 @@ class ElasticMixin:
         if self.topk_elastic is not None:
             self.topk_elastic.join(self.global_rank, self.world_size)  # type: ignore[attr-defined]
 
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        if self.topk_elastic is not None and getattr(trainer.state, "fn", None) == "fit":
+            self._elastic_join()
+
+    def _elastic_join(self) -> None:
+        """This process's first quorum, before the fit loop sets up its data: a replica group that is behind
+        heals here from a live peer, its data position included (Lightning's loop progress and the resumable
+        loaders' state, which the fit loop then applies as on a resume; :meth:`_elastic_load_state_dict`).
+        Per step: this quorum is the first training batch's (that batch runs no other). Local SGD: a join round
+        follows at once (:func:`~lightning_topk.comm.local.elastic_round.elastic_round` with ``join``: this
+        replica sends nothing and takes the round's outer step), so the peers' round that formed this quorum has
+        its collectives; the inner steps then start at the peers' position."""
+        ft = self.topk_elastic
+        assert ft is not None
+        outer = self._elastic_outer()
+        self._elastic_joining = True
+        try:
+            if outer is not None:
+                outer.gate = _RoundGate(self)
+                elastic_round(outer, join=True)
+                self._elastic_first_quorum = None
+            else:
+                self._elastic_first_quorum = ft.begin_step()  # the first batch's quorum
+        finally:
+            self._elastic_joining = False
+
+    def _elastic_outer(self) -> Any:
+        """Local SGD's outer state (``local_steps`` > 0), or None."""
+        state = self.topk_state  # type: ignore[attr-defined]
+        return getattr(state.exchange, "outer", None) if state is not None and state.exchange is not None else None
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self.topk_elastic is not None:
-            healed = self.topk_elastic.begin_step()
-            group = self.topk_elastic.group
+        ft = self.topk_elastic
+        if ft is not None and self._elastic_outer() is None:  # per step: a quorum per training batch
+            first, self._elastic_first_quorum = getattr(self, "_elastic_first_quorum", None), None
+            healed = ft.begin_step() if first is None else first  # the join's quorum is the first batch's
+            group = ft.group
             if group is not None and group.intra is not None:
                 self._elastic_group_sync(healed, group.intra)
         parent = getattr(super(), "on_train_batch_start", None)
@@ -296,9 +392,18 @@ class ElasticMixin:
             self.topk_elastic.shutdown()
 
     def _elastic_gate(self) -> Optional[Callable[[bool], bool]]:
-        return None if self.topk_elastic is None else self.topk_elastic.commit
+        """The step controller's commit gate: torchft's ``should_commit`` per step; none under local SGD (the
+        inner steps are this replica's own; the outer round commits through :class:`_RoundGate`)."""
+        if self.topk_elastic is None or self.topk_config.local_steps > 0:  # type: ignore[attr-defined]
+            return None
+        return self.topk_elastic.commit
 
     def _elastic_residual_mass(self) -> float:
+        """The L1 norm of the error feedback this replica holds unsent: the per-step residuals, or local SGD's
+        outer error feedback (in pseudo-gradient units)."""
+        outer = self._elastic_outer()
+        if outer is not None:
+            return float(outer.ef.abs().sum())
         state = self.topk_state  # type: ignore[attr-defined]
         if state is None:
             return 0.0
@@ -313,20 +418,30 @@ class ElasticMixin:
 
         module = self.lightning_module  # type: ignore[attr-defined]
         state = self.topk_state  # type: ignore[attr-defined]
+        outer = self._elastic_outer()
         topk = state.state_dict() if state is not None else None
         if topk is not None:
             topk["residual"], topk["velocity"] = {}, {}
+            topk.get("exchanges", {}).pop("local", None)  # local SGD: the outer state goes as "outer" (below)
             # the scale-free exchange's owner residuals are this replica's unsent mass too
             topk["exchanges"] = {n: {k: v for k, v in sec.items() if k != "owner_residual"}
                                  for n, sec in topk.get("exchanges", {}).items()}
         trainer = getattr(module, "_trainer", None)
         schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs] if trainer else []
+        at_round_end = getattr(self, "_elastic_round_end", False)
         return {
             "module": {k: v.detach().clone() for k, v in module.state_dict().items()},
             "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # type: ignore[attr-defined]
             "schedulers": schedulers,
             "topk": topk,
-            "global_step": int(trainer.global_step) if trainer is not None else 0,
+            # local SGD: θ_outer, outer momentum, the round's buffer anchor, position, step and round counts
+            # (not this replica's error feedback: comm.local.elastic_round.heal_section)
+            "outer": heal_section(outer) if outer is not None else None,
+            # at a round end the quorum runs inside the H-th inner step's optimizer step: it counts as done
+            "global_step": (int(trainer.global_step) + int(at_round_end)) if trainer is not None else 0,
+            # the data position: Lightning's loop progress and the resumable loaders' state (fit_loop's
+            # checkpoint), for a replica that joins (_elastic_join)
+            "loop": data_position(trainer, at_round_end) if trainer is not None else None,
         }
 
     def _elastic_load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -335,13 +450,90 @@ class ElasticMixin:
         for opt, osd in zip(self.optimizers, sd["optimizers"]):  # type: ignore[attr-defined]
             opt.load_state_dict(osd)
         state = self.topk_state  # type: ignore[attr-defined]
+        outer = self._elastic_outer()
         if state is not None and sd.get("topk") is not None:
+            if outer is not None:  # the exchange's own section would replace this replica's error feedback
+                sd["topk"].get("exchanges", {}).pop("local", None)
             self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
+        if outer is not None and sd.get("outer") is not None:
+            heal_from(outer, sd["outer"])
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             for c, ssd in zip(trainer.lr_scheduler_configs, sd.get("schedulers", [])):
                 c.scheduler.load_state_dict(ssd)
-            _set_global_step(trainer, int(sd.get("global_step", 0)))
+            position = _position(sd["loop"]) if sd.get("loop") is not None else {}
+            joining = getattr(self, "_elastic_joining", False)
+            if joining and any(position.values()):
+                # joining: the fit loop has not started; it resumes at the peer's position (as from a checkpoint).
+                # A peer at the very start (every group's heal at step 0) has no position to give.
+                trainer.fit_loop.load_state_dict(sd["loop"])
+                self.topk_elastic.data_position = position  # type: ignore[union-attr]
+            elif not joining:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
+                _set_global_step(trainer, int(sd.get("global_step", 0)) - int(getattr(self, "_elastic_round_end", False)))
+
+
+class _RoundGate:
+    """Local SGD's round under torchft (:func:`~lightning_topk.comm.local.elastic_round.elastic_round`): the
+    round's quorum (a heal from a peer when this replica is behind) and torchft's ``should_commit``."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def begin(self) -> bool:
+        s = self.strategy
+        s._elastic_round_end = not getattr(s, "_elastic_joining", False)  # what a peer healing from us takes
+        try:
+            return bool(s.topk_elastic.begin_step())
+        finally:
+            s._elastic_round_end = False
+
+    def commit(self, ok: bool) -> bool:
+        return bool(self.strategy.topk_elastic.commit(ok))
+
+
+_PROGRESS_KEYS = ("epoch_loop.batch_progress", "epoch_loop.automatic_optimization.optim_progress",
+                  "epoch_loop.manual_optimization.optim_step_progress")
+
+
+def data_position(trainer: Any, step_done: bool) -> Dict[str, Any]:
+    """The fit loop's checkpoint state (Lightning's loop progress: epoch, batch index, optimizer steps; and the
+    state of every training loader that implements ``state_dict``), deep-copied, at a batch boundary: the batch
+    in flight counts as done with ``step_done`` (local SGD's round-end quorum runs after the batch's optimizer
+    step: its progress counters are set to their ``ready`` values), else as not begun (the per-step quorum runs
+    before the batch's forward pass: they are set to their ``completed`` values). A loader that follows the
+    trainer's position (:class:`~lightning_topk.data.WebLoader` with its ``position_fn``) then starts at the
+    batch the peers run next."""
+    import copy
+
+    sd = copy.deepcopy(trainer.fit_loop.state_dict())
+
+    def settle(d: Any) -> None:
+        if isinstance(d, dict):
+            if "ready" in d and "completed" in d:
+                v = d["ready"] if step_done else d["completed"]
+                for k in ("ready", "started", "processed", "completed"):
+                    if k in d:
+                        d[k] = v
+            for x in d.values():
+                settle(x)
+
+    for key in _PROGRESS_KEYS:
+        settle(sd.get(key))
+    inner = sd.get("epoch_loop.state_dict", {})
+    if step_done and "_batches_that_stepped" in inner:
+        inner["_batches_that_stepped"] += 1
+    return sd
+
+
+def _position(loop: Dict[str, Any]) -> Dict[str, int]:
+    """(epoch, batch index in it, optimizer steps) of a :func:`data_position` (telemetry and tests)."""
+    try:
+        epoch = int(loop["epoch_progress"]["current"]["processed"])
+        batch = int(loop["epoch_loop.batch_progress"]["current"]["completed"])
+        steps = int(loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]["completed"])
+    except (KeyError, TypeError):
+        return {}
+    return {"epoch": epoch, "batch": batch, "steps": steps}
 
 
 def _set_global_step(trainer: Any, step: int) -> None:

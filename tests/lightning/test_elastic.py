@@ -27,9 +27,13 @@ def test_options_are_checked():
                        (dict(ft_timeout=0), "ft_timeout"), (dict(lighthouse=""), "lighthouse"),
                        (dict(ft_timeout=30, ft_quorum_timeout=10), "ft_quorum_timeout"),
                        (dict(fault_tolerance="torchft", exchange="hierarchical"), "exchange='hierarchical'"),
-                       (dict(fault_tolerance="torchft", local_steps=4), "local_steps=0")]:
+                       (dict(fault_tolerance="torchft", local_steps=4, outer_streaming=True), "outer_streaming=false"),
+                       (dict(fault_tolerance="torchft", local_steps=4, outer_exchange="scatter"),
+                        "outer_exchange='allgather'"),
+                       (dict(fault_tolerance="torchft", local_steps=4, dense_steps=2), "dense_steps=0")]:
         with pytest.raises(ValueError, match=match):
             TopKConfig(**bad)
+    assert TopKConfig(fault_tolerance="torchft", local_steps=4).local_steps == 4  # local SGD under torchft
 
 
 def test_missing_or_unreachable_lighthouse_is_a_clear_error(monkeypatch):
@@ -194,13 +198,15 @@ def test_quorum_below_min_replicas_waits_then_fails_clearly(tmp_path):
 @pytest.mark.parametrize("exchange", ["allgather", "scatter"])
 def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange):
     """3 replica groups of 1 process: SIGKILL one mid-run; the two others keep committing steps during the outage;
-    the killed one is restarted, heals from a live peer (nothing read from disk) and rejoins; at the end all three
-    hold identical parameters. The scale-free exchange too: its owners' layout follows the quorum (3, 2, 3)."""
+    the killed one is restarted, heals from a live peer (nothing read from disk; its data position included) and
+    rejoins; at the end all three hold identical parameters. The scale-free exchange too: its owners' layout follows
+    the quorum (3, 2, 3)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchft")
     delay, stop = 0.1, tmp_path / "stop_at"
     c = Cluster(tmp_path)
-    args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--exchange", exchange)
+    args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--positioned-data",
+            "--exchange", exchange)
     try:
         procs = [c.start(r, *args) for r in range(3)]
         _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 10 for r in range(3)), 150, "10 steps on all")
@@ -228,6 +234,10 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange):
     first = back[0]
     assert first["ft_step"] >= during, (first, during)  # it took the peers' step count: healed, not restarted at 0
     assert first["global_step"] > 1 and back[-1]["global_step"] == c.rows(0)[-1]["global_step"]  # Lightning's too
+    # the data position came with the heal: it trains on the batch index (and epoch) its peers train at each step
+    peer = {x["global_step"]: x["data_pos"] for x in c.rows(0)}
+    assert first["data_position"]["batch"] > 0 and first["data_pos"] != [0, 0], first
+    assert all(x["data_pos"] == peer[x["global_step"]] for x in back if x["global_step"] in peer), back[:3]
     rejoined = [r for r in c.rows(0) if r["t"] > t_kill and r["quorum"] == 3]
     assert rejoined, "the restarted replica never rejoined the quorum"
     finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
@@ -236,6 +246,9 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange):
             assert torch.equal(v, f["params"][k]), k
     assert all(f["metrics"]["ft/step"] == end for f in finals)
     assert all(f["metrics"]["ft/residual_mass"] > 0 for f in finals)  # each holds its own unsent mass
+    # the survivors counted the lost replica and noted their own unsent mass at the loss
+    assert all(finals[r]["metrics"]["ft/replicas_lost"] >= 1 and finals[r]["metrics"]["ft/residual_mass_at_loss"] > 0
+               for r in (0, 2)), [f["metrics"] for f in finals]
     report = dict(killed_at=killed_at, steps_during_outage=during - killed_at, heal_time_s=back[-1]["heal_time_s"],
                   healed_at_step=first["ft_step"], uncommitted=[c.rows(r)[-1]["uncommitted"] for r in (0, 2)],
                   quorum_changes=[c.rows(r)[-1]["quorum_changes"] for r in (0, 2)])
@@ -353,3 +366,213 @@ def test_launcher_starts_replicas_and_restarts_a_failed_one(tmp_path):
             runs[f.name.split(".")[0]] = runs.get(f.name.split(".")[0], 0) + 1
     assert runs == {"replica0": 1, "replica1": 2}, runs
     assert not _listening(port)  # the lighthouse is gone with the launcher
+
+
+def _local_args(stop, *extra):
+    return ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--local-steps", 4,
+            "--min-replicas", 2, "--positioned-data", *extra)
+
+
+@pytest.mark.timeout(300)
+def test_local_sgd_kill_one_of_three_heal_and_rejoin(tmp_path):
+    """Local SGD under torchft (H = 4, 5% at 8 bits, DiLoCo's outer step with momentum), 3 replica groups of 1
+    process: SIGKILL one mid-run; the two survivors' outer rounds go on committing with R = 2; the killed one is
+    restarted, heals from a peer at the survivors' next round (outer state and data position included) and
+    rejoins; at the end all three hold identical parameters and identical outer state (θ_outer, outer momentum,
+    round, position and step counts; the error feedback is each replica's own)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, min_replicas=2)
+    args = _local_args(stop)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 4 and c.rows(r)[-1]["quorum"] == 3
+                          for r in range(3)), 150, "4 committed rounds of 3 replicas on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(c.rows(r)[-1]["ft_step"] for r in (0, 2))
+        t_kill = time.time()
+        _wait(lambda: min(c.rows(r)[-1]["ft_step"] for r in (0, 2)) >= killed_at + 3, 90, "3 rounds without it")
+        during = min(c.rows(r)[-1]["ft_step"] for r in (0, 2))
+        os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: any(r["quorum"] == 3 for r in c.rows(1)), 150, "the restarted replica to rejoin")
+        end = max(c.rows(r)[-1]["ft_step"] for r in range(3)) + 3
+        stop.write_text(str(end))
+        for p in (procs[0], procs[2], restarted):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    rows = {r: c.rows(r) for r in range(3)}
+    # the survivors' rounds during the outage: committed, averaged over 2 contributing replicas
+    outage = [x for x in rows[0] if x["t"] > t_kill and x["quorum"] == 2 and x["position"] == 0]
+    assert during >= killed_at + 3 and outage and all(x["contributors"] == 2 for x in outage), (killed_at, during)
+    assert all(rows[r][-1]["replicas_lost"] >= 1 for r in (0, 2))
+    assert all(rows[r][-1]["residual_mass_at_loss"] > 0 for r in (0, 2))  # each survivor's own unsent mass
+    back = rows[1]
+    first = back[0]
+    assert first["heals"] == 1 and first["ft_step"] >= during, first  # healed at the peers' round count
+    # data position: the restarted replica trains on the batch index (and epoch) its peers train at each step
+    peer = {x["global_step"]: x["data_pos"] for x in rows[0]}
+    assert first["data_position"]["batch"] > 0
+    assert all(x["data_pos"] == peer[x["global_step"]] for x in back if x["global_step"] in peer), back[:3]
+    assert back[-1]["global_step"] == rows[0][-1]["global_step"]
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
+    for f in finals[1:]:
+        for k, v in finals[0]["params"].items():
+            assert torch.equal(v, f["params"][k]), k
+        for k in ("theta", "mom"):
+            assert torch.equal(finals[0]["outer"][k], f["outer"][k]), k
+        for k in ("rounds", "position", "steps"):
+            assert finals[0]["outer"][k] == f["outer"][k], k
+    assert finals[0]["outer"]["mom"].abs().sum() > 0  # the outer momentum is live (DiLoCo's step)
+    assert all(f["metrics"]["ft/step"] == end for f in finals)
+    report = dict(killed_at_round=killed_at, rounds_during_outage=during - killed_at,
+                  heal_time_s=back[-1]["heal_time_s"], healed_at_round=first["ft_step"],
+                  joined_at=first["data_position"], round_uncommitted=[rows[r][-1]["round_uncommitted"] for r in (0, 2)],
+                  residual_mass_at_loss=[rows[r][-1]["residual_mass_at_loss"] for r in (0, 2)])
+    print("ELASTIC_LOCAL", json.dumps(report))
+
+
+@pytest.mark.timeout(240)
+def test_local_sgd_uncommitted_round_rolls_back_then_heals(tmp_path):
+    """Local SGD under torchft, 2 replica groups: replica 0 reports an error in the round that would commit round
+    4, so its should_commit says no: θ_outer, outer momentum, error feedback, round count and parameters are
+    bitwise what they were before the round. Replica 1 commits it; at the next round replica 0, one round behind,
+    heals from it (keeping its own error feedback) and both end identical."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)
+    stop = tmp_path / "stop_at"
+    stop.write_text("8")
+    try:
+        procs = [c.start(0, *_local_args(stop, "--refuse-round", 4)), c.start(1, *_local_args(stop))]
+        for p in procs:
+            assert p.wait(timeout=200) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    rows0, rows1 = c.rows(0), c.rows(1)
+    refused = [x for x in rows0 if "round_unchanged" in x]
+    assert len(refused) == 1 and refused[0]["round_unchanged"], refused
+    assert refused[0]["round_uncommitted"] == 1 and refused[0]["ft_step"] == 3, refused
+    assert rows1[-1]["round_uncommitted"] == 0
+    at = rows0.index(refused[0])
+    assert rows0[-1]["heals"] == rows0[at]["heals"] + 1  # it healed from replica 1 at the next round
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in (0, 1)]
+    for k, v in finals[0]["params"].items():
+        assert torch.equal(v, finals[1]["params"][k]), k
+    for k in ("theta", "mom"):
+        assert torch.equal(finals[0]["outer"][k], finals[1]["outer"][k]), k
+    assert finals[0]["outer"]["rounds"] == finals[1]["outer"]["rounds"]
+
+
+@pytest.mark.timeout(240)
+def test_local_sgd_dense_matches_torch_averaging(tmp_path):
+    """At dense settings (outer density 1, fp32 values) and no failure, local SGD under torchft over 2 replica
+    groups equals local SGD written with torch alone: each replica runs H AdamW steps on its own batches (the
+    same loader order), then θ_outer takes DiLoCo's outer step (SGD, lr 0.7, Nesterov momentum 0.9) on the mean
+    of the replicas' θ_outer − θ_local, and every replica starts the next round from θ_outer."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    from torch import nn
+
+    from tests.helpers.digits import digits
+
+    H, rounds = 4, 3
+    c = Cluster(tmp_path, min_replicas=2)
+    stop = tmp_path / "stop_at"
+    stop.write_text(str(rounds + 1))  # the join round (nothing sent) commits too
+    args = ("--steps", 100000, "--stop-file", stop, "--local-steps", H, "--min-replicas", 2, "--positioned-data",
+            "--outer-density", 1.0, "--outer-bits", 32)
+    try:
+        procs = [c.start(r, *args) for r in (0, 1)]
+        for p in procs:
+            assert p.wait(timeout=200) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in (0, 1)]
+    assert all(c.rows(r)[-1]["global_step"] == H * rounds for r in (0, 1))
+
+    # the same with torch alone
+    x, y = digits()[0].tensors
+
+    def batches(replica):
+        epoch, b = 0, 0
+        while True:
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1000 + 7919 * replica + epoch))
+            n = -(-len(x) // 32)
+            if b >= n:
+                epoch, b = epoch + 1, 0
+                continue
+            idx = order[b * 32:(b + 1) * 32]
+            yield x[idx], y[idx]
+            b += 1
+
+    torch.manual_seed(0)
+    net0 = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+    nets = [net0, nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))]
+    nets[1].load_state_dict(net0.state_dict())
+    opts = [torch.optim.AdamW(n.parameters(), lr=3e-3) for n in nets]
+    data = [batches(r) for r in (0, 1)]
+    outer = [p.detach().clone() for p in net0.parameters()]
+    mom = [torch.zeros_like(p) for p in outer]
+    for _ in range(rounds):
+        for net, opt, it in zip(nets, opts, data):
+            for _ in range(H):
+                xb, yb = next(it)
+                opt.zero_grad()
+                nn.functional.cross_entropy(net(xb), yb).backward()
+                opt.step()
+        for i, theta in enumerate(outer):
+            g = sum(theta - list(n.parameters())[i].detach() for n in nets) / 2
+            mom[i].mul_(0.9).add_(g)
+            theta.sub_(g.add(mom[i], alpha=0.9), alpha=0.7)
+        with torch.no_grad():
+            for n in nets:
+                for p, theta in zip(n.parameters(), outer):
+                    p.copy_(theta)
+    ref = dict(zip([k for k, _ in net0.named_parameters()], outer))
+    worst = 0.0
+    for f in finals:
+        for k, v in f["params"].items():
+            assert torch.allclose(v, ref[k], rtol=1e-5, atol=1e-6), (k, (v - ref[k]).abs().max())
+            worst = max(worst, float((v - ref[k]).abs().max()))
+    assert float(finals[0]["outer"]["mom"].abs().sum()) > 0
+    print("ELASTIC_LOCAL_DENSE", json.dumps({"max_abs_diff": worst}))
+
+
+@pytest.mark.timeout(240)
+def test_local_sgd_kill_inside_a_round_rolls_back_on_survivors(tmp_path):
+    """Local SGD under torchft, 3 replica groups: replica 1 kills itself (SIGKILL) after round 4's quorum, before
+    the round's collectives. The survivors' collectives of that round fail, the round is not committed and is
+    rolled back on both (θ_outer, outer momentum, error feedback, round count and parameters bitwise as before
+    it); their next rounds form without it, commit with 2 contributors, and they end identical."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)
+    stop = tmp_path / "stop_at"
+    stop.write_text("7")
+    try:
+        procs = [c.start(r, *_local_args(stop, *(("--die-in-round", 4) if r == 1 else ("--watch-round", 4))))
+                 for r in range(3)]
+        assert procs[1].wait(timeout=200) != 0, _logs(tmp_path)  # killed (through the test zygote: 137 or -9)
+        for r in (0, 2):
+            assert procs[r].wait(timeout=200) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    for r in (0, 2):
+        rows = c.rows(r)
+        watched = [x for x in rows if "round_unchanged" in x]
+        assert len(watched) == 1 and watched[0]["round_unchanged"], watched
+        assert watched[0]["round_uncommitted"] == 1 and watched[0]["ft_step"] == 3, watched
+        after = [x for x in rows[rows.index(watched[0]) + 1:] if x["position"] == 0]
+        assert after and all(x["quorum"] == 2 and x["contributors"] == 2 for x in after), after
+        assert rows[-1]["ft_step"] == 7 and rows[-1]["replicas_lost"] >= 1
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in (0, 2)]
+    for k, v in finals[0]["params"].items():
+        assert torch.equal(v, finals[1]["params"][k]), k
+    for k in ("theta", "mom"):
+        assert torch.equal(finals[0]["outer"][k], finals[1]["outer"][k]), k
+    print("ELASTIC_LOCAL_MID", json.dumps({"failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals],
+                                           "uncommitted": [c.rows(r)[-1]["round_uncommitted"] for r in (0, 2)]}))

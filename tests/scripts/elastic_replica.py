@@ -8,10 +8,16 @@ Stops once the replicas' committed step count reaches ``--steps``, or the step w
 ``--refuse-at K``: at committed step K this replica reports an error to its torchft Manager after the backward,
 so ``should_commit`` says no; the line of that batch records whether parameters, optimizer state and residuals
 are bitwise what they were before the batch.
+
+``--local-steps H``: sparse local SGD under torchft (torchft's step is then the committed outer rounds); the lines
+and the final file also hold the outer state. ``--positioned-data``: a loader that follows the trainer's position
+(epoch, batch index), as the project's WebLoader does, with a per-replica, per-epoch order; each line records the
+(epoch, batch index) of the batch it trained on.
 """
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -64,11 +70,43 @@ class Net(pl.LightningModule):
         torch.set_num_threads(1)
 
     def training_step(self, batch, _):
-        x, y = batch
+        x, y = batch[0], batch[1]
+        self._pos = [int(v) for v in batch[2]] if len(batch) > 2 else None
         self._psum_fwd = float(sum(p.detach().double().abs().sum() for p in self.parameters()))
         opt = self.trainer.strategy.optimizers[0]
         self._osum_fwd = float(sum(v.double().abs().sum() for s in opt.state.values() for v in s.values()))
         return nn.functional.cross_entropy(self.net(x), y)
+
+    def on_train_start(self):
+        outer = getattr(self.trainer.strategy.topk_state.exchange, "outer", None)
+        if outer is not None and (self.args.refuse_round or self.args.watch_round or self.args.die_in_round):
+            self._wrap_gate(outer)
+
+    def _wrap_gate(self, outer):
+        """--refuse-round K: in the round that would commit round K, report an error to torchft after the quorum,
+        so that this replica's should_commit says no; the next line records whether the outer state and the
+        parameters are bitwise what they were before the round (θ_local := θ_outer)."""
+        gate, ft = outer.gate, self.trainer.strategy.topk_elastic
+        begin, commit = gate.begin, gate.commit
+
+        watch = self.args.refuse_round or self.args.watch_round
+
+        def refusing_begin():
+            healed = begin()
+            if self.args.die_in_round and ft.step == self.args.die_in_round - 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # after the quorum, before the round's collectives
+            if watch and ft.step == watch - 1 and not self._refused:
+                self._refused = True
+                self._before = {"theta": outer.theta.clone(), "mom": outer.mom.clone(), "ef": outer.ef.clone(),
+                                "rounds": outer.stats.rounds}
+            return healed
+
+        def refusing_commit(ok):
+            if self._before is not None and self.args.refuse_round:  # after the round's collectives: the
+                ft.manager.report_error(RuntimeError("injected by the test"))  # peers' round goes through
+            return commit(ok)
+
+        gate.begin, gate.commit = refusing_begin, refusing_commit
 
     def on_train_batch_start(self, batch, batch_idx):
         if self.args.delay:
@@ -76,6 +114,8 @@ class Net(pl.LightningModule):
 
     def on_after_backward(self):
         ft = self.trainer.strategy.topk_elastic
+        if self.args.local_steps:
+            return
         if self.args.refuse_at is not None and ft.step == self.args.refuse_at and not self._refused:
             self._refused = True
             ft.manager.report_error(RuntimeError("injected by the test"))
@@ -91,6 +131,21 @@ class Net(pl.LightningModule):
                "psum_fwd": self._psum_fwd, "osum_fwd": self._osum_fwd,
                "psum": float(sum(p.detach().double().abs().sum() for p in self.parameters())),
                "gsum": float(sum(p.grad.detach().double().abs().sum() for p in self.parameters() if p.grad is not None))}
+        row["data_pos"] = self._pos
+        row["batch_idx"] = batch_idx
+        row["replicas_lost"] = ft.replicas_lost
+        row["residual_mass_at_loss"] = ft.residual_mass_at_loss
+        row["data_position"] = ft.data_position
+        outer = getattr(s.topk_state.exchange, "outer", None)
+        if outer is not None:
+            row.update(rounds=outer.stats.rounds, round_uncommitted=outer.stats.uncommitted,
+                       contributors=outer.stats.contributors, position=outer.position)
+        if self.args.local_steps and self._before is not None:
+            b, self._before = self._before, None
+            params = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+            row["round_unchanged"] = (torch.equal(b["theta"], outer.theta) and torch.equal(b["mom"], outer.mom)
+                                      and torch.equal(b["ef"], outer.ef) and b["rounds"] == outer.stats.rounds
+                                      and torch.equal(params, outer.theta[:params.numel()]))
         if self._before is not None:
             row["unchanged"] = same(self._before, snapshot(self, s))
             row["residuals_checked"] = len(self._before["res"])
@@ -108,7 +163,11 @@ class Net(pl.LightningModule):
 
     def on_train_end(self):
         ft = self.trainer.strategy.topk_elastic
-        torch.save({"params": {k: v.detach().clone() for k, v in self.net.state_dict().items()},
+        outer = getattr(self.trainer.strategy.topk_state.exchange, "outer", None)
+        out = None if outer is None else {"theta": outer.theta.clone(), "mom": outer.mom.clone(),
+                                          "ef": outer.ef.clone(), "rounds": outer.stats.rounds,
+                                          "position": outer.position, "steps": outer.steps}
+        torch.save({"params": {k: v.detach().clone() for k, v in self.net.state_dict().items()}, "outer": out,
                     "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes, "accuracy": accuracy(self)},
                    Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
 
@@ -117,8 +176,35 @@ class Net(pl.LightningModule):
 
     def train_dataloader(self):
         train, _ = digits()
+        if self.args.positioned_data:
+            return PositionedLoader(train, self.args.replica, self._train_position)
         g = torch.Generator().manual_seed(1000 + self.args.replica + 7 * os.getpid())  # each replica its own order
         return DataLoader(train, batch_size=32, shuffle=True, generator=g)
+
+    def _train_position(self):
+        """The epoch and batch index the fit loop runs next (after a restore or a heal: where it resumes), as
+        lightning_topk.data.WebDataModule tells its WebLoader."""
+        t = self.trainer
+        return t.current_epoch, t.fit_loop.epoch_loop.batch_progress.current.ready
+
+
+class PositionedLoader(DataLoader):
+    """Batches of 32 in an order fixed by (replica, epoch), starting at the trainer's position when iteration
+    starts (WebLoader's ``position_fn``); each batch carries its (epoch, batch index)."""
+
+    def __init__(self, data, replica, position_fn):
+        super().__init__(data, batch_size=32)
+        self.replica, self.position_fn = replica, position_fn
+
+    def __iter__(self):
+        epoch, start = self.position_fn()
+        g = torch.Generator().manual_seed(1000 + 7919 * self.replica + epoch)
+        order = torch.randperm(len(self.dataset), generator=g)
+        n = len(self)
+        for b in range(start, n):
+            idx = order[b * 32:(b + 1) * 32]
+            x, y = self.dataset.tensors
+            yield x[idx], y[idx], torch.tensor([epoch, b])
 
 
 def main():
@@ -134,15 +220,27 @@ def main():
     ap.add_argument("--quorum-timeout", type=float, default=60.0)
     ap.add_argument("--devices", type=int, default=1, help="processes per replica group")
     ap.add_argument("--exchange", default="allgather")
+    ap.add_argument("--local-steps", type=int, default=0, help="> 0: sparse local SGD, H inner steps per round")
+    ap.add_argument("--outer-density", type=float, default=0.05)
+    ap.add_argument("--outer-bits", type=int, default=8)
+    ap.add_argument("--positioned-data", action="store_true")
+    ap.add_argument("--refuse-round", type=int, default=None)
+    ap.add_argument("--watch-round", type=int, default=None, help="record whether round K left the state unchanged")
+    ap.add_argument("--die-in-round", type=int, default=None, help="SIGKILL itself after round K's quorum")
+    ap.add_argument("--outer-recipe", default="diloco")
     args = ap.parse_args()
     os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
     (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
-    strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, exchange=args.exchange, min_sparse_numel=4096,
+    local = {} if not args.local_steps else dict(local_steps=args.local_steps, outer_density=args.outer_density,
+                                                 outer_value_bits=args.outer_bits, outer_recipe=args.outer_recipe)
+    strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, min_sparse_numel=4096,
+                               **(local or dict(exchange=args.exchange)),
                                min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout), ft_quorum_timeout=args.quorum_timeout,
                                ft_connect_timeout=5.0, log_telemetry=False)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=10_000, max_steps=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0)
+                         enable_model_summary=False, num_sanity_val_steps=0,
+                         use_distributed_sampler=not args.positioned_data)
     trainer.fit(Net(args))
 
 

@@ -63,6 +63,8 @@ package only the ones above it in this list):
 * :mod:`.flat`: the flat vector this rank owns a shard of, the module's buffers, the fault/buffer all-reduce (step 2);
 * :mod:`.streaming`: the streamed exchange in flight;
 * :mod:`.checkpoint`: the checkpoint section and :func:`~.checkpoint.reshard`;
+* :mod:`.elastic_round`: the round among the replicas of a torchft quorum (``fault_tolerance="torchft"``):
+  contributing replicas, rollback of an uncommitted round, the outer state a heal carries;
 * :mod:`.round`: :class:`~.round.OuterState`, the round itself (steps 1-8), from the pieces above;
 * :mod:`.exchange`: :class:`~.exchange.LocalExchange`, the per-step exchange ``"local"`` that drives it.
 """

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_topk.comm import elastic
 from lightning_topk.comm.faults import nonfinite
 from lightning_topk.comm.local.codec import shard_layout
 
@@ -124,6 +125,8 @@ class BufferSet:
 
 
 def world(group: Any) -> int:
+    if elastic.is_elastic(group):
+        return elastic.group_size(group)
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
@@ -132,10 +135,22 @@ def decide(delta: Optional[Tensor], buffers: BufferSet, anchor: Tensor, group: A
     """One all-reduce over ``group`` (every rank that trains the model) of the fault flag (a non-finite Δ or
     buffer on this rank; none with ``mode="propagate"`` or ``delta`` None) and of the float buffers' change
     since ``anchor``. Returns (whether any rank flagged, the averaged buffers or None without float buffers)."""
+    fault, bufs, _ = decide_counted(delta, buffers, anchor, group, mode)
+    return fault, bufs
+
+
+def decide_counted(delta: Optional[Tensor], buffers: BufferSet, anchor: Tensor, group: Any, mode: str,
+                   contributes: Optional[bool] = None) -> Tuple[bool, Optional[Tensor], Optional[float]]:
+    """:func:`decide`, and with ``contributes`` (True/False: whether this replica's round counts) the number of
+    replicas that contribute, summed in the same all-reduce; a replica that does not contribute adds no buffer
+    change, and the buffers' change is averaged over the contributing ones (none: the anchor). ``group`` may
+    be an :class:`~lightning_topk.comm.elastic.ElasticGroup` (the round's quorum)."""
     check = delta is not None and mode != "propagate"
     bufs = buffers.flat() if buffers.nbuf else None
-    if not (dist.is_available() and dist.is_initialized()):
-        return False, bufs  # one process: its own buffers are the average (and nothing to decide)
+    counted = contributes is not None
+    if not elastic.is_elastic(group) and not (dist.is_available() and dist.is_initialized()):
+        # one process: its own buffers are the average (and nothing to decide)
+        return False, bufs, (1.0 if contributes else 0.0) if counted else None
     parts = []
     if check:
         assert delta is not None
@@ -143,15 +158,23 @@ def decide(delta: Optional[Tensor], buffers: BufferSet, anchor: Tensor, group: A
         if bufs is not None:
             bad = bad | nonfinite(bufs)
         parts.append(bad.float().reshape(1).to(delta.device))
+    dev = parts[0].device if parts else (bufs.device if bufs is not None else anchor.device)
+    if counted:
+        parts.append(torch.full((1,), 1.0 if contributes else 0.0, device=dev))
     if bufs is not None:
-        dev = parts[0].device if parts else bufs.device
-        parts.append((bufs - anchor).to(dev))
+        change = (bufs - anchor).to(dev)
+        parts.append(change if contributes is not False else torch.zeros_like(change))
     if not parts:
-        return False, None
+        return False, None, None
     vec = torch.cat(parts) if len(parts) > 1 else parts[0]
-    dist.all_reduce(vec, group=group)
+    elastic.all_reduce(vec, group)
     fault = bool(vec[0].item() > 0) if check else False
+    off = 1 if check else 0
+    count = float(vec[off].item()) if counted else None
+    off += 1 if counted else 0
     if bufs is None:
-        return fault, None
-    change = vec[1:] if check else vec
-    return fault, anchor + change.to(bufs.device).div_(world(group))
+        return fault, None, count
+    div = world(group) if count is None else count
+    if div <= 0:
+        return fault, anchor.clone(), count
+    return fault, anchor + vec[off:].to(bufs.device).div_(div), count

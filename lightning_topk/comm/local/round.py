@@ -19,8 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.elastic import is_elastic
 from lightning_topk.comm.local.checkpoint import load as load_section
 from lightning_topk.comm.local.checkpoint import save as save_section
+from lightning_topk.comm.local.elastic_round import contribute, elastic_round
 from lightning_topk.comm.local.exchanges import (
     AllgatherOuter,
     _all_gather,
@@ -30,7 +32,7 @@ from lightning_topk.comm.local.exchanges import (
     replica_count,
     round_bytes_out,
 )
-from lightning_topk.comm.local.flat import BufferSet, ShardView, decide, world
+from lightning_topk.comm.local.flat import BufferSet, ShardView, decide, decide_counted, world
 from lightning_topk.comm.local.outer_step import AmplifyGuard, outer_sgd_, outer_step_for
 from lightning_topk.comm.local.streaming import Flight
 from lightning_topk.comm.wire import ring_allreduce_wire
@@ -51,6 +53,8 @@ class OuterStats:
     time_s: float = 0.0      # host time blocked on the outer exchange (launch, wait, decode, update)
     hidden_frac: float = 0.0  # streaming: share of the exchange's flight time spent behind compute
     skipped: int = 0
+    contributors: int = 0     # fault_tolerance="torchft": the replicas whose pseudo-gradients the last round averaged
+    uncommitted: int = 0      # fault_tolerance="torchft": rounds the quorum did not commit (rolled back)
 
 
 def first_replica() -> bool:
@@ -88,7 +92,9 @@ class OuterState:
         self.flag_group = flag_group
         self.layout, self.shard, self.lo, self.nbuf = v.layout, v.shard, v.lo, self.bufs.nbuf
         R = replica_count(inter)
-        self.exchange = outer_exchange_for(config, R, self.layout)
+        self.elastic = is_elastic(inter)  # fault_tolerance="torchft": each round's quorum (.elastic_round)
+        self.gate: Any = None  # torchft: the round's quorum and commit (.elastic_round.elastic_round)
+        self.exchange = "allgather" if self.elastic else outer_exchange_for(config, R, self.layout)
         self.outer_exchange = build_outer_exchange(self.exchange, self.layout, inter, v.device)
         self.theta = v.flat_params()  # θ_outer
         self.buffer_anchor = self.bufs.flat()  # the float buffers at the start of the round (same on every rank)
@@ -112,8 +118,9 @@ class OuterState:
 
     def use_optimizers(self, optimizers: Optional[Sequence[Any]]) -> None:
         """The outer step for these inner optimizers (``outer_recipe="auto"``; None: unknown): lr, momentum,
-        Nesterov, or the identity. Fabric sets the optimizers up after the module, so it is chosen again then."""
-        self.rule = outer_step_for(self.config, optimizers, replica_count(self.inter))
+        Nesterov, or the identity (never under torchft, whose quorum may hold one replica for a while). Fabric sets
+        the optimizers up after the module, so it is chosen again then."""
+        self.rule = outer_step_for(self.config, optimizers, max(replica_count(self.inter), 2 * self.elastic))
         self.guard = AmplifyGuard(self.rule, first_replica)
 
     @property
@@ -158,19 +165,21 @@ class OuterState:
         if self.position < self.config.local_steps:
             return False
         self.position = 0
-        self.outer_round()
+        elastic_round(self) if self.gate is not None else self.outer_round()
         return True
 
-    def outer_round(self, local: Optional[Tensor] = None, group: Any = None) -> None:
+    def outer_round(self, local: Optional[Tensor] = None, group: Any = None, contributes: Optional[bool] = None) -> None:
         """One outer round. ``local``: θ_local as the full flat vector of which this rank owns
-        ``view.mine`` (default: read from the parameters); ``group``: the replicas (default: ``inter``)."""
+        ``view.mine`` (default: read from the parameters); ``group``: the replicas (default: ``inter``);
+        ``contributes``: torchft's round (:mod:`.elastic_round`: whether this replica's pseudo-gradient counts)."""
         t0 = time.perf_counter()
         o, v = self.config, self.view
         group = self.inter if group is None else group
         local = v.flat_params() if local is None else local
         anchor = self.anchor if self.anchor is not None else self.theta
         delta = v.mine(anchor) - v.mine(local)
-        fault, buffers = decide(delta, self.bufs, self.buffer_anchor, self.flag_group, o.nonfinite)
+        fault, buffers, counted = decide_counted(delta, self.bufs, self.buffer_anchor, self.flag_group, o.nonfinite,
+                                                 contributes)
         hidden = 0.0
         start = anchor.clone() if self.rule.identity else None
         before = v.mine(self.theta).clone()
@@ -198,6 +207,8 @@ class OuterState:
             gathered, work = ex.launch(self.ef, group)
             self.flight.launch(work, gathered)
             self.anchor = self.theta.clone()
+        elif counted is not None:  # torchft: the average over the replicas that contribute
+            contribute(self, ex, group, delta, bool(contributes), counted)
         else:
             self.ef.mul_(o.outer_ef_decay).add_(delta)
             self._update(ex.average(self.ef, group, o.outer_ef_decay, self.shard))
