@@ -130,7 +130,15 @@ class Cluster:
         path = self.tmp / f"replica{r}{suffix}.jsonl"
         if not path.exists():
             return []
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        rows = []
+        for i, line in enumerate(lines):
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i < len(lines) - 1:  # only the last line may be one the replica is still writing
+                    raise
+        return rows
 
     def close(self):
         for p in self.procs.values():

@@ -98,7 +98,7 @@ def heal_from(o: Any, sd: Dict[str, Any]) -> None:
     round); the error feedback stays this replica's own (see the module docstring)."""
     v, like = o.view, o.theta
     o.theta = v.from_names(sd["theta_outer"], True, like)
-    o.mom = v.from_names(sd["momentum"], False, like)
+    o.mom = v.from_names(sd["momentum"], False, like) if sd.get("momentum") else like.new_zeros(0)  # none yet
     o.anchor, o.pending = None, None
     o.flight.clear()
     o.position, o.steps = int(sd["position"]), int(sd["steps"])
