@@ -107,3 +107,41 @@ def test_factory_option_and_checkpoint_into_torch_adamw():
     plain = torch.optim.AdamW(param_groups(copy.deepcopy(net), WD), lr=LR)
     plain.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert len(plain.state) == len(opt.state)
+
+
+def _fsdp_batches(rank):
+    g = torch.Generator().manual_seed(200 + rank)
+    return [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(8)]
+
+
+def _fsdp_train(rank, world):
+    """FSDP2 (DTensor shards) over 2 gloo processes: the frozen steps run on the local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    net = _net()
+    fully_shard(net, mesh=init_device_mesh("cpu", (world,)))
+    opt = FrozenVarianceAdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False,
+                              freeze_variance_after=3)
+    for x, y in _fsdp_batches(rank):
+        nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.full_tensor().detach().clone() for p in net.parameters()]
+
+
+def test_fsdp2_shards_match_the_unsharded_optimizer_on_the_mean_gradient():
+    from tests.helpers.dist import run_distributed
+
+    got = run_distributed(_fsdp_train, 2)
+    net = _net()
+    opt = FrozenVarianceAdamW(net.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False,
+                              freeze_variance_after=3)
+    for (x0, y0), (x1, y1) in zip(_fsdp_batches(0), _fsdp_batches(1)):
+        loss = (nn.functional.cross_entropy(net(x0), y0) + nn.functional.cross_entropy(net(x1), y1)) / 2
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    for p, a, b in zip(net.parameters(), got[0], got[1]):
+        assert torch.equal(a, b)
+        assert torch.allclose(a, p.detach(), rtol=1e-5, atol=1e-6)
