@@ -1,6 +1,6 @@
 """Render every figure the documentation shows from the recorded results, so none of them is copied by hand:
-BENCHMARKS.md's and docs/local_sgd.md's result tables (from ``benchmarks/results/``), the README's default-job
-block (from ``docs/main_job.json``) and the plots of ``docs/plots/`` (from ``benchmarks/results/``).
+BENCHMARKS.md's, docs/local_sgd.md's and docs/convergence.md's result tables (from ``benchmarks/results/``), the
+README's default-job block (from ``docs/main_job.json``) and the plots of ``docs/plots/`` (from ``benchmarks/results/``).
 
     .venv/bin/python tools/render_results.py            # rewrite every block and plot
     .venv/bin/python tools/render_results.py --check    # exit 1 if a block or plot differs from what its data renders
