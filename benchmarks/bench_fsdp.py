@@ -19,6 +19,12 @@ Every run is a Lightning Trainer on ``num_nodes=2, devices=2``, started as two s
                   outer lr 1, no outer momentum)
   topk_fsdp_update  topk_fsdp with local_steps=1: the top-k (1%, fp32, error feedback) of each step's AdamW update
                   instead of its gradient, plain averaging
+  topk_fsdp_dense     topk_fsdp with ``dense_steps`` (``--dense-steps``, 100): HSDP's all-reduce for the first steps
+  topk_fsdp_frozen    topk_fsdp_dense with AdamW's second moment frozen when the dense steps end
+                  (``lightning_topk.optim.FrozenVarianceAdamW(freeze_variance_after=--dense-steps)``)
+  topk_fsdp_update_dense, topk_fsdp_update_frozen  topk_fsdp_update with the dense steps, and with the frozen v too
+                  (the ``transformer_lm_fsdp`` preset's per-step recipe)
+  hsdp_frozen     hsdp with the frozen-v AdamW (the optimizer change alone)
   topk_local      TopKDDPStrategy with the ``topk_local`` preset (the same options as topk_fsdp_local): local
                   SGD's DDP counterpart (θ_outer whole on every rank, momentum and error feedback on its part)
 
@@ -42,6 +48,11 @@ recorded runs:
         --mmap-threshold 131072 --json fsdp_memory_25m_mmap
     python benchmarks/bench_fsdp.py --phases accuracy \
         --acc-configs hsdp,topk_fsdp,topk_ddp,topk_fsdp_warmup,topk_fsdp_local,topk_fsdp_local_lm --json fsdp_accuracy
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update --json fsdp_accuracy_update
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen,topk_fsdp_update_dense,\
+        topk_fsdp_frozen,topk_fsdp_dense,hsdp_frozen --json fsdp_accuracy_adam
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen --dense-steps 160 \
+        --json fsdp_accuracy_adam_dense160
 
 Accuracy (``--phases accuracy``): the byte-level text shipped in the package (``lightning_topk.data.text``,
 ``seq_len`` 65, no download), the ``transformer_lm_bytes`` preset's model (d_model 128, 2 layers, 4 heads),
