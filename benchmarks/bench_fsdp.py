@@ -19,6 +19,12 @@ Every run is a Lightning Trainer on ``num_nodes=2, devices=2``, started as two s
                   outer lr 1, no outer momentum)
   topk_fsdp_update  topk_fsdp with local_steps=1: the top-k (1%, fp32, error feedback) of each step's AdamW update
                   instead of its gradient, plain averaging
+  topk_fsdp_dense     topk_fsdp with ``dense_steps`` (``--dense-steps``, 100): HSDP's all-reduce for the first steps
+  topk_fsdp_frozen    topk_fsdp_dense with AdamW's second moment frozen when the dense steps end
+                  (``lightning_topk.optim.FrozenVarianceAdamW(freeze_variance_after=--dense-steps)``)
+  topk_fsdp_update_dense, topk_fsdp_update_frozen  topk_fsdp_update with the dense steps, and with the frozen v too
+                  (the ``transformer_lm_fsdp`` preset's per-step recipe)
+  hsdp_frozen     hsdp with the frozen-v AdamW (the optimizer change alone)
   topk_local      TopKDDPStrategy with the ``topk_local`` preset (the same options as topk_fsdp_local): local
                   SGD's DDP counterpart (θ_outer whole on every rank, momentum and error feedback on its part)
 
@@ -42,6 +48,11 @@ recorded runs:
         --mmap-threshold 131072 --json fsdp_memory_25m_mmap
     python benchmarks/bench_fsdp.py --phases accuracy \
         --acc-configs hsdp,topk_fsdp,topk_ddp,topk_fsdp_warmup,topk_fsdp_local,topk_fsdp_local_lm --json fsdp_accuracy
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update --json fsdp_accuracy_update
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen,topk_fsdp_update_dense,\
+        topk_fsdp_frozen,topk_fsdp_dense,hsdp_frozen --json fsdp_accuracy_adam
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen --dense-steps 160 \
+        --json fsdp_accuracy_adam_dense160
 
 Accuracy (``--phases accuracy``): the byte-level text shipped in the package (``lightning_topk.data.text``,
 ``seq_len`` 65, no download), the ``transformer_lm_bytes`` preset's model (d_model 128, 2 layers, 4 heads),
@@ -73,11 +84,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NODES, DEVICES = 2, 2
 CONFIGS = ("hsdp", "topk_fsdp", "topk_fsdp_local", "topk_ddp", "topk_local", "topk_fsdp_warmup",
-           "topk_fsdp_local_lm", "topk_fsdp_update")
+           "topk_fsdp_local_lm", "topk_fsdp_update", "topk_fsdp_dense", "topk_fsdp_frozen", "topk_fsdp_update_dense",
+           "topk_fsdp_update_frozen", "hsdp_frozen")
 # topk_fsdp_update: the top-k of each step's optimizer update instead of its gradient (local SGD with one inner step:
 # each replica's AdamW sees only its own gradients, the update's error feedback keeps what was not sent), at the
 # per-step exchange's density, fp32 values, plain averaging
 UPDATE = dict(local_steps=1, outer_density=0.01, outer_value_bits=32, outer_recipe="average", outer_ef_decay=1.0)
+# The AdamW variants (issue 33): DENSE_STEPS synchronous (dense) steps first; the *_frozen configs also freeze
+# AdamW's second moment at that step (lightning_topk.optim.FrozenVarianceAdamW, freeze_variance_after=DENSE_STEPS)
+DENSE_STEPS = 100
+FROZEN = ("topk_fsdp_frozen", "topk_fsdp_update_frozen", "hsdp_frozen")
 WARMUP_STEPS = 100  # topk_fsdp_warmup: DGC's warm-up, density 0.25 -> 0.01 geometrically over these steps
 # topk_fsdp_local_lm: conf/experiment_strategy/transformer_lm_bytes_topk_local.yaml's recipe for this LM (post-local
 # SGD: 160 synchronous steps, then H 4 with dense 4-bit outer values and plain averaging)
@@ -171,7 +187,7 @@ def worker(a):
             self.losses, self.memory, self.t0 = [], None, None
 
         def configure_model(self):
-            if a.config != "hsdp":
+            if a.config not in ("hsdp", "hsdp_frozen"):
                 return  # topk_fsdp shards every block, then the rest; topk_ddp replicates
             from torch.distributed.fsdp import fully_shard
 
@@ -197,7 +213,13 @@ def worker(a):
                 self.memory["rss_above_start_bytes"] = self.memory["rss_bytes"] - rss_start
 
         def configure_optimizers(self):
-            opt = torch.optim.AdamW(self.parameters(), lr=2e-3, weight_decay=0.01, foreach=False)
+            if a.config in FROZEN:
+                from lightning_topk.optim import FrozenVarianceAdamW
+
+                opt = FrozenVarianceAdamW(self.parameters(), lr=2e-3, weight_decay=0.01, foreach=False,
+                                          freeze_variance_after=a.dense_steps)
+            else:
+                opt = torch.optim.AdamW(self.parameters(), lr=2e-3, weight_decay=0.01, foreach=False)
             warm = 10
 
             def lr(step):
@@ -208,7 +230,7 @@ def worker(a):
             return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr),
                                                        "interval": "step"}}
 
-    if a.config == "hsdp":
+    if a.config in ("hsdp", "hsdp_frozen"):
         strategy = pl.strategies.ModelParallelStrategy()
     elif a.config == "topk_fsdp":
         strategy = TopKFSDPStrategy(density=0.01, exchange=a.exchange)
@@ -224,6 +246,10 @@ def worker(a):
         strategy = TopKFSDPStrategy(**LM_LOCAL)
     elif a.config == "topk_fsdp_update":
         strategy = TopKFSDPStrategy(**UPDATE)
+    elif a.config in ("topk_fsdp_dense", "topk_fsdp_frozen"):
+        strategy = TopKFSDPStrategy(density=0.01, exchange=a.exchange, dense_steps=a.dense_steps)
+    elif a.config in ("topk_fsdp_update_dense", "topk_fsdp_update_frozen"):
+        strategy = TopKFSDPStrategy(**UPDATE, dense_steps=a.dense_steps)
     else:
         raise ValueError(a.config)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=strategy, max_steps=a.steps,
@@ -286,7 +312,7 @@ def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, ex
     out = os.path.join(tmp, f"{config}-{d_model}x{layers}-{steps}")
     args = [os.path.abspath(__file__), "--worker", "--config", config, "--steps", steps, "--d-model", d_model,
             "--layers", layers, "--heads", heads, "--out", out]
-    args += ["--exchange", exchange, "--batch", batch]
+    args += ["--exchange", exchange, "--batch", batch, "--dense-steps", DENSE_STEPS_ARG[0]]
     args += ["--measure-memory"] if measure_memory else []
     args += ["--eval"] if evaluate else []
     t0 = time.perf_counter()
@@ -302,6 +328,7 @@ def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, ex
     return ranks, wall
 
 
+DENSE_STEPS_ARG = [DENSE_STEPS]  # --dense-steps
 MMAP_THRESHOLD = [0]  # --mmap-threshold (0: glibc's default, a threshold that grows as large blocks are freed)
 
 
@@ -363,6 +390,10 @@ def accuracy_phase(a, tmp):
                "train_loss_last10": sum(r["train_loss_last10"] for r in ranks) / len(ranks),
                "train_loss_first": r0["train_loss_first"], "step_s": max(r["step_s"] for r in ranks),
                "wall_s": wall}
+        if config.endswith(("_dense", "_frozen")) and config != "hsdp_frozen":
+            row["dense_steps"] = a.dense_steps
+        if config in FROZEN:
+            row["optimizer"] = f"FrozenVarianceAdamW(freeze_variance_after={a.dense_steps})"
         shard = r0.get("shard_numel_padded")
         if "exchange" in r0:
             ex = [r["exchange"] for r in ranks]
@@ -450,6 +481,8 @@ def main():
     ap.add_argument("--measure-memory", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--eval", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
+    ap.add_argument("--dense-steps", type=int, default=DENSE_STEPS,
+                    help="the *_dense and *_frozen configs' dense steps and freeze step (default %(default)s)")
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -458,6 +491,7 @@ def main():
     import lightning_topk
 
     MMAP_THRESHOLD[0] = a.mmap_threshold
+    DENSE_STEPS_ARG[0] = a.dense_steps
     load_before = os.getloadavg()[0]
     print(f"# {NODES} simulated nodes x {DEVICES} gloo processes (CPU), {lightning_topk.__file__}")
     print(f"# load average before: {os.getloadavg()}")

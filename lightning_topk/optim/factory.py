@@ -5,6 +5,7 @@ from typing import Any
 
 import torch
 
+from lightning_topk.optim.frozen_adamw import FrozenVarianceAdamW
 from lightning_topk.optim.lamb import LAMB
 from lightning_topk.optim.lars import LARS
 
@@ -16,7 +17,8 @@ _TORCH = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim
 def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kwargs: Any) -> torch.optim.Optimizer:
     """``name`` in :data:`OPTIMIZERS`; ``impl`` in :data:`IMPLS` (torch optimizers only: LARS and LAMB are
     always multi-tensor). ``params`` may come from :func:`lightning_topk.optim.param_groups`; other keyword
-    arguments go to the optimizer."""
+    arguments go to the optimizer. ``freeze_variance_after=W`` (adamw only; default 0: off) builds
+    :class:`~lightning_topk.optim.FrozenVarianceAdamW`, AdamW whose second moment is frozen after step W."""
     if name not in OPTIMIZERS:
         raise ValueError(f"build_optimizer: option 'name' must be one of {OPTIMIZERS}, got {name!r}")
     if impl not in IMPLS:
@@ -27,12 +29,17 @@ def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kw
         return LAMB(params, lr=lr, **kwargs)
     if name == "sgd" and kwargs.get("momentum", 0) == 0 and kwargs.get("nesterov"):
         raise ValueError("build_optimizer: option 'nesterov' needs 'momentum' > 0")
+    freeze = kwargs.pop("freeze_variance_after", 0)
+    if freeze and name != "adamw":
+        raise ValueError(f"build_optimizer: option 'freeze_variance_after' is for adamw, not {name!r}")
     params = list(params)
     if impl == "fused" and name == "sgd" and _has_dtensor(params):
         impl = "foreach"  # torch's fused SGD has no DTensor (FSDP2) rule; the multi-tensor form computes the same
     flags = {"fused": {"fused": True, "foreach": False},
              "foreach": {"fused": False, "foreach": True},
              "loop": {"fused": False, "foreach": False}}[impl]
+    if freeze:
+        return FrozenVarianceAdamW(params, lr=lr, freeze_variance_after=freeze, **flags, **kwargs)
     return _TORCH[name](params, lr=lr, **flags, **kwargs)
 
 

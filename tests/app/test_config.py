@@ -126,6 +126,24 @@ def test_every_experiment_composes_with_every_strategy(cfg_env):
                 assert s._ddp_kwargs["gradient_as_bucket_view"] is True, (exp, name)
 
 
+def test_transformer_lm_fsdp_adamw_recipe_freezes_v_at_the_dense_steps(cfg_env):
+    """experiment=transformer_lm_fsdp (strategy topk_fsdp): the per-step AdamW recipe (top-k of the update, dense
+    steps, AdamW's v frozen when they end); the freeze follows strategy.dense_steps (one source of truth), and the
+    recipe stays out of strategy=topk_fsdp_local."""
+    from lightning_topk.optim import FrozenVarianceAdamW
+
+    net = torch.nn.Linear(2, 2)
+    for over, dense in ((), 100), (("strategy.dense_steps=30",), 30):
+        cfg = cfg_env("experiment=transformer_lm_fsdp", *over)
+        s = instantiate(cfg.strategy).topk_config
+        assert (s.local_steps, s.outer_density, s.outer_value_bits, s.outer_recipe, s.dense_steps) == (
+            1, 0.01, 32, "average", dense)
+        opt = instantiate(cfg.optimizer)(net)
+        assert type(opt) is FrozenVarianceAdamW and opt.param_groups[0]["freeze_variance_after"] == dense
+    cfg = cfg_env("experiment=transformer_lm_fsdp", "strategy=topk_fsdp_local")
+    assert type(instantiate(cfg.optimizer)(net)) is torch.optim.AdamW and cfg.strategy.local_steps == 4
+
+
 def test_default_config_builds_and_overrides_reach_objects(cfg_env, tmp_path):
     cfg = cfg_env("strategy.density=0.005", "strategy.selector=mstopk", "optimizer=lars", "optimizer.lr=0.3",
                   "trainer.max_epochs=3", "trainer.devices=1", "data.batch_size=16", "model.net.width=8",

@@ -1,0 +1,186 @@
+"""Issue 33, AdamW per step: a one-process simulation of ``benchmarks/bench_fsdp.py``'s accuracy run (2 nodes x 2
+processes, the byte-level LM, AdamW lr 2e-3 with 10 warm-up steps then cosine, 360 steps, 16 sequences per rank),
+with the optimizer written out so that its variants are one flag each. Not shipped
+one line of JSON per run.
+
+Each step: the 4 ranks' gradients
+each node's mean (FSDP's reduce-scatter inside the node, here the whole vector);
+then, by ``--mode``:
+
+* ``dense``: the mean over nodes (HSDP). With no other flag this reproduces bench_fsdp's ``hsdp`` held-out loss
+  exactly on torch 2.13 CPU (2.4393159759931327).
+* ``topk``: per node error feedback + top-k (``--density``) of the whole vector (bench_fsdp: per bucket), the average
+  of the two nodes' sparse vectors goes to AdamW (``topk_fsdp``
+  3.142 here against bench_fsdp's 3.169).
+* ``mom``: after the freeze, each node keeps its own momentum and error feedback takes m_i / (sqrt(v_frozen) + eps)
+  (1-bit Adam's exchange, top-k instead of sign)
+  the learning rate multiplies what was sent.
+* ``mom2``: after ``--dense-steps``, each node runs AdamW on its own gradient and error feedback takes the update
+  (parameter units, weight decay included) - what ``topk_fsdp`` with ``local_steps=1`` does.
+
+Flags: ``--dense-steps N`` (the first N steps dense), ``--freeze W`` (v and its bias correction frozen after step W),
+``--vmode local`` (v from the dense mean gradient, an upper bound that needs a dense exchange), ``--floor 1``
+(coordinates whose frozen v is 0 keep a live v), ``--flush 1`` (mom2: the residuals applied after the last step),
+``--lrmul``. Usage: ``python research/adam_lm_sim.py --mode topk --dense-steps 100 --freeze 100``.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lightning_topk.data.text import VOCAB_SIZE, byte_sequences
+from lightning_topk.models.components.transformer import TransformerLM
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--mode", default="topk")  # dense | topk
+ap.add_argument("--density", type=float, default=0.01)
+ap.add_argument("--dense-steps", type=int, default=0)
+ap.add_argument("--freeze", type=int, default=0)  # freeze v after this many steps (0: never)
+ap.add_argument("--steps", type=int, default=360)
+ap.add_argument("--lr", type=float, default=2e-3)
+ap.add_argument("--vmode", default="recv")  # recv | local (v from the node's dense gradient, averaged across nodes)
+ap.add_argument("--tag", default="")
+ap.add_argument("--floor", type=int, default=0)  # coordinates whose frozen v is 0 keep the live v
+ap.add_argument("--lrmul", type=float, default=1.0)
+ap.add_argument("--flush", type=int, default=0)  # mom2: apply the residuals at the end
+a = ap.parse_args()
+torch.set_num_threads(1)
+seq_len = 65
+train, val = byte_sequences(seq_len=seq_len, val_fraction=0.05, seed=0)
+torch.manual_seed(0)
+net = TransformerLM(VOCAB_SIZE, d_model=128, layers=2, heads=4, ff_mult=4, max_len=64, dropout=0.0)
+params = list(net.parameters())
+world, B = 4, 16
+data = [torch.from_numpy(train[r::world].astype(np.int64)) for r in range(world)]
+
+
+def loss_of(x):
+    logits = net(x[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB_SIZE), x[:, 1:].reshape(-1))
+
+
+def lr_at(step):
+    warm = 10
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warm) / max(1, a.steps - warm))))
+
+
+n = sum(p.numel() for p in params)
+res = [torch.zeros(n), torch.zeros(n)]
+m = torch.zeros(n)
+v = torch.zeros(n)
+b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
+flat = torch.cat([p.detach().reshape(-1) for p in params])
+ms = vs = den_frozen = v_fz = vl = None
+losses = []
+t0 = time.time()
+for step in range(a.steps):
+    grads = []
+    for r in range(world):
+        nb = len(data[r]) // B
+        x = data[r][(step % nb) * B:(step % nb) * B + B]
+        for p in params:
+            p.grad = None
+        loss = loss_of(x)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        grads.append(torch.cat([p.grad.reshape(-1) for p in params]))
+    node = [(grads[0] + grads[1]) / 2, (grads[2] + grads[3]) / 2]
+    dense_g = (node[0] + node[1]) / 2
+    lr = a.lr * a.lrmul * lr_at(step)
+    t = step + 1
+    frozen = a.freeze and t > a.freeze
+    flat.mul_(1 - lr * wd)
+    if a.mode == "mom2" and step >= a.dense_steps:  # top-k of each node's AdamW update (param units), EF
+        if ms is None:
+            ms = [m.clone(), m.clone()]
+            vs = [v.clone(), v.clone()]
+        bc1 = 1 - b1 ** t
+        k = max(1, int(math.ceil(a.density * n)))
+        out = torch.zeros(n)
+        for i in range(2):
+            ms[i].lerp_(node[i], 1 - b1)
+            if frozen:
+                den = den_frozen
+            else:
+                vs[i].mul_(b2).addcmul_(node[i], node[i], value=1 - b2)
+                den = (vs[i].sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+            acc = res[i] + (lr * wd) * flat + (lr / bc1) * ms[i] / den
+            idx = acc.abs().topk(k).indices
+            sent = torch.zeros(n)
+            sent[idx] = acc[idx]
+            res[i] = acc - sent
+            out += sent
+        flat.mul_(1 / (1 - lr * wd))
+        flat.sub_(out / 2)
+        if a.flush and t == a.steps:
+            flat.sub_((res[0] + res[1]) / 2)
+    elif a.mode == "mom" and frozen:  # 1-bit Adam: local m_i, EF on m_i/den, frozen den
+        if ms is None:
+            ms = [m.clone(), m.clone()]
+        bc1 = 1 - b1 ** t
+        k = max(1, int(math.ceil(a.density * n)))
+        out = torch.zeros(n)
+        for i in range(2):
+            ms[i].lerp_(node[i], 1 - b1)
+            acc = res[i] + ms[i] / bc1 / den_frozen
+            idx = acc.abs().topk(k).indices
+            sent = torch.zeros(n)
+            sent[idx] = acc[idx]
+            res[i] = acc - sent
+            out += sent
+        flat.add_(out / 2, alpha=-lr)
+    else:
+        if a.mode == "dense" or step < a.dense_steps:
+            g = dense_g
+        else:
+            k = max(1, int(math.ceil(a.density * n)))
+            out = torch.zeros(n)
+            for i in range(2):
+                acc = res[i] + node[i]
+                idx = acc.abs().topk(k).indices
+                sent = torch.zeros(n)
+                sent[idx] = acc[idx]
+                res[i] = acc - sent
+                out += sent
+            g = out / 2
+        m.lerp_(g, 1 - b1)
+        if frozen:
+            if a.floor:
+                vl.mul_(b2).addcmul_(g, g, value=1 - b2)
+                denom = torch.where(v_fz > 0, den_frozen, (vl.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps))
+            else:
+                denom = den_frozen
+        else:
+            gv = dense_g if a.vmode == "local" else g
+            v.mul_(b2).addcmul_(gv, gv, value=1 - b2)
+            bc2 = 1 - b2 ** t
+            denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+            den_frozen = denom.clone()
+            v_fz = v.clone()
+            vl = v.clone()
+        bc1 = 1 - b1 ** t
+        flat.addcdiv_(m, denom, value=-lr / bc1)
+    off = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+net.eval()
+vv = torch.from_numpy(val.astype(np.int64))
+tot = 0.0
+with torch.no_grad():
+    for i in range(0, len(vv), 64):
+        x = vv[i:i + 64]
+        tot += float(loss_of(x)) * len(x)
+vl = tot / len(vv)
+r = dict(vars(a), val_loss=vl, train_last10=sum(losses[-40:]) / 40, wall=time.time() - t0)
+print(json.dumps(r), flush=True)
