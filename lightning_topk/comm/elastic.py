@@ -178,38 +178,32 @@ def group_rank(group: Any) -> int:
     return dist.get_rank(group)
 
 
-def all_reduce(t: Tensor, group: Any, async_op: bool = False) -> Any:
-    """``dist.all_reduce`` (sum), or the elastic one; returns the work when ``async_op`` (else waits)."""
+def _collective(group: Any, name: str, args: tuple, torch_fn: Callable[..., Any], async_op: bool) -> Any:
+    """Run the collective ``name`` on an :class:`ElasticGroup` (its method) or with ``torch_fn``; returns the work
+    when ``async_op`` (else waits)."""
     if isinstance(group, ElasticGroup):
-        work: Any = group.all_reduce(t)
+        work: Any = getattr(group, name)(*args)
     else:
-        work = dist.all_reduce(t, group=group, async_op=True)
+        work = torch_fn(*args, group=group, async_op=True)
     if async_op:
         return work
     work.wait()
     return None
 
 
+def all_reduce(t: Tensor, group: Any, async_op: bool = False) -> Any:
+    """``dist.all_reduce`` (sum), or the elastic one; returns the work when ``async_op`` (else waits)."""
+    return _collective(group, "all_reduce", (t,), dist.all_reduce, async_op)
+
+
 def all_gather(out: Tensor, inp: Tensor, group: Any = None, async_op: bool = False) -> Any:
     """``dist.all_gather_into_tensor``, or the elastic one (see :func:`all_reduce`)."""
-    if isinstance(group, ElasticGroup):
-        work: Any = group.all_gather(out, inp)
-        if not async_op:
-            work.wait()
-            return None
-        return work
-    return _dist_all_gather(out, inp, group=group, async_op=async_op)
+    return _collective(group, "all_gather", (out, inp), _dist_all_gather, async_op)
 
 
 def all_to_all(out: Tensor, inp: Tensor, group: Any = None, async_op: bool = False) -> Any:
     """``dist.all_to_all_single`` (equal splits), or the elastic one (see :func:`all_reduce`)."""
-    if isinstance(group, ElasticGroup):
-        work: Any = group.all_to_all(out, inp)
-        if not async_op:
-            work.wait()
-            return None
-        return work
-    return dist.all_to_all_single(out, inp, group=group, async_op=async_op)
+    return _collective(group, "all_to_all", (out, inp), dist.all_to_all_single, async_op)
 
 
 def is_elastic(group: Any) -> bool:
