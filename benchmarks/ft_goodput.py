@@ -465,20 +465,26 @@ def header(d: Dict[str, Any]) -> str:
     return f"{where}. {what}.{note}"
 
 
+def _heals(xs: List[float]) -> str:
+    return f"{len(xs)}, {statistics.median(xs):.1f}" if xs else "0"
+
+
 def goodput_table(d: Dict[str, Any]) -> str:
     rows = d["rows"]["results"]
     ref = next((r for r in rows if r["mode"] == "ddp"), None)
     lines = ["| mode | steps committed | samples/s (committed) | x undisturbed job | first step s | time to target s "
-             "| final acc | process starts | heal s (transfer) | start to first commit s | longest gap between commits s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| final acc | process starts | start to first commit s (median) | steps redone | heals of restarted "
+             "nodes (n, median s) | heals of survivors (n, median s) | longest gap between commits s | load avg after |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["samples_per_s"] / ref["samples_per_s"] if ref else None
-        heals = ", ".join(f"{h:.2f}" for h in r["heal_times_s"]) or "–"
+        starts = r["start_to_first_commit_s"]
         lines.append(f"| {LABELS.get(r['mode'], r['mode'])} | {r['steps_committed']} | {r['samples_per_s']:.1f} | "
                      f"{_f(ratio, '{:.2f}')} | {r['first_step_s']:.1f} | {_f(r['time_to_target_s'])} | "
-                     f"{_f(r['final_acc'], '{:.3f}')} | {r['starts']} | {heals} | "
-                     f"{', '.join(f'{x:g}' for x in r['start_to_first_commit_s']) or '–'} | "
-                     f"{_f(r['longest_gap_between_commits_s'])} |")
+                     f"{_f(r['final_acc'], '{:.3f}')} | {r['starts']} | "
+                     f"{_f(statistics.median(starts) if starts else None)} | {r.get('steps_redone', 0)} | "
+                     f"{_heals(r['heal_times_s'])} | {_heals(r.get('heals_of_survivors_s', []))} | "
+                     f"{_f(r['longest_gap_between_commits_s'])} | {_f(r.get('load_avg_after'))} |")
     sched = next((r["schedule"] for r in rows if r["schedule"]), [])
     text = "\n".join(lines)
     if sched:

@@ -8,7 +8,7 @@ import sys
 from tests.helpers.procs import ROOT
 
 sys.path.insert(0, os.path.join(str(ROOT), "benchmarks"))
-import ft_goodput  # noqa: E402
+import ft_goodput
 
 
 def _args(**kw):
@@ -61,6 +61,7 @@ def test_tables_render():
     d = {"date": "2026-11-27T00:00:00Z", "command": "python x", "rows": {"setup": setup, "results": [s]},
          "host": {"cpus": 2, "machine": "x86_64", "torch": "2.13.0", "cuda": False}}
     assert "| torchft, preempted | 1 |" in ft_goodput.goodput_table(d)
+    assert ft_goodput._heals([0.5, 0.7, 2.0]) == "3, 0.7" and ft_goodput._heals([]) == "0"
     assert "Schedule" in ft_goodput.goodput_table(d) and "100mbit per link" in ft_goodput.header(d)
     runs = [dict(seed=0, killed=False, accuracy=0.9, identical=True),
             dict(seed=0, killed=True, accuracy=0.91, identical=True, heal_time_s=0.1)]
