@@ -287,8 +287,20 @@ def summarize_goodput(mode: str, rows: Dict[int, List[Dict[str, Any]]], t0: floa
     commits = sorted({r["t"] for r in allrows if r["committed"]})
     for x, y in zip(commits, commits[1:]):
         gaps.append(y - x)
+    # the run's own pace: the median time between consecutive committed steps with every node in, and the samples
+    # that pace would have committed from the first step to the end (evaluation and checkpoint steps are in
+    # the median's tails); the ratio is less sensitive than samples/s to the load the machine's other jobs add
+    commit_t: Dict[Any, float] = {}
+    for r in allrows:
+        if r["committed"] and r["quorum"] == a.nodes:
+            key = (r["step"],) if ft else (r["inc"], r["step"])
+            commit_t[key] = min(commit_t.get(key, r["t"]), r["t"])
+    paces = [t - commit_t[k[:-1] + (k[-1] - 1,)] for k, t in commit_t.items() if k[:-1] + (k[-1] - 1,) in commit_t]
+    pace = statistics.median(paces) if paces else None
+    at_pace = a.nodes * batch * (end - first) / pace if pace else None
     return {
-        "mode": mode, "duration_s": a.duration, "first_step_s": round(first - t0, 2), "steps_committed": steps,
+        "mode": mode, "duration_s": a.duration, "median_step_s": pace,
+        "share_of_own_pace": samples / at_pace if at_pace else None, "first_step_s": round(first - t0, 2), "steps_committed": steps,
         "samples_committed": samples, "samples_per_s": samples / a.duration,
         "samples_per_s_after_first_step": samples / max(1e-9, end - first),
         "time_to_target_s": reached[0]["t_s"] if reached else None, "target_acc": a.target_acc,
@@ -473,14 +485,15 @@ def goodput_table(d: Dict[str, Any]) -> str:
     rows = d["rows"]["results"]
     ref = next((r for r in rows if r["mode"] == "ddp"), None)
     lines = ["| mode | steps committed | samples/s (committed) | x undisturbed job | first step s | time to target s "
-             "| final acc | process starts | start to first commit s (median) | steps redone | heals of restarted "
+             "| median step s | share of own pace | final acc | process starts | start to first commit s (median) | steps redone | heals of restarted "
              "nodes (n, median s) | heals of survivors (n, median s) | longest gap between commits s | load avg after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = r["samples_per_s"] / ref["samples_per_s"] if ref else None
         starts = r["start_to_first_commit_s"]
         lines.append(f"| {LABELS.get(r['mode'], r['mode'])} | {r['steps_committed']} | {r['samples_per_s']:.1f} | "
                      f"{_f(ratio, '{:.2f}')} | {r['first_step_s']:.1f} | {_f(r['time_to_target_s'])} | "
+                     f"{_f(r.get('median_step_s'), '{:.3f}')} | {_f(r.get('share_of_own_pace'), '{:.2f}')} | "
                      f"{_f(r['final_acc'], '{:.3f}')} | {r['starts']} | "
                      f"{_f(statistics.median(starts) if starts else None)} | {r.get('steps_redone', 0)} | "
                      f"{_heals(r['heal_times_s'])} | {_heals(r.get('heals_of_survivors_s', []))} | "

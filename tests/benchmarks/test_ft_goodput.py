@@ -68,3 +68,10 @@ def test_tables_render():
     summary = dict(undisturbed_mean=0.9, killed_mean=0.91, undisturbed_range=[0.9, 0.9], killed_range=[0.91, 0.91],
                    diff_points_mean=1.0)
     assert "| 0 | 90.0% | 91.0% | +1.0 |" in ft_goodput.accuracy_table({"rows": {"runs": runs, "summary": summary}})
+
+
+def test_own_pace_is_the_median_full_quorum_step():
+    rows = {n: [_row(t, t, quorum=2) for t in range(1, 11)] for n in (0, 1)}
+    s = ft_goodput.summarize_goodput("ddp", rows, 0.0, _args(duration=11.0), [])
+    assert s["median_step_s"] == 1.0
+    assert abs(s["share_of_own_pace"] - 10 / 10) < 1e-9  # 10 steps in the 10 s from the first step to the end
