@@ -582,6 +582,18 @@ def summary() -> str:
 
 
 # name: (the file the block is in, the data it is rendered from, the renderer)
+def ft_table(name: str) -> Callable[[], str]:
+    """The renderer of one ``ft_goodput.py`` result (goodput under preemption, or accuracy with a replica killed and
+    healed): its header line and that script's own table."""
+    def render() -> str:
+        d = _load(name)
+        mod = _module("benchmarks/ft_goodput.py")
+        table = mod.goodput_table(d) if "results" in d["rows"] else mod.accuracy_table(d)
+        return f"{mod.header(d)} (`benchmarks/results/{name}`)\n\n{table}"
+    render.__doc__ = f"The table of ``{name}`` (``ft_goodput.py``)."
+    return render
+
+
 BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "summary": ("BENCHMARKS.md", "benchmarks/results/{select,hier_bytes,optim,data,memory,cluster_defaults_2026-11-27,"
                 "convergence_sgd_nesterov,fsdp_memory,fsdp_accuracy,fsdp_accuracy_adam}.json", summary),
@@ -628,6 +640,10 @@ LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm
 for _name, _heading in CLUSTER_RUNS:
     BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
                                        cluster_tables(f"{_name}.json", _heading))
+FT_RUNS = ["ft_goodput_2026-11-27", "ft_goodput_2026-11-27_repeat", "ft_goodput_2026-11-27_join5s",
+           "ft_accuracy_digits_2026-11-27", "ft_accuracy_mnist_2026-11-27"]
+for _name in FT_RUNS:
+    BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json", ft_table(f"{_name}.json"))
 for _name in LOCAL_ACCURACY_RUNS:
     BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
                                        local_accuracy_table(f"{_name}.json"))
