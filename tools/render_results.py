@@ -244,10 +244,10 @@ def _host_line(d: Dict[str, Any]) -> str:
             f"{'CUDA' if h['cuda'] else 'no GPU'}")
 
 
-def elastic_local_accuracy() -> str:
+def elastic_local_accuracy(name: str = "elastic_local_accuracy.json") -> str:
     """Local SGD under torchft: test accuracy with one replica group killed and healed against the undisturbed run
-    (``elastic_accuracy.py``)."""
-    d = _load("elastic_local_accuracy.json")
+    (``elastic_accuracy.py``; results file ``name``)."""
+    d = _load(name)
     base = {r["rounds"]: r["accuracy"][0] for r in d["rows"] if not r["killed"]}
     rows = ["| committed rounds (inner steps) | run | test accuracy | vs undisturbed | rounds the survivors committed "
             "before it rejoined | heal (s) | rounds rolled back (survivors) | replicas bit-identical at the end |",
@@ -262,8 +262,14 @@ def elastic_local_accuracy() -> str:
             run, extra = "undisturbed", "– | – | – | –"
         rows.append(f"| {r['rounds']} ({r['inner_steps']}) | {run} | {100 * acc:.1f}% | {extra} | "
                     f"{'yes' if r['identical'] else '**no**'} |")
-    head = f"{_host_line(d)}: {d['setup']} (`benchmarks/results/elastic_local_accuracy.json`):"
-    return "\n".join([head, "", *rows])
+    killed = [r for r in d["rows"] if r["killed"]]
+    tail = []
+    if len(killed) > 1:
+        deltas = [100 * (r["accuracy"][0] - base[r["rounds"]]) for r in killed]
+        tail = ["", f"Killed runs against the undisturbed one: mean {sum(deltas) / len(deltas):+.1f} points "
+                    f"(from {min(deltas):+.1f} to {max(deltas):+.1f}, {len(deltas)} runs)."]
+    head = f"{_host_line(d)}: {d['setup']} (`benchmarks/results/{name}`):"
+    return "\n".join([head, "", *rows, *tail])
 
 
 def data_pipeline() -> str:
@@ -619,6 +625,8 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "data": ("BENCHMARKS.md", "benchmarks/results/data.json", data_pipeline),
     "elastic-local-accuracy": ("BENCHMARKS.md", "benchmarks/results/elastic_local_accuracy.json",
                                elastic_local_accuracy),
+    "elastic-local-accuracy-r3": ("BENCHMARKS.md", "benchmarks/results/elastic_local_accuracy_r3.json",
+                                  lambda: elastic_local_accuracy("elastic_local_accuracy_r3.json")),
     "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy,accuracy_update,accuracy_adam*}.json",
              fsdp_tables),
     "fsdp-adam": ("docs/convergence.md", "benchmarks/results/fsdp_accuracy{,_update,_adam*}.json", fsdp_adam_table),
