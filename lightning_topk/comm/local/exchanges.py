@@ -22,18 +22,14 @@ from torch import Tensor
 from lightning_topk.comm import elastic
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.local.codec import PacketLayout, compress, decode_into, sum_packets
+from lightning_topk.comm.local.flat import world
 
 # torch's all-gather, or an :class:`~lightning_topk.comm.elastic.ElasticGroup`'s (fault_tolerance="torchft": the
 # replicas of the round's quorum; a failed collective is reported to torchft, not raised)
 _all_gather = elastic.all_gather
 
 
-def replica_count(group: Any) -> int:
-    """The number of replicas in ``group`` (1 without an initialized process group; an elastic group: the
-    quorum's participants, which may change from one round to the next)."""
-    if elastic.is_elastic(group):
-        return elastic.group_size(group)
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+replica_count = world  # the number of replicas in a group (flat.world)
 
 
 def decode_average(gathered: Tensor, layout: PacketLayout, shard: int) -> Tensor:

@@ -125,6 +125,8 @@ class BufferSet:
 
 
 def world(group: Any) -> int:
+    """The number of ranks (replicas) in ``group``: 1 without an initialized process group; an elastic group's
+    quorum, which may change from one round to the next."""
     if elastic.is_elastic(group):
         return elastic.group_size(group)
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
