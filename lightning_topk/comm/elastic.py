@@ -164,6 +164,30 @@ class ElasticGroup:
         return ElasticWork(self, work, own_slots_everywhere)
 
 
+class ElasticGrid(ElasticGroup):
+    """Every process of every replica group in the quorum (a sharded model's step decision, whose ranks hold
+    different shards): :meth:`all_reduce` sums over the replica group's own processes (``intra``, torch's group)
+    first, then over the quorum on this local rank's elastic group, so every process of every replica ends with
+    the same sum. Size and rank count processes: (quorum rank) x (processes per group) + local rank."""
+
+    def __init__(self, group: ElasticGroup, intra: Any) -> None:
+        super().__init__(group.pg, group._size, group._rank, group._on_error, group._errored, intra=intra)
+        self._inner = group
+
+    def size(self) -> int:
+        return super().size() * dist.get_world_size(self.intra)
+
+    def rank(self) -> int:
+        return super().rank() * dist.get_world_size(self.intra) + dist.get_rank(self.intra)
+
+    def fail(self, e: BaseException) -> None:
+        self._inner.fail(e)  # one failure count per replica (telemetry)
+
+    def all_reduce(self, t: Tensor) -> ElasticWork:
+        dist.all_reduce(t, group=self.intra)
+        return super().all_reduce(t)
+
+
 def group_size(group: Any) -> int:
     """``dist.get_world_size(group)``, an :class:`ElasticGroup`'s quorum size."""
     if isinstance(group, ElasticGroup):
@@ -210,5 +234,5 @@ def is_elastic(group: Any) -> bool:
     return isinstance(group, ElasticGroup)
 
 
-__all__: List[str] = ["ElasticGroup", "ElasticWork", "all_gather", "all_reduce", "all_to_all", "group_rank",
+__all__: List[str] = ["ElasticGrid", "ElasticGroup", "ElasticWork", "all_gather", "all_reduce", "all_to_all", "group_rank",
                       "group_size", "is_elastic"]

@@ -17,7 +17,7 @@ With one node there is nothing to exchange across nodes: the model trains as FSD
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ from torch import nn
 
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision, StepController
+from lightning_topk.comm.elastic import ElasticGrid, ElasticGroup
 from lightning_topk.comm.exchanges import exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.base import Layout
@@ -116,7 +117,8 @@ class ShardedTopK:
     the module docstring). ``optimizers``: the inner optimizers (local SGD's ``outer_recipe="auto"``)."""
 
     def __init__(self, config: TopKConfig, module: nn.Module, mesh: Any,
-                 optimizers: Optional[Sequence[Any]] = None) -> None:
+                 optimizers: Optional[Sequence[Any]] = None, elastic: Optional[ElasticGroup] = None,
+                 commit_gate: Optional[Callable[[bool], bool]] = None) -> None:
         check_sharding(module, mesh)
         if config.exchange in NODE_TIER:
             raise ValueError(f"topk_fsdp: exchange={config.exchange!r} is what topk_fsdp does already (FSDP's "
@@ -125,7 +127,14 @@ class ShardedTopK:
         self.config, self.module, self.mesh = config, module, mesh
         rep = mesh["replicate"]
         self.replicas, self.replica, self.local = rep.size(), rep.get_local_rank(), mesh["shard"].size()
-        self.inter = rep.get_group()
+        self.inter: Any = rep.get_group()
+        self.elastic = elastic
+        self.commit_gate = commit_gate
+        if elastic is not None:  # torchft: the replicas are the quorum's, per step (ElasticGroup reads its size)
+            if self.replicas != 1 or config.local_steps > 0:
+                raise ValueError("topk_fsdp: fault_tolerance='torchft' runs one replica group per Trainer "
+                                 "(num_nodes=1) with per-step exchanges (local_steps=0)")
+            self.inter, self.replicas, self.replica = elastic, 1, 0
         self.groups = fsdp_groups(module)
         names = {id(p): n for n, p in module.named_parameters()}
         self.specs = [([names[id(fp.sharded_param)] for fp in g.fsdp_params],
@@ -137,7 +146,7 @@ class ShardedTopK:
         self.outer: Optional[OuterState] = None
         if config.local_steps > 0:
             self._attach_local(optimizers)
-        elif self.replicas > 1:
+        elif self.replicas > 1 or elastic is not None:
             self._attach_step()
 
     # ---- per step -------------------------------------------------------------------------------------
@@ -149,6 +158,8 @@ class ShardedTopK:
             st.buffers(slots, self.device)  # type: ignore[arg-type]  # slots read as parameters (numel)
         layout = Layout(self.replicas, 1, self.replica)
         ex = exchange or cfg.exchange
+        if ex == "auto" and self.elastic is not None:
+            ex = "allgather"  # the replica count changes between steps: nothing to probe (as topk_ddp)
         if ex == "auto":
             st.exchange = st.exchanges["auto"] = build_auto(st, cfg, layout, self.device, saved=st.take_section("auto"))
         else:
@@ -157,7 +168,10 @@ class ShardedTopK:
         for i, (m, _) in enumerate(self.groups):
             m.set_all_reduce_hook(self.hooks.hook(i))
         self.state = st
-        self.controller = StepController(st, device=self.device, group=dist.group.WORLD)
+        # one decision over every rank (the shards differ); torchft: over every process of every replica group
+        # in the quorum, and the commit gate (should_commit) has the last word
+        group: Any = dist.group.WORLD if self.elastic is None else ElasticGrid(self.elastic, dist.group.WORLD)
+        self.controller = StepController(st, device=self.device, group=group, commit_gate=self.commit_gate)
 
     def carry_residuals(self) -> None:
         """One node, resuming a checkpoint that holds residuals: a dense exchange over the node's shard group of one
@@ -210,3 +224,56 @@ class ShardedTopK:
         """Apply a streamed outer exchange still in flight (local SGD), so the final weights hold every round."""
         if self.outer is not None:
             self.outer.apply_in_flight()
+
+
+# ---- what a heal between replicas of a sharded model carries (fault_tolerance="torchft") ------------------
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_module_state(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """Copies of this rank's part of ``module.state_dict()``: each parameter's local shard (a DTensor's
+    ``to_local()``), each buffer whole (FSDP replicates buffers)."""
+    return {k: _local(v).detach().clone() for k, v in module.state_dict().items()}
+
+
+def load_local_module_state(module: nn.Module, sd: Dict[str, torch.Tensor]) -> None:
+    """Copy a peer's :func:`local_module_state` (the same rank of another replica: the same shards) into
+    ``module`` in place (the optimizers and FSDP keep their tensors)."""
+    own = module.state_dict()
+    if own.keys() != sd.keys():
+        raise RuntimeError(f"topk_fsdp: a heal's module state has other keys than this model's "
+                           f"({sorted(set(own) ^ set(sd))[:8]})")
+    with torch.no_grad():
+        for k, v in own.items():
+            _local(v).copy_(sd[k])
+
+
+def local_optimizer_state(optimizer: Any) -> Dict[str, Any]:
+    """``optimizer.state_dict()`` with every DTensor replaced by a copy of its local shard; ``"dtensor"`` lists the
+    (parameter index, key) entries that were DTensors (scalars such as Adam's ``step`` stay plain tensors)."""
+    import copy
+
+    sd = optimizer.state_dict()
+    state, marked = {}, []
+    for i, entry in sd["state"].items():
+        state[i] = {}
+        for k, v in entry.items():
+            if hasattr(v, "to_local"):
+                marked.append((i, k))
+            state[i][k] = _local(v).detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+    return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"]), "dtensor": marked}
+
+
+def load_local_optimizer_state(optimizer: Any, sd: Dict[str, Any]) -> None:
+    """Load a peer's :func:`local_optimizer_state` into ``optimizer`` (also one without state yet): the marked
+    entries become DTensors again, laid out as their parameter is."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    state = {i: dict(entry) for i, entry in sd["state"].items()}
+    for i, k in sd["dtensor"]:
+        p = params[i]
+        state[i][k] = DTensor.from_local(state[i][k], p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                         run_check=False)
+    optimizer.load_state_dict({"state": state, "param_groups": sd["param_groups"]})

@@ -39,6 +39,12 @@ import torch.distributed as dist
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.elastic import ElasticGroup
 from lightning_topk.comm.local.elastic_round import elastic_round, heal_from, heal_section
+from lightning_topk.comm.sharded import (
+    load_local_module_state,
+    load_local_optimizer_state,
+    local_module_state,
+    local_optimizer_state,
+)
 from lightning_topk.optional import require
 
 log = logging.getLogger(__name__)
@@ -293,14 +299,22 @@ class ElasticMixin:
     the (one-process) process group exists, runs a quorum before each training batch, closes it at teardown."""
 
     topk_elastic: Optional[TorchFTReplica] = None
+    #: the model is sharded over the group's processes (topk_fsdp): each rank heals its own shards
+    _elastic_sharded = False
+
+    def _elastic_prepare(self, name: str) -> None:
+        """Before any process group: one Trainer per replica group, torchft installed, a lighthouse answering."""
+        if self.num_nodes != 1:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{name}: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
+                f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
+        self.topk_elastic = TorchFTReplica(self.topk_config, self._elastic_state_dict,  # type: ignore[attr-defined]
+                                           self._elastic_load_state_dict, self._elastic_residual_mass)
+        self.topk_elastic.check()  # a missing lighthouse fails before any process group
 
     def setup_distributed(self) -> None:
         cfg = self.topk_config  # type: ignore[attr-defined]
         if cfg.elastic:
-            if self.num_nodes != 1:  # type: ignore[attr-defined]
-                raise ValueError(
-                    "topk_ddp: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
-                    f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
             if cfg.local_steps > 0 and self.num_processes > 1:  # type: ignore[attr-defined]
                 raise ValueError(
                     "topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs one process per replica group "
@@ -315,9 +329,7 @@ class ElasticMixin:
             # replica that joins mid-run would step once with the initial layout while its peers use the rebuilt
             # one (seen: its first step's gradient differed). With find_unused_parameters DDP never rebuilds.
             kw["find_unused_parameters"] = True
-            self.topk_elastic = TorchFTReplica(cfg, self._elastic_state_dict, self._elastic_load_state_dict,
-                                               self._elastic_residual_mass)
-            self.topk_elastic.check()  # a missing lighthouse fails before any process group
+            self._elastic_prepare("topk_ddp")
         super().setup_distributed()  # type: ignore[misc]
         if self.topk_elastic is not None:
             self.topk_elastic.join(self.global_rank, self.world_size)  # type: ignore[attr-defined]
@@ -378,8 +390,13 @@ class ElasticMixin:
             return
         module = self.lightning_module  # type: ignore[attr-defined]
         with torch.no_grad():
-            for t in [*module.parameters(), *module.buffers()]:
+            # sharded (topk_fsdp): each rank healed its own shards from the same rank of a peer; at step 0 rank r's
+            # source is the quorum's replica r, the same for every replica group, so every group ends with the
+            # same shards. The buffers are whole on every rank: rank 0's.
+            for t in [*([] if self._elastic_sharded else module.parameters()), *module.buffers()]:
                 dist.broadcast(t.data, src=0, group=intra)
+            if self._elastic_sharded:
+                return
         opts = self.optimizers  # type: ignore[attr-defined]
         shared: List[Any] = [[o.state_dict() for o in opts] if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(shared, src=0, group=intra)
@@ -429,9 +446,14 @@ class ElasticMixin:
         trainer = getattr(module, "_trainer", None)
         schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs] if trainer else []
         at_round_end = getattr(self, "_elastic_round_end", False)
+        if self._elastic_sharded:  # this rank's shards, as plain tensors (a peer's same rank holds the same ones)
+            mod, opts = local_module_state(module), [local_optimizer_state(o) for o in self.optimizers]  # type: ignore[attr-defined]
+        else:
+            mod = {k: v.detach().clone() for k, v in module.state_dict().items()}
+            opts = [copy.deepcopy(o.state_dict()) for o in self.optimizers]  # type: ignore[attr-defined]
         return {
-            "module": {k: v.detach().clone() for k, v in module.state_dict().items()},
-            "optimizers": [copy.deepcopy(o.state_dict()) for o in self.optimizers],  # type: ignore[attr-defined]
+            "module": mod,
+            "optimizers": opts,
             "schedulers": schedulers,
             "topk": topk,
             # local SGD: θ_outer, outer momentum, the round's buffer anchor, position, step and round counts
@@ -446,9 +468,13 @@ class ElasticMixin:
 
     def _elastic_load_state_dict(self, sd: Dict[str, Any]) -> None:
         module = self.lightning_module  # type: ignore[attr-defined]
-        module.load_state_dict(sd["module"])  # in place: the optimizers and DDP keep the same tensors
+        sharded = self._elastic_sharded
+        if sharded:
+            load_local_module_state(module, sd["module"])
+        else:
+            module.load_state_dict(sd["module"])  # in place: the optimizers and DDP keep the same tensors
         for opt, osd in zip(self.optimizers, sd["optimizers"]):  # type: ignore[attr-defined]
-            opt.load_state_dict(osd)
+            load_local_optimizer_state(opt, osd) if sharded else opt.load_state_dict(osd)
         state = self.topk_state  # type: ignore[attr-defined]
         outer = self._elastic_outer()
         if state is not None and sd.get("topk") is not None:

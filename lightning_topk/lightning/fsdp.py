@@ -20,7 +20,8 @@ from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning import faults
 from lightning_topk.lightning.precision import TopKPrecisionMixin
-from lightning_topk.lightning.strategy import config_from
+from lightning_topk.lightning.elastic import ElasticMixin
+from lightning_topk.lightning.strategy import TopKStrategyMixin, config_from
 from lightning_topk.lightning.telemetry import TelemetryMixin
 
 log = logging.getLogger(__name__)
@@ -37,9 +38,10 @@ def mixed_precision_policy(precision: Optional[str]) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any]) -> TopKConfig:
+def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any], elastic: bool = False) -> TopKConfig:
     """The options of a ``topk_fsdp`` strategy (Trainer or Fabric), taken out of ``kwargs``; refuses what does not
-    apply (a mesh of other sizes, tensor parallelism, DDP's options, full-state checkpoints)."""
+    apply (a mesh of other sizes, tensor parallelism, DDP's options, full-state checkpoints; torchft where
+    ``elastic`` is false: Fabric)."""
     tp = kwargs.pop("tensor_parallel_size", "auto")
     dp = kwargs.pop("data_parallel_size", "auto")
     if tp != "auto" or dp != "auto":
@@ -53,9 +55,13 @@ def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any]) -> TopKCo
         raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
                          "and outer state are sharded with the parameters")
     cfg = config_from(config, kwargs, "topk_fsdp")
-    if cfg.fault_tolerance != "none":
-        raise ValueError(f"topk_fsdp: fault_tolerance={cfg.fault_tolerance!r} is not supported with sharded models yet "
-                         "(docs/elastic.md); use topk_ddp for elastic replicas, or fault_tolerance='none'")
+    if cfg.elastic and not elastic:
+        raise ValueError("topk_fsdp: fault_tolerance='torchft' is not available with Fabric yet (no per-batch hook "
+                         "runs the quorum before the forward); use the Trainer's TopKFSDPStrategy (docs/elastic.md)")
+    if cfg.elastic and cfg.local_steps > 0:
+        raise ValueError("topk_fsdp: fault_tolerance='torchft' runs per-step exchanges on sharded models "
+                         "(local_steps=0); local SGD under torchft is topk_ddp's (devices=1 per replica group), or "
+                         "set fault_tolerance='none' for sharded local SGD (docs/elastic.md)")
     return cfg
 
 
@@ -66,8 +72,8 @@ class ShardedTopKMixin:
     topk: Optional[ShardedTopK] = None
 
     def _init_topk(self, config: Optional[TopKConfig], shard_modules: Optional[Sequence[str]],
-                   kwargs: Dict[str, Any]) -> None:
-        self.topk_config = fsdp_options(config, kwargs)
+                   kwargs: Dict[str, Any], elastic: bool = False) -> None:
+        self.topk_config = fsdp_options(config, kwargs, elastic)
         self.topk_shard_modules = list(shard_modules) if shard_modules else None
         self.topk = None
 
@@ -82,24 +88,35 @@ class ShardedTopKMixin:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
 
-class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
+class TopKFSDPMixin(ElasticMixin, ShardedTopKMixin, TelemetryMixin):
     """FSDP2 inside the node, the top-k exchange across nodes (see the module docstring).
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (``config=`` as
     for ``topk_ddp``); ``shard_modules``: class names of the submodules to ``fully_shard`` when
     ``configure_model`` shards nothing (default: every child of each ``nn.ModuleList``, then the root). Other
     keywords go to Lightning's ``ModelParallelStrategy`` (``timeout``, ``process_group_backend``).
+
+    ``fault_tolerance="torchft"``: this Trainer is one replica group (``num_nodes=1``, ``devices`` processes, the
+    model sharded over them); each process exchanges its gradient shard with the same rank of the other groups
+    in each step's quorum, and heals its own shards from that rank of a peer (docs/elastic.md).
     """
+
+    _elastic_sharded = True
+    _load_topk_state = TopKStrategyMixin._load_topk_state
 
     def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
                  **kwargs: Any) -> None:
-        self._init_topk(config, shard_modules, kwargs)
+        self._init_topk(config, shard_modules, kwargs, elastic=True)
         self._topk_heartbeat: Optional[faults.Heartbeat] = None
         super().__init__(**kwargs)
 
     @override
     def setup_environment(self) -> None:
+        if self.topk_config.elastic:
+            self._elastic_prepare("topk_fsdp")
         self._setup_distributed()
+        if self.topk_elastic is not None:
+            self.topk_elastic.join(self.global_rank, self.world_size)
         self._device_mesh = make_mesh(self.root_device.type, self.num_nodes, self.num_processes)
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
         # SLURM requeue at a step boundary on every rank (the checkpoint is a collective), one agreed hpc
@@ -136,7 +153,11 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            self.topk = ShardedTopK(self.topk_config, self.model, self.device_mesh, optimizers=self.optimizers)
+            ft = self.topk_elastic
+            self.topk = ShardedTopK(self.topk_config, self.model, self.device_mesh, optimizers=self.optimizers,
+                                    elastic=ft.group if ft is not None else None, commit_gate=self._elastic_gate())
+            if ft is not None:
+                self._elastic_join()  # the first quorum (a heal from a peer), before the fit loop sets up its data
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:

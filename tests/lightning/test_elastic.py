@@ -116,13 +116,15 @@ class Cluster:
             self.close()  # no Cluster object reaches the test's finally: stop the launcher here
             raise
 
-    def start(self, r, *args):
+    def start(self, r, *args, script=None):
+        """Replica group ``r``: ``script`` (default tests/scripts/elastic_replica.py, with ``--replica r --out DIR``)
+        and ``args``."""
         log = open(self.tmp / f"replica{r}.{len([k for k in self.procs if k[0] == r])}.log", "w")
         # from a test zygote (torch and Lightning imported once: a replica starts in ~1 s, not ~15 s on 2 cores);
         # SIGKILL of the returned process kills the replica too (tests/helpers/zygote.py)
         exe, env = python_for(_env(TORCHFT_LIGHTHOUSE=self.addr, REPLICA_GROUP_ID=f"replica{r}"))
-        p = subprocess.Popen([exe, str(SCRIPT), "--replica", str(r), "--out", str(self.tmp), *map(str, args)],
-                             cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        cmd = [str(SCRIPT), "--replica", str(r), "--out", str(self.tmp)] if script is None else [str(script)]
+        p = subprocess.Popen([exe, *cmd, *map(str, args)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[(r, p.pid)] = p
         return p
 

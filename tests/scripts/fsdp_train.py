@@ -16,6 +16,8 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --outer-recipe R            local SGD's outer_recipe (default "average")
   --ckpt-dir D                ModelCheckpoint(dirpath=D, save_last=True) every step; --last: ckpt_path="last"
   --topk-precision            plugins=[TopKPrecision("16-mixed")] (must be refused)
+  --torchft R                 fault_tolerance="torchft" (lighthouse: $TORCHFT_LIGHTHOUSE, min_replicas=2): this run is
+                              replica group R of 2 (num_nodes=1), reading the batches of node R
 
 Every rank reads its own fixed batches (global rank r: rows r, r + W, ...; no sampler), in both strategies.
 """
@@ -119,6 +121,7 @@ def main():
     p.add_argument("--last", action="store_true")
     p.add_argument("--topk-precision", action="store_true")
     p.add_argument("--accelerator", default="cpu")
+    p.add_argument("--torchft", type=int, default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.strategy in ("hsdp", "avg"):
@@ -126,6 +129,9 @@ def main():
     else:
         opts = dict(density=a.density, value_dtype=a.value_dtype, exchange=a.exchange, nonfinite=a.nonfinite,
                     min_sparse_numel=0, local_steps=a.local_steps)
+        if a.torchft is not None:
+            opts.update(fault_tolerance="torchft", min_replicas=2, ft_timeout=30.0, ft_quorum_timeout=60.0,
+                        ft_connect_timeout=5.0)
         if a.local_steps:
             opts.update(outer_value_bits=a.outer_value_bits, outer_density=a.outer_density, outer_chunk=64,
                         outer_recipe=a.outer_recipe)
@@ -143,8 +149,8 @@ def main():
                          precision=None if a.topk_precision else a.precision, accumulate_grad_batches=a.accumulate,
                          enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
     model = LM(a)
-    world = a.devices * a.nodes
-    node = int(os.environ.get("NODE_RANK", 0))
+    world = a.devices * (a.nodes if a.torchft is None else 2)
+    node = int(os.environ.get("NODE_RANK", 0)) if a.torchft is None else a.torchft
     local = int(os.environ.get("LOCAL_RANK", 0))
     rank = node * a.devices + local
     loader = DataLoader(data(rank, world), batch_size=8, shuffle=False)
@@ -163,6 +169,9 @@ def main():
                     residual_abs=float(sum(t.double().abs().sum() for t in res.values())),
                     residuals={k: v.clone() for k, v in res.items()},
                     skipped=trainer.strategy.topk.controller.skipped_steps)
+    ft = getattr(trainer.strategy, "topk_elastic", None)
+    if ft is not None:
+        info.update(ft=ft.metrics(), quorum_sizes=list(ft.quorum_sizes))
     top = getattr(trainer.strategy, "topk", None)
     if top is not None and top.outer is not None:
         from lightning_topk.comm.shard_checkpoint import outer_tensors
