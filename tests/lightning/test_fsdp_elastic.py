@@ -41,3 +41,108 @@ def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
     diff = max_diff(ref, groups[0])
     assert diff <= 1e-6, diff
     print("FSDP_FT_HSDP", diff)
+
+
+RANKS = (".rank0", ".rank1")
+
+
+def test_uncommitted_step_changes_nothing(tmp_path):
+    """One group of 2 processes; at committed step 3 both report an error to torchft after the backward, so
+    should_commit says no: each rank's parameter shards, sharded optimizer state and shard residuals are bitwise
+    what they were before the batch."""
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path)
+    try:
+        p = c.start(0, "--steps", 6, "--refuse-at", 3, "--fsdp", "--devices", 2)
+        assert p.wait(timeout=240) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    for k in RANKS:
+        rows = c.rows(0, k)
+        refused = [r for r in rows if "unchanged" in r]
+        assert len(refused) == 1, rows
+        assert refused[0]["unchanged"] and refused[0]["residuals_checked"] > 0, refused
+        assert refused[0]["ft_step"] == 3 and refused[0]["uncommitted"] == 1 and refused[0]["skipped"] == 1
+        assert rows[-1]["ft_step"] == 6 and rows[-1]["global_step"] == 7  # 7 attempts, 6 committed
+
+
+def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
+    """2 replica groups of 2 processes (the model sharded over each group's processes): SIGKILL both processes of
+    one group; the other keeps committing steps alone; the killed group is restarted, each of its ranks heals its
+    own shards (parameters, sharded optimizer state, step counts, data position) from the same rank of the live
+    group, and it rejoins; at the end every rank's shards and optimizer state equal its counterpart's bitwise."""
+    import os
+    import signal
+
+    from tests.lightning.test_elastic import _wait
+
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path)
+    args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
+            "--positioned-data")
+    try:
+        c.start(0, *args)
+        victim = c.start(1, *args)
+        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 6 for r in (0, 1) for k in RANKS), 240,
+              "6 steps on all four processes")
+        for k in RANKS:  # the whole group: both of its processes
+            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+        victim.wait(timeout=60)
+        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
+        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
+              120, "the survivor to step on alone")
+        during = c.rows(0, ".rank0")[-1]["ft_step"]
+        for k in RANKS:
+            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in RANKS), 240, "the group to rejoin")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 6))
+        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    back = [c.rows(1, k) for k in RANKS]
+    for b in back:  # healed at the peers' step counts, and in the quorum of 2 from its first step on
+        assert b[0]["heals"] == 1 and b[0]["heal_time_s"] > 0 and b[0]["ft_step"] >= during, b[0]
+        assert b[0]["quorum"] == 2 and b[0]["global_step"] > 1 and b[0]["data_position"]["batch"] > 0, b[0]
+    peer = {x["global_step"]: x["data_pos"] for x in c.rows(0, ".rank0")}
+    assert all(x["data_pos"] == peer[x["global_step"]] for b in back for x in b if x["global_step"] in peer)
+    outage = [x for x in c.rows(0, ".rank0") if x["quorum"] == 1 and x["ft_step"] > killed_at]
+    assert len(outage) >= 5, "the survivor did not commit steps alone"
+    assert c.rows(0, ".rank0")[-1]["quorum"] == 2
+    for k in RANKS:
+        live, healed = (torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1))
+        assert live["metrics"]["ft/step"] == healed["metrics"]["ft/step"]
+        for name, v in live["params"].items():
+            assert torch.equal(v, healed["params"][name]), (k, name)
+        assert live["opt"].keys() == healed["opt"].keys() and live["opt"]
+        for i, st in live["opt"].items():
+            assert all(torch.equal(v, healed["opt"][i][key]) for key, v in st.items()), (k, i)
+        assert healed["metrics"]["ft/residual_mass"] > 0  # its own error feedback, started at zero
+    shards = [torch.load(tmp_path / f"replica0{k}.pt")["params"] for k in RANKS]
+    assert any(not torch.equal(shards[0][n], shards[1][n]) for n in shards[0])  # the ranks hold different shards
+    print("FSDP_FT_KILL", {"killed_at": killed_at, "steps_alone": during - killed_at,
+                           "heal_time_s": [b[-1]["heal_time_s"] for b in back]})
+
+
+def test_groups_started_with_different_weights_agree_from_step_zero(tmp_path):
+    """2 groups of 2 processes whose models start from different random weights, in one quorum from step 0
+    (min_replicas=2): torchft's init_sync heals rank r of every group from the quorum's replica r, so every
+    group's rank r holds the same shard at the first forward, and all stay identical."""
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)
+    args = ("--steps", 4, "--init-differs", "--devices", 2, "--fsdp", "--min-replicas", 2)
+    try:
+        procs = [c.start(r, *args) for r in (0, 1)]
+        for p in procs:
+            assert p.wait(timeout=240) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    for k in RANKS:
+        rows = [c.rows(r, k) for r in (0, 1)]
+        assert all(x["quorum"] == 2 for rr in rows for x in rr)
+        assert [x["psum_fwd"] for x in rows[0]] == [x["psum_fwd"] for x in rows[1]], k
+        finals = [torch.load(tmp_path / f"replica{r}{k}.pt")["params"] for r in (0, 1)]
+        assert all(torch.equal(v, finals[1][n]) for n, v in finals[0].items()), k
+    assert sum(c.rows(r, k)[0]["heals"] for r in (0, 1) for k in RANKS) == 2  # one rank per group healed

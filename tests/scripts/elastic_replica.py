@@ -9,6 +9,9 @@ Stops once the replicas' committed step count reaches ``--steps``, or the step w
 so ``should_commit`` says no; the line of that batch records whether parameters, optimizer state and residuals
 are bitwise what they were before the batch.
 
+``--fsdp``: ``topk_fsdp`` (the model sharded over the group's ``--devices`` processes, FSDP2); the parameters and
+optimizer state in the final file are this rank's shards.
+
 ``--local-steps H``: sparse local SGD under torchft (torchft's step is then the committed outer rounds); the lines
 and the final file also hold the outer state. ``--positioned-data``: a loader that follows the trainer's position
 (epoch, batch index), as the project's WebLoader does, with a per-replica, per-epoch order; each line records the
@@ -31,6 +34,7 @@ from torch.utils.data import DataLoader
 
 import lightning_topk  # noqa: F401  (registers topk_ddp)
 from lightning_topk import TopKDDPStrategy
+from lightning_topk.lightning.fsdp import TopKFSDPStrategy
 from tests.helpers.digits import accuracy, digits
 
 
@@ -39,12 +43,17 @@ def _rank_suffix():
     return f".rank{os.environ.get('LOCAL_RANK', '0')}" if os.environ.get("ELASTIC_DEVICES", "1") != "1" else ""
 
 
+def _loc(t):
+    """A sharded (--fsdp) tensor's local shard; a plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def snapshot(module, strategy):
     opt = strategy.optimizers[0]
     state = strategy.topk_state
     return {
-        "params": [p.detach().clone() for p in module.parameters()],
-        "opt": [{k: v.clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.state.values()],
+        "params": [_loc(p).detach().clone() for p in module.parameters()],
+        "opt": [{k: _loc(v).clone() for k, v in s.items() if torch.is_tensor(v)} for s in opt.state.values()],
         "res": {} if state is None else {k: v.clone() for k, v in state.residuals().items()},
     }
 
@@ -72,9 +81,9 @@ class Net(pl.LightningModule):
     def training_step(self, batch, _):
         x, y = batch[0], batch[1]
         self._pos = [int(v) for v in batch[2]] if len(batch) > 2 else None
-        self._psum_fwd = float(sum(p.detach().double().abs().sum() for p in self.parameters()))
+        self._psum_fwd = float(sum(_loc(p).detach().double().abs().sum() for p in self.parameters()))
         opt = self.trainer.strategy.optimizers[0]
-        self._osum_fwd = float(sum(v.double().abs().sum() for s in opt.state.values() for v in s.values()))
+        self._osum_fwd = float(sum(_loc(v).double().abs().sum() for s in opt.state.values() for v in s.values()))
         return nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_start(self):
@@ -123,14 +132,15 @@ class Net(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         s = self.trainer.strategy
         ft = s.topk_elastic
-        ctl = s.topk_controller
+        ctl = s.topk.controller if self.args.fsdp else s.topk_controller
         row = {"global_step": self.trainer.global_step, "ft_step": ft.step, "quorum": ft.quorum_size,
                "uncommitted": ft.uncommitted, "committed": ft.committed, "heals": ft.heals,
                "heal_time_s": ft.heal_time_s, "quorum_changes": ft.quorum_changes, "t": time.time(),
                "skipped": ctl.skipped_steps if ctl is not None else 0,
                "psum_fwd": self._psum_fwd, "osum_fwd": self._osum_fwd,
-               "psum": float(sum(p.detach().double().abs().sum() for p in self.parameters())),
-               "gsum": float(sum(p.grad.detach().double().abs().sum() for p in self.parameters() if p.grad is not None))}
+               "psum": float(sum(_loc(p).detach().double().abs().sum() for p in self.parameters())),
+               "gsum": float(sum(_loc(p.grad).detach().double().abs().sum() for p in self.parameters()
+                                 if p.grad is not None))}
         row["data_pos"] = self._pos
         row["batch_idx"] = batch_idx
         row["replicas_lost"] = ft.replicas_lost
@@ -167,8 +177,12 @@ class Net(pl.LightningModule):
         out = None if outer is None else {"theta": outer.theta.clone(), "mom": outer.mom.clone(),
                                           "ef": outer.ef.clone(), "rounds": outer.stats.rounds,
                                           "position": outer.position, "steps": outer.steps}
-        torch.save({"params": {k: v.detach().clone() for k, v in self.net.state_dict().items()}, "outer": out,
-                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes, "accuracy": accuracy(self)},
+        opt = self.trainer.strategy.optimizers[0]
+        torch.save({"params": {k: _loc(v).detach().clone() for k, v in self.net.state_dict().items()}, "outer": out,
+                    "opt": {i: {k: _loc(v).clone() for k, v in st.items()}
+                            for i, st in opt.state_dict()["state"].items()},
+                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes,
+                    "accuracy": None if self.args.fsdp else accuracy(self)},
                    Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
 
     def configure_optimizers(self):
@@ -228,15 +242,18 @@ def main():
     ap.add_argument("--watch-round", type=int, default=None, help="record whether round K left the state unchanged")
     ap.add_argument("--die-in-round", type=int, default=None, help="SIGKILL itself after round K's quorum")
     ap.add_argument("--outer-recipe", default="diloco")
+    ap.add_argument("--fsdp", action="store_true", help="topk_fsdp: the model sharded over the group's processes")
     args = ap.parse_args()
     os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
     (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
     local = {} if not args.local_steps else dict(local_steps=args.local_steps, outer_density=args.outer_density,
                                                  outer_value_bits=args.outer_bits, outer_recipe=args.outer_recipe)
-    strategy = TopKDDPStrategy(fault_tolerance="torchft", density=0.05, min_sparse_numel=4096,
-                               **(local or dict(exchange=args.exchange)),
-                               min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout), ft_quorum_timeout=args.quorum_timeout,
-                               ft_connect_timeout=5.0, log_telemetry=False)
+    kind = TopKFSDPStrategy if args.fsdp else TopKDDPStrategy
+    extra = dict(shard_modules=["Linear"]) if args.fsdp else {}
+    strategy = kind(fault_tolerance="torchft", density=0.05, min_sparse_numel=4096,
+                    **(local or dict(exchange=args.exchange)), **extra,
+                    min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout),
+                    ft_quorum_timeout=args.quorum_timeout, ft_connect_timeout=5.0, log_telemetry=False)
     trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=10_000, max_steps=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
