@@ -17,7 +17,7 @@ With one node there is nothing to exchange across nodes: the model trains as FSD
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -255,7 +255,8 @@ def local_optimizer_state(optimizer: Any) -> Dict[str, Any]:
     import copy
 
     sd = optimizer.state_dict()
-    state, marked = {}, []
+    state: Dict[Any, Dict[str, Any]] = {}
+    marked: List[Tuple[Any, str]] = []
     for i, entry in sd["state"].items():
         state[i] = {}
         for k, v in entry.items():

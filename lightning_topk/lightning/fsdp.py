@@ -19,8 +19,8 @@ from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning import faults
-from lightning_topk.lightning.precision import TopKPrecisionMixin
 from lightning_topk.lightning.elastic import ElasticMixin
+from lightning_topk.lightning.precision import TopKPrecisionMixin
 from lightning_topk.lightning.strategy import TopKStrategyMixin, config_from
 from lightning_topk.lightning.telemetry import TelemetryMixin
 

@@ -275,3 +275,14 @@ def test_options_page_table_is_topk_config():
         group = next(c for c in TopKConfig.__mro__ if name in c.__dict__.get("__annotations__", {}))
         assert group is not TopKConfig, f"{name} is defined outside the option groups"
         assert re.search(rf"^\s+{name}: ", group.__doc__ or "", flags=re.M), f"{group.__name__} docstring lacks {name}"
+
+
+def test_topk_fsdp_takes_fault_tolerance(cfg_env):
+    """strategy=topk_fsdp strategy.fault_tolerance=torchft: the Trainer's sharded strategy under torchft
+    (docs/elastic.md); with local_steps it is refused, naming the option."""
+    from lightning_topk.lightning.fsdp import TopKFSDPStrategy
+
+    s = instantiate(cfg_env("strategy=topk_fsdp", "strategy.fault_tolerance=torchft", "strategy.min_replicas=2").strategy)
+    assert isinstance(s, TopKFSDPStrategy) and s.topk_config.elastic and s.topk_config.min_replicas == 2
+    with pytest.raises(InstantiationException, match="fault_tolerance='torchft' runs per-step exchanges"):
+        instantiate(cfg_env("strategy=topk_fsdp_local", "strategy.fault_tolerance=torchft").strategy)

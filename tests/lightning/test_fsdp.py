@@ -161,9 +161,11 @@ def test_options_that_do_not_apply_are_refused():
     from lightning_topk.lightning.fsdp import TopKFSDPStrategy
     from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
 
+    with pytest.raises(ValueError, match="fault_tolerance='torchft' is not available with Fabric yet"):
+        fabric_fsdp_class("lightning.fabric")(fault_tolerance="torchft")
+    with pytest.raises(ValueError, match="fault_tolerance='torchft' runs per-step exchanges on sharded models"):
+        TopKFSDPStrategy(fault_tolerance="torchft", local_steps=4)
     for cls in (TopKFSDPStrategy, fabric_fsdp_class("lightning.fabric")):
-        with pytest.raises(ValueError, match="fault_tolerance='torchft' is not supported with sharded models"):
-            cls(fault_tolerance="torchft")
         with pytest.raises(ValueError, match="tensor parallelism is not supported"):
             cls(tensor_parallel_size=2)
         with pytest.raises(ValueError, match="static_graph is an option of DDP"):

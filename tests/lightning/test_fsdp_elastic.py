@@ -146,3 +146,13 @@ def test_groups_started_with_different_weights_agree_from_step_zero(tmp_path):
         finals = [torch.load(tmp_path / f"replica{r}{k}.pt")["params"] for r in (0, 1)]
         assert all(torch.equal(v, finals[1][n]) for n, v in finals[0].items()), k
     assert sum(c.rows(r, k)[0]["heals"] for r in (0, 1) for k in RANKS) == 2  # one rank per group healed
+
+
+def test_a_group_spanning_nodes_is_refused():
+    from lightning_topk.lightning.fsdp import TopKFSDPStrategy
+
+    s = TopKFSDPStrategy(fault_tolerance="torchft", lighthouse="http://127.0.0.1:1")
+    s.num_nodes = 2
+    with pytest.raises(ValueError, match=r"topk_fsdp: fault_tolerance='torchft' runs one Trainer per replica group "
+                                         r"\(num_nodes=1, got num_nodes=2"):
+        s.setup_environment()
