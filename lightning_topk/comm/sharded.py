@@ -13,6 +13,12 @@ hook could see the gradient. :class:`ShardedTopK` then runs, on every rank:
   replicate group.
 
 With one node there is nothing to exchange across nodes: the model trains as FSDP alone (no hook).
+
+``elastic`` (``fault_tolerance="torchft"``, one replica group per node): the replicate group is an
+:class:`~lightning_topk.comm.elastic.ElasticGroup` over the same rank of every replica group in the step's quorum,
+whose size is read each step; the step decision spans every process of the quorum
+(:class:`~lightning_topk.comm.elastic.ElasticGrid`) and torchft's ``should_commit`` gates it. :func:`local_module_state`
+and :func:`local_optimizer_state` are what a heal between replicas carries: this rank's shards as plain tensors.
 """
 from __future__ import annotations
 

@@ -19,6 +19,11 @@ also takes the peers' data position (Lightning's loop progress and resumable loa
 (:mod:`lightning_topk.comm.local.elastic_round`), the heal carries the outer state without the error feedback,
 and a round the quorum does not commit is rolled back.
 
+Sharded models (``TopKFSDPStrategy(fault_tolerance="torchft")``, ``_elastic_sharded``): each rank's torchft process
+group connects the ranks that hold the same shard, and a heal carries this rank's shards (parameters and sharded
+optimizer state as local tensors: :func:`~lightning_topk.comm.sharded.local_module_state`); at step 0 torchft's
+source for rank r is the quorum's replica r for every group, so all groups start with the same shards.
+
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
 """

@@ -66,7 +66,8 @@ def test_uncommitted_step_changes_nothing(tmp_path):
         assert rows[-1]["ft_step"] == 6 and rows[-1]["global_step"] == 7  # 7 attempts, 6 committed
 
 
-def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
+@pytest.mark.parametrize("exchange", ["allgather", "scatter"])
+def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path, exchange):
     """2 replica groups of 2 processes (the model sharded over each group's processes): SIGKILL both processes of
     one group; the other keeps committing steps alone; the killed group is restarted, each of its ranks heals its
     own shards (parameters, sharded optimizer state, step counts, data position) from the same rank of the live
@@ -80,7 +81,7 @@ def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     stop = tmp_path / "stop_at"
     c = Cluster(tmp_path)
     args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
-            "--positioned-data")
+            "--positioned-data", "--exchange", exchange)
     try:
         c.start(0, *args)
         victim = c.start(1, *args)
