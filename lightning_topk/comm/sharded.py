@@ -137,9 +137,8 @@ class ShardedTopK:
         self.elastic = elastic
         self.commit_gate = commit_gate
         if elastic is not None:  # torchft: the replicas are the quorum's, per step (ElasticGroup reads its size)
-            if self.replicas != 1 or config.local_steps > 0:
-                raise ValueError("topk_fsdp: fault_tolerance='torchft' runs one replica group per Trainer "
-                                 "(num_nodes=1) with per-step exchanges (local_steps=0)")
+            if self.replicas != 1:
+                raise ValueError("topk_fsdp: fault_tolerance='torchft' runs one replica group per Trainer (num_nodes=1)")
             self.inter, self.replicas, self.replica = elastic, 1, 0
         self.groups = fsdp_groups(module)
         names = {id(p): n for n, p in module.named_parameters()}
@@ -205,7 +204,8 @@ class ShardedTopK:
     # ---- local SGD ------------------------------------------------------------------------------------
     def _attach_local(self, optimizers: Optional[Sequence[Any]]) -> None:
         named = [(n, p._local_tensor if hasattr(p, "_local_tensor") else p) for n, p in self.module.named_parameters()]
-        self.outer = OuterState(self.config, named, inter=self.inter, flag_group=dist.group.WORLD,
+        flags: Any = dist.group.WORLD if self.elastic is None else ElasticGrid(self.elastic, dist.group.WORLD)
+        self.outer = OuterState(self.config, named, inter=self.inter, flag_group=flags,
                                 buffers=list(self.module.named_buffers()), optimizers=optimizers)
         if self.config.dense_steps > 0 and self.replicas > 1:  # post-local SGD: the first steps all-reduce
             for m, _ in self.groups:

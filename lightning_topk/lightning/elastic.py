@@ -137,6 +137,7 @@ class TorchFTReplica:
         self.replicas_joined = 0
         self.residual_mass_at_loss = 0.0
         self.data_position: Dict[str, int] = {}  # where a join's heal put the fit loop (epoch, batch, steps)
+        self._final_step = 0
 
     # ---- life ------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -190,6 +191,7 @@ class TorchFTReplica:
     def shutdown(self) -> None:
         m, self.manager = self.manager, None
         if m is not None:
+            self._final_step = int(m.current_step())  # ft/step after the fit (telemetry)
             m.shutdown(wait=False)
         self._store = None
 
@@ -240,7 +242,7 @@ class TorchFTReplica:
     @property
     def step(self) -> int:
         """Committed steps of the replicas (torchft's step counter; a healed group takes its peer's)."""
-        return 0 if self.manager is None else int(self.manager.current_step())
+        return self._final_step if self.manager is None else int(self.manager.current_step())
 
     def metrics(self) -> Dict[str, float]:
         return {"ft/quorum_size": float(self.quorum_size), "ft/quorum_changes": float(self.quorum_changes),

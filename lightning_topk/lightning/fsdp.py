@@ -58,10 +58,6 @@ def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any], elastic: 
     if cfg.elastic and not elastic:
         raise ValueError("topk_fsdp: fault_tolerance='torchft' is not available with Fabric yet (no per-batch hook "
                          "runs the quorum before the forward); use the Trainer's TopKFSDPStrategy (docs/elastic.md)")
-    if cfg.elastic and cfg.local_steps > 0:
-        raise ValueError("topk_fsdp: fault_tolerance='torchft' runs per-step exchanges on sharded models "
-                         "(local_steps=0); local SGD under torchft is topk_ddp's (devices=1 per replica group), or "
-                         "set fault_tolerance='none' for sharded local SGD (docs/elastic.md)")
     return cfg
 
 
@@ -109,6 +105,10 @@ class TopKFSDPMixin(ElasticMixin, ShardedTopKMixin, TelemetryMixin):
         self._init_topk(config, shard_modules, kwargs, elastic=True)
         self._topk_heartbeat: Optional[faults.Heartbeat] = None
         super().__init__(**kwargs)
+
+    def _elastic_outer(self) -> Any:
+        """Local SGD's outer state (this rank's shard), or None."""
+        return self.topk.outer if self.topk is not None else None
 
     @override
     def setup_environment(self) -> None:

@@ -87,7 +87,7 @@ class Net(pl.LightningModule):
         return nn.functional.cross_entropy(self.net(x), y)
 
     def on_train_start(self):
-        outer = getattr(self.trainer.strategy.topk_state.exchange, "outer", None)
+        outer = self.trainer.strategy._elastic_outer()
         if outer is not None and (self.args.refuse_round or self.args.watch_round or self.args.die_in_round):
             self._wrap_gate(outer)
 
@@ -146,13 +146,13 @@ class Net(pl.LightningModule):
         row["replicas_lost"] = ft.replicas_lost
         row["residual_mass_at_loss"] = ft.residual_mass_at_loss
         row["data_position"] = ft.data_position
-        outer = getattr(s.topk_state.exchange, "outer", None)
+        outer = s._elastic_outer()
         if outer is not None:
             row.update(rounds=outer.stats.rounds, round_uncommitted=outer.stats.uncommitted,
                        contributors=outer.stats.contributors, position=outer.position)
         if self.args.local_steps and self._before is not None:
             b, self._before = self._before, None
-            params = torch.cat([p.detach().reshape(-1) for p in self.parameters()])
+            params = torch.cat([_loc(p).detach().reshape(-1) for p in self.parameters()])
             row["round_unchanged"] = (torch.equal(b["theta"], outer.theta) and torch.equal(b["mom"], outer.mom)
                                       and torch.equal(b["ef"], outer.ef) and b["rounds"] == outer.stats.rounds
                                       and torch.equal(params, outer.theta[:params.numel()]))
@@ -173,7 +173,7 @@ class Net(pl.LightningModule):
 
     def on_train_end(self):
         ft = self.trainer.strategy.topk_elastic
-        outer = getattr(self.trainer.strategy.topk_state.exchange, "outer", None)
+        outer = self.trainer.strategy._elastic_outer()
         out = None if outer is None else {"theta": outer.theta.clone(), "mom": outer.mom.clone(),
                                           "ef": outer.ef.clone(), "rounds": outer.stats.rounds,
                                           "position": outer.position, "steps": outer.steps}

@@ -58,9 +58,12 @@ def contribute(o: Any, ex: Any, group: Any, delta: Tensor, contributes: bool, co
     else:
         send = torch.zeros_like(o.ef)  # an empty packet: this replica's own error feedback waits
     g = ex.average(send, group, c.outer_ef_decay, o.shard)
+    # ``counted`` is summed over ``flag_group``: one per contributing replica, or, sharded (every process of a
+    # replica group counts; comm.elastic.ElasticGrid), one per contributing process
+    per = max(1, replica_count(o.flag_group) // replica_count(group))
     if counted > 0:
-        o._update(g.mul_(replica_count(group) / counted))
-    o.stats.contributors = int(counted)
+        o._update(g.mul_(replica_count(group) * per / counted))
+    o.stats.contributors = int(counted) // per
 
 
 def snapshot(o: Any) -> Dict[str, Any]:
