@@ -326,7 +326,8 @@ class ElasticMixin:
                 raise ValueError(
                     "topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs one process per replica group "
                     f"(got devices={self.num_processes}); the outer round's shards over a group's processes are not "  # type: ignore[attr-defined]
-                    "built under torchft yet (docs/elastic.md): set devices=1, or local_steps=0")
+                    "built under torchft yet (docs/elastic.md): set devices=1, or local_steps=0, or shard the model "
+                    "over the group's processes with topk_fsdp (local SGD under torchft runs there)")
             kw = self._ddp_kwargs  # type: ignore[attr-defined]
             if kw.get("static_graph"):
                 raise ValueError("topk_ddp: fault_tolerance='torchft' does not support static_graph=True (it rebuilds "

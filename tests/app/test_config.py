@@ -278,11 +278,14 @@ def test_options_page_table_is_topk_config():
 
 
 def test_topk_fsdp_takes_fault_tolerance(cfg_env):
-    """strategy=topk_fsdp strategy.fault_tolerance=torchft: the Trainer's sharded strategy under torchft
-    (docs/elastic.md); with local_steps it is refused, naming the option."""
+    """strategy=topk_fsdp (and topk_fsdp_local) strategy.fault_tolerance=torchft: the Trainer's sharded strategy
+    under torchft (docs/elastic.md); streaming local SGD is refused under torchft, naming the option."""
     from lightning_topk.lightning.fsdp import TopKFSDPStrategy
 
     s = instantiate(cfg_env("strategy=topk_fsdp", "strategy.fault_tolerance=torchft", "strategy.min_replicas=2").strategy)
     assert isinstance(s, TopKFSDPStrategy) and s.topk_config.elastic and s.topk_config.min_replicas == 2
-    with pytest.raises(InstantiationException, match="fault_tolerance='torchft' runs per-step exchanges"):
-        instantiate(cfg_env("strategy=topk_fsdp_local", "strategy.fault_tolerance=torchft").strategy)
+    s = instantiate(cfg_env("strategy=topk_fsdp_local", "strategy.fault_tolerance=torchft").strategy)
+    assert s.topk_config.elastic and s.topk_config.local_steps == 16
+    with pytest.raises(InstantiationException, match="outer_streaming=false"):
+        instantiate(cfg_env("strategy=topk_fsdp_local", "strategy.fault_tolerance=torchft",
+                            "strategy.outer_streaming=true").strategy)

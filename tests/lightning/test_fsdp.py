@@ -163,8 +163,6 @@ def test_options_that_do_not_apply_are_refused():
 
     with pytest.raises(ValueError, match="fault_tolerance='torchft' is not available with Fabric yet"):
         fabric_fsdp_class("lightning.fabric")(fault_tolerance="torchft")
-    with pytest.raises(ValueError, match="fault_tolerance='torchft' runs per-step exchanges on sharded models"):
-        TopKFSDPStrategy(fault_tolerance="torchft", local_steps=4)
     for cls in (TopKFSDPStrategy, fabric_fsdp_class("lightning.fabric")):
         with pytest.raises(ValueError, match="tensor parallelism is not supported"):
             cls(tensor_parallel_size=2)

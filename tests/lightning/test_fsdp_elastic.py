@@ -66,7 +66,7 @@ def test_uncommitted_step_changes_nothing(tmp_path):
         assert rows[-1]["ft_step"] == 6 and rows[-1]["global_step"] == 7  # 7 attempts, 6 committed
 
 
-@pytest.mark.parametrize("exchange", ["scatter"])
+@pytest.mark.parametrize("exchange", ["allgather"])
 def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path, exchange):
     """2 replica groups of 2 processes (the model sharded over each group's processes): SIGKILL both processes of
     one group; the other keeps committing steps alone; the killed group is restarted, each of its ranks heals its
