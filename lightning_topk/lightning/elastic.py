@@ -22,7 +22,7 @@ and a round the quorum does not commit is rolled back.
 Sharded models (``TopKFSDPStrategy(fault_tolerance="torchft")``, ``_elastic_sharded``): each rank's torchft process
 group connects the ranks that hold the same shard, and a heal carries this rank's shards (parameters and sharded
 optimizer state as local tensors: :func:`~lightning_topk.comm.sharded.local_module_state`); at step 0 torchft's
-source for rank r is the quorum's replica r for every group, so all groups start with the same shards.
+source for rank r is the quorum's replica r mod R for every group, so all groups start with the same shards.
 
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
@@ -399,8 +399,8 @@ class ElasticMixin:
         module = self.lightning_module  # type: ignore[attr-defined]
         with torch.no_grad():
             # sharded (topk_fsdp): each rank healed its own shards from the same rank of a peer; at step 0 rank r's
-            # source is the quorum's replica r, the same for every replica group, so every group ends with the
-            # same shards. The buffers are whole on every rank: rank 0's.
+            # source is the quorum's replica r mod R, the same for every replica group, so every group ends with
+            # the same shards. The buffers are whole on every rank: rank 0's.
             for t in [*([] if self._elastic_sharded else module.parameters()), *module.buffers()]:
                 dist.broadcast(t.data, src=0, group=intra)
             if self._elastic_sharded:
@@ -482,7 +482,10 @@ class ElasticMixin:
         else:
             module.load_state_dict(sd["module"])  # in place: the optimizers and DDP keep the same tensors
         for opt, osd in zip(self.optimizers, sd["optimizers"]):  # type: ignore[attr-defined]
-            load_local_optimizer_state(opt, osd) if sharded else opt.load_state_dict(osd)
+            if sharded:
+                load_local_optimizer_state(opt, osd)
+            else:
+                opt.load_state_dict(osd)
         state = self.topk_state  # type: ignore[attr-defined]
         outer = self._elastic_outer()
         if state is not None and sd.get("topk") is not None:
