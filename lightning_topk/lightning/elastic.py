@@ -110,8 +110,9 @@ class TorchFTReplica:
 
     def __init__(self, config: TopKConfig, state_dict: Callable[[], Dict[str, Any]],
                  load_state_dict: Callable[[Dict[str, Any]], None],
-                 residual_mass: Optional[Callable[[], float]] = None) -> None:
+                 residual_mass: Optional[Callable[[], float]] = None, name: str = "topk_ddp") -> None:
         self.config = config
+        self.name = name  # the strategy's, in messages
         self._residual_mass = residual_mass
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
@@ -185,8 +186,8 @@ class TorchFTReplica:
             intra = dist.group.WORLD
         self.group = ElasticGroup(pg, size=m.num_participants, rank=m.participating_rank, on_error=m.report_error,
                                   errored=m.errored, intra=intra)
-        log.info("topk_ddp: replica group %s (rank %d of %d) joined torchft (lighthouse %s, min_replicas %d)",
-                 replica_id, group_rank, group_size, self.lighthouse, cfg.min_replicas)
+        log.info("%s: replica group %s (rank %d of %d) joined torchft (lighthouse %s, min_replicas %d)",
+                 self.name, replica_id, group_rank, group_size, self.lighthouse, cfg.min_replicas)
 
     def shutdown(self) -> None:
         m, self.manager = self.manager, None
@@ -205,7 +206,7 @@ class TorchFTReplica:
             m.start_quorum()
         except Exception as e:
             raise RuntimeError(
-                f"topk_ddp: torchft quorum failed for replica group {self.replica_id!r} at step {m.current_step()} "
+                f"{self.name}: torchft quorum failed for replica group {self.replica_id!r} at step {m.current_step()} "
                 f"({e}): fewer than min_replicas={self.config.min_replicas} replica groups joined the lighthouse "
                 f"{self.lighthouse} within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s (the last quorum had "
                 f"{self.quorum_size}), or the lighthouse is gone (docs/elastic.md)") from e
@@ -214,13 +215,13 @@ class TorchFTReplica:
             self.heal_time_s = time.monotonic() - t0
             self.heals += 1
             self._healing_t0 = None
-            log.warning("topk_ddp: replica group healed from a live peer at step %d in %.2f s", m.current_step(),
+            log.warning("%s: replica group healed from a live peer at step %d in %.2f s", self.name, m.current_step(),
                         self.heal_time_s)
         n = m.num_participants()
         qid = getattr(m, "_quorum_id", None)
         if self._quorum_id is not None and qid != self._quorum_id:
             self.quorum_changes += 1
-            log.warning("topk_ddp: quorum changed at step %d: %d replica group(s) now", m.current_step(), n)
+            log.warning("%s: quorum changed at step %d: %d replica group(s) now", self.name, m.current_step(), n)
         self._quorum_id = qid
         self._note_members()
         self.quorum_size = n
@@ -271,8 +272,8 @@ class TorchFTReplica:
             self.replicas_joined += len([r for r in new if r not in self.members])
             if lost:
                 self.residual_mass_at_loss = float(self._residual_mass()) if self._residual_mass is not None else 0.0
-                log.warning("topk_ddp: replica group(s) %s left the quorum; their unsent error feedback is lost "
-                            "(this replica's own: L1 %.4g)", ", ".join(lost), self.residual_mass_at_loss)
+                log.warning("%s: replica group(s) %s left the quorum; their unsent error feedback is lost "
+                            "(this replica's own: L1 %.4g)", self.name, ", ".join(lost), self.residual_mass_at_loss)
         self.members = list(new)
 
     # ---- heal ------------------------------------------------------------------------------------
@@ -316,7 +317,7 @@ class ElasticMixin:
                 f"{name}: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
                 f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
         self.topk_elastic = TorchFTReplica(self.topk_config, self._elastic_state_dict,  # type: ignore[attr-defined]
-                                           self._elastic_load_state_dict, self._elastic_residual_mass)
+                                           self._elastic_load_state_dict, self._elastic_residual_mass, name=name)
         self.topk_elastic.check()  # a missing lighthouse fails before any process group
 
     def setup_distributed(self) -> None:
