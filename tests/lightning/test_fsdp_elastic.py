@@ -242,3 +242,36 @@ def test_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
         assert live["outer"]["mom"].abs().sum() > 0
     print("FSDP_FT_LOCAL_KILL", {"killed_at_round": killed_at, "rounds_alone": during - killed_at,
                                  "heal_time_s": [c.rows(1, k)[-1]["heal_time_s"] for k in RANKS]})
+
+
+def test_local_sgd_uncommitted_round_rolls_back_then_heals(tmp_path):
+    """Local SGD under torchft on sharded models, 2 groups x 2 processes: both ranks of group 0 report an error in
+    the round that would commit round 4, so its should_commit says no: each rank's shard of θ_outer, outer
+    momentum and error feedback, the round count and its parameter shards are bitwise what they were before the
+    round. Group 1 commits it; at the next round group 0 heals from it, and every rank ends equal to its
+    counterpart."""
+    pytest.importorskip("torchft")
+    from tests.lightning.test_elastic import _local_args
+
+    c = Cluster(tmp_path, min_replicas=2)
+    stop = tmp_path / "stop_at"
+    stop.write_text("7")
+    fsdp = ("--fsdp", "--devices", 2)
+    try:
+        procs = [c.start(0, *_local_args(stop, "--refuse-round", 4, *fsdp)), c.start(1, *_local_args(stop, *fsdp))]
+        for p in procs:
+            assert p.wait(timeout=240) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    for k in RANKS:
+        rows0, rows1 = c.rows(0, k), c.rows(1, k)
+        refused = [x for x in rows0 if "round_unchanged" in x]
+        assert len(refused) == 1 and refused[0]["round_unchanged"], refused
+        assert refused[0]["round_uncommitted"] == 1 and refused[0]["ft_step"] == 3, refused
+        assert rows1[-1]["round_uncommitted"] == 0
+        assert rows0[-1]["heals"] == rows0[rows0.index(refused[0])]["heals"] + 1  # healed from group 1 next round
+        finals = [torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1)]
+        for name, v in finals[0]["params"].items():
+            assert torch.equal(v, finals[1]["params"][name]), (k, name)
+        for key in ("theta", "mom"):
+            assert torch.equal(finals[0]["outer"][key], finals[1]["outer"][key]), (k, key)
