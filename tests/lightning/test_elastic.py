@@ -419,7 +419,10 @@ def test_local_sgd_kill_one_of_three_heal_and_rejoin(tmp_path):
     outage = [x for x in rows[0] if x["t"] > t_kill and x["quorum"] == 2 and x["position"] == 0]
     assert during >= killed_at + 3 and outage and all(x["contributors"] == 2 for x in outage), (killed_at, during)
     assert all(rows[r][-1]["replicas_lost"] >= 1 for r in (0, 2))
-    assert all(rows[r][-1]["residual_mass_at_loss"] > 0 for r in (0, 2))  # each survivor's own unsent mass
+    # each survivor's own unsent mass; a survivor that started late joined by a heal (its error feedback empty)
+    # and may not have contributed a round before the kill
+    on_time = [r for r in (0, 2) if not rows[r][0]["data_position"].get("batch")]
+    assert on_time and all(rows[r][-1]["residual_mass_at_loss"] > 0 for r in on_time), on_time
     back = rows[1]
     first = back[0]
     assert first["heals"] == 1 and first["ft_step"] >= during, first  # healed at the peers' round count
