@@ -19,7 +19,7 @@ layout, non-finite handling, telemetry properties) and adapts the few places whe
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,23 +46,51 @@ class _FabricTopKMixin(TopKStrategyMixin):
     def model(self):
         return self._topk_ddp
 
+    # torchft: the optimizers and scheduler of fabric.setup (what a heal carries, with the module)
+    _topk_fabric_setup: Tuple[List[Any], List[Any]] = ([], [])
+
+    @property
+    def optimizers(self) -> List[Any]:
+        return self._topk_fabric_setup[0]
+
+    def _elastic_schedulers(self) -> List[Any]:
+        return self._topk_fabric_setup[1]
+
+    def _setup_distributed(self) -> None:
+        # fault_tolerance="torchft": the replica is made (and the lighthouse checked) before the process group, and
+        # joins torchft right after it, as the Trainer strategy's setup_distributed does
+        if self.topk_config.elastic and self.topk_config.local_steps > 0:
+            raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 is not available with Fabric "
+                             "(a rolled-back round drops inner steps the user's loop has no position for): use the "
+                             "Trainer's TopKDDPStrategy, or local_steps=0 (docs/elastic.md)")
+        self._elastic_prepare()
+        super()._setup_distributed()
+        self._elastic_start()
+
     # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
     # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
-    def setup_module_and_optimizers(self, module, optimizers, *args: Any, **kwargs: Any):
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         # recipe="auto" reads the optimizers when setup_module builds the hook
         self._topk_fabric_optimizers = list(optimizers)
         try:
-            return super().setup_module_and_optimizers(module, optimizers, *args, **kwargs)
+            out = super().setup_module_and_optimizers(module, optimizers, scheduler)
         finally:
             self._topk_fabric_optimizers = None
+        if self.topk_elastic is not None:
+            self._topk_fabric_setup = (list(out[1]), [] if out[2] is None else [out[2]])
+            # the first quorum, before the loop's first forward: a replica group that is behind heals here
+            self._elastic_join()
+            self._elastic_step_quorum()
+        return out
 
     def _topk_optimizers(self):
         return getattr(self, "_topk_fabric_optimizers", None)
 
     def setup_module(self, module):
-        if self.topk_config.elastic:  # no per-batch hook in Fabric to run the quorum (and a heal) before the forward
-            raise ValueError("topk_ddp: fault_tolerance='torchft' is not available with Fabric yet; use the Trainer's "
-                             "TopKDDPStrategy (docs/elastic.md)")
+        if self.topk_elastic is not None and self._topk_optimizers() is None:
+            raise ValueError("topk_ddp: fault_tolerance='torchft' with Fabric needs the model and its optimizers set "
+                             "up together, fabric.setup(model, optimizer[, scheduler=...]) (a heal carries the "
+                             "optimizer state), not fabric.setup_module(model) (docs/elastic.md)")
         self._configure_buckets(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
@@ -107,6 +135,10 @@ class _FabricTopKMixin(TopKStrategyMixin):
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
             self._sync_reducer()
+        if self.topk_elastic is not None:
+            # The next step's quorum (Fabric has no hook before the user's forward): a heal lands here, between
+            # this optimizer.step() and the loop's next forward; strategy.topk_elastic.step is then the peers'.
+            self._elastic_step_quorum()
         return out
 
     def topk_metrics(self) -> Dict[str, float]:
