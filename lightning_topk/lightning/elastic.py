@@ -19,6 +19,10 @@ also takes the peers' data position (Lightning's loop progress and resumable loa
 (:mod:`lightning_topk.comm.local.elastic_round`), the heal carries the outer state without the error feedback,
 and a round the quorum does not commit is rolled back.
 
+Lightning Fabric (:mod:`lightning_topk.lightning.fabric`) has no hook before the user's forward: each step's quorum
+runs at the end of the previous optimizer step, the first at ``fabric.setup``; the user's loop takes its data
+position from the committed step (docs/elastic.md, "Lightning Fabric").
+
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
 """

@@ -12,6 +12,9 @@ layout, non-finite handling, telemetry properties) and adapts the few places whe
 * ``fabric.save(path, state)`` writes only on rank 0; every rank also writes its residual shard next to it
   (:mod:`lightning_topk.lightning.checkpoint`), and ``fabric.load`` restores each rank's own shard.
 * ``strategy.topk_metrics()`` returns the ``topk/*`` metrics reduced over the ranks for ``fabric.log_dict``.
+* ``fault_tolerance="torchft"`` (:mod:`lightning_topk.lightning.elastic`): no hook runs before the user's forward,
+  so each step's quorum (and a heal) runs at the end of the previous ``optimizer_step``, the first one at the end
+  of ``setup_module_and_optimizers``; the loop takes its position from ``strategy.topk_elastic.step``.
 
 ``from lightning_topk.lightning.fabric import FabricTopKDDPStrategy`` gives the class for ``lightning.fabric``
 (or, without the ``lightning`` package, for ``lightning_fabric``); :func:`fabric_strategy_class` picks one.
@@ -70,6 +73,9 @@ class _FabricTopKMixin(TopKStrategyMixin):
     # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
     # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if self.topk_elastic is not None and len(optimizers) != 1:  # each optimizer.step() is one torchft step
+            raise ValueError("topk_ddp: fault_tolerance='torchft' with Fabric takes one optimizer (each "
+                             f"optimizer.step() commits one torchft step), got {len(optimizers)} (docs/elastic.md)")
         # recipe="auto" reads the optimizers when setup_module builds the hook
         self._topk_fabric_optimizers = list(optimizers)
         try:

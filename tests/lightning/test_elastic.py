@@ -310,6 +310,9 @@ def test_fabric_refusals_name_the_option():
     s.topk_elastic = TorchFTReplica(s.topk_config, dict, print)
     with pytest.raises(ValueError, match=r"fabric.setup\(model, optimizer"):
         s.setup_module(torch.nn.Linear(2, 2))
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="takes one optimizer"):
+        s.setup_module_and_optimizers(net, [torch.optim.SGD(net.parameters(), 0.1), torch.optim.SGD(net.parameters(), 0.1)])
 
 
 @pytest.mark.timeout(240)
@@ -375,6 +378,34 @@ def test_fabric_kill_one_of_three_heal_and_rejoin(tmp_path):
     print("ELASTIC_FABRIC", json.dumps(dict(killed_at=killed_at, steps_during_outage=during - killed_at,
                                             heal_time_s=back[0]["heal_time_s"], healed_at_step=back[0]["step"],
                                             steps_from_setup_to_first_step=back[0]["step"] - at_setup)))
+
+
+@pytest.mark.timeout(300)
+def test_fabric_two_groups_of_two_processes_heal_and_agree(tmp_path):
+    """Fabric, 2 replica groups of 2 processes (each process its own batches): the second group starts late, both
+    its ranks heal from the first group mid-run and it joins; all four processes end with identical parameters
+    and optimizer state (the group's ranks agree through the same sync as the Trainer's)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2)
+    ranks = (".rank0", ".rank1")
+    try:
+        first = c.start(0, *args)
+        _wait(lambda: all(c.rows(0, k) and c.rows(0, k)[-1]["ft_step"] >= 5 for k in ranks), 180, "5 steps")
+        late = c.start(1, *args)
+        _wait(lambda: all(c.rows(1, k) for k in ranks), 180, "the late group's first step")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + 5))
+        for p in (first, late):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    assert all(c.rows(1, k)[0]["heals"] == 1 and c.rows(1, k)[0]["step"] >= 5 for k in ranks), c.rows(1)
+    finals = [torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1) for k in ranks]
+    for f in finals[1:]:
+        assert all(torch.equal(v, f["params"][n]) for n, v in finals[0]["params"].items())
+        assert all(torch.equal(v, s[n]) for s0, s in zip(finals[0]["opt"], f["opt"]) for n, v in s0.items())
 
 
 @pytest.mark.timeout(240)

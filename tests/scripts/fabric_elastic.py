@@ -88,6 +88,7 @@ def main():
     ft = getattr(strategy, "topk_elastic", None)
     step_of = (lambda: ft.step) if ft is not None else None
     x, y = digits()[0].tensors
+    who = rank if a.reference else rank * a.devices + fabric.local_rank  # each process its own batches
     log = Path(a.out) / f"{tag}.jsonl"
     n, before = 0, None
     while True:
@@ -103,7 +104,7 @@ def main():
         refuse = a.refuse_at is not None and step == a.refuse_at and before is None
         if refuse:
             before = snapshot(model, opt.optimizer, strategy)
-        xb, yb, pos = batch_at(x, y, rank, step)
+        xb, yb, pos = batch_at(x, y, who, step)
         loss = nn.functional.cross_entropy(model(xb), yb)
         opt.zero_grad()
         fabric.backward(loss)
