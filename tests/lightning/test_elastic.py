@@ -350,8 +350,9 @@ def test_fabric_kill_one_of_three_heal_and_rejoin(tmp_path):
         os.kill(procs[1].pid, signal.SIGKILL)
         procs[1].wait()
         killed_at = max(c.rows(r)[-1]["ft_step"] for r in (0, 2))
-        time.sleep(3.0)  # the outage
-        during = min(c.rows(r)[-1]["ft_step"] for r in (0, 2))
+        t_kill = time.monotonic()
+        _wait(lambda: min(c.rows(r)[-1]["ft_step"] for r in (0, 2)) >= killed_at + 5, 90, "5 steps without it")
+        during, outage_s = min(c.rows(r)[-1]["ft_step"] for r in (0, 2)), time.monotonic() - t_kill
         os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
         restarted = c.start(1, *args)
         _wait(lambda: c.rows(1), 150, "the restarted replica's first step")
@@ -360,7 +361,7 @@ def test_fabric_kill_one_of_three_heal_and_rejoin(tmp_path):
             assert p.wait(timeout=120) == 0, _logs(tmp_path)
     finally:
         c.close()
-    assert during > killed_at + 3, (killed_at, during)  # the survivors stepped on without it
+    assert during >= killed_at + 5, (killed_at, during)  # the survivors stepped on without it
     assert any(r["quorum"] == 2 for r in c.rows(0)), "no step ran with the quorum of 2"
     back, peer = c.rows(1), c.rows(0)
     assert back[0]["heals"] == 1 and back[0]["heal_time_s"] > 0 and back[0]["step"] >= during, back[0]
@@ -375,7 +376,7 @@ def test_fabric_kill_one_of_three_heal_and_rejoin(tmp_path):
         assert f["params"].keys() == finals[0]["params"].keys() and len(f["opt"]) == len(finals[0]["opt"]) > 0
         assert all(torch.equal(v, f["params"][k]) for k, v in finals[0]["params"].items())
         assert all(torch.equal(v, s[k]) for s0, s in zip(finals[0]["opt"], f["opt"]) for k, v in s0.items())
-    print("ELASTIC_FABRIC", json.dumps(dict(killed_at=killed_at, steps_during_outage=during - killed_at,
+    print("ELASTIC_FABRIC", json.dumps(dict(killed_at=killed_at, steps_during_outage=during - killed_at, outage_s=outage_s,
                                             heal_time_s=back[0]["heal_time_s"], healed_at_step=back[0]["step"],
                                             steps_from_setup_to_first_step=back[0]["step"] - at_setup)))
 
