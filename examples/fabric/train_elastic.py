@@ -10,10 +10,10 @@ step. What the loop must do is marked  # <-- torchft:
 
 1. set up the model and its one optimizer together, ``fabric.setup(model, optimizer)``: the first quorum (and a
    heal) runs in there;
-2. at the top of each iteration, read the committed step ``fabric.strategy.topk_elastic.step`` and derive from it
-   everything the step uses that the heal does not carry: the batch, the learning rate. After a heal it is the
-   peers' step, so the loop is at their position; after a step the replicas did not commit it is unchanged, so
-   the batch is replayed;
+2. at the top of each iteration, read the position ``fabric.strategy.topk_elastic_position`` (torchft's committed
+   step; with ``local_steps`` > 0, the inner step) and derive from it everything the step uses that the heal does
+   not carry: the batch, the learning rate. After a heal it is the peers', so the loop is at their position; after
+   a step the replicas did not commit it is unchanged, so the batch is replayed;
 3. end with ``fabric.strategy.teardown()`` (Fabric does not call it): it leaves torchft cleanly.
 """
 import math
@@ -38,7 +38,6 @@ def main():
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     model, optimizer = fabric.setup(model, optimizer)  # <-- torchft: 1. a replica group that is behind heals here
-    ft = fabric.strategy.topk_elastic
 
     train, val = data()
     x, y = train.tensors
@@ -52,7 +51,7 @@ def main():
         idx = order[b * BATCH:(b + 1) * BATCH]
         return x[idx].to(fabric.device), y[idx].to(fabric.device)
 
-    while (step := ft.step) < STEPS:  # <-- torchft: 2. the committed step: the peers' after a heal
+    while (step := fabric.strategy.topk_elastic_position) < STEPS:  # <-- torchft: 2. the peers' after a heal
         for group in optimizer.param_groups:  # <-- torchft: 2. the learning rate from the step, not a counter
             group["lr"] = LR * 0.5 * (1 + math.cos(math.pi * step / STEPS))
         xb, yb = batch_at(step)  # <-- torchft: 2. the batch from the step
@@ -61,6 +60,7 @@ def main():
         fabric.backward(loss)
         optimizer.step()  # commits (or rolls back) with the quorum, then forms the next step's quorum
         if step % 100 == 0:
+            ft = fabric.strategy.topk_elastic
             fabric.print(f"step {step}: loss {loss.item():.3f}, {ft.quorum_size} replica group(s), heals {ft.heals}")
     with torch.no_grad():
         xv, yv = (t.to(fabric.device) for t in val.tensors)

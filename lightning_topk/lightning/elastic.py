@@ -21,7 +21,7 @@ and a round the quorum does not commit is rolled back.
 
 Lightning Fabric (:mod:`lightning_topk.lightning.fabric`) has no hook before the user's forward: each step's quorum
 runs at the end of the previous optimizer step, the first at ``fabric.setup``; the user's loop takes its data
-position from the committed step (docs/elastic.md, "Lightning Fabric").
+position from the strategy's ``topk_elastic_position`` (docs/elastic.md, "Lightning Fabric").
 
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).

@@ -14,7 +14,8 @@ layout, non-finite handling, telemetry properties) and adapts the few places whe
 * ``strategy.topk_metrics()`` returns the ``topk/*`` metrics reduced over the ranks for ``fabric.log_dict``.
 * ``fault_tolerance="torchft"`` (:mod:`lightning_topk.lightning.elastic`): no hook runs before the user's forward,
   so each step's quorum (and a heal) runs at the end of the previous ``optimizer_step``, the first one at the end
-  of ``setup_module_and_optimizers``; the loop takes its position from ``strategy.topk_elastic.step``.
+  of ``setup_module_and_optimizers`` (local SGD: a quorum per round, the join round at that setup); the loop
+  takes its data position from :attr:`topk_elastic_position`.
 
 ``from lightning_topk.lightning.fabric import FabricTopKDDPStrategy`` gives the class for ``lightning.fabric``
 (or, without the ``lightning`` package, for ``lightning_fabric``); :func:`fabric_strategy_class` picks one.
@@ -59,13 +60,20 @@ class _FabricTopKMixin(TopKStrategyMixin):
     def _elastic_schedulers(self) -> List[Any]:
         return self._topk_fabric_setup[1]
 
+    @property
+    def topk_elastic_position(self) -> int:
+        """Under torchft, the optimizer step the loop's next batch belongs to, the same on every replica group of
+        the quorum (a heal makes it the peers'): torchft's committed steps, or under local SGD the inner-step
+        attempts (a rolled-back round's count too: its batches are dropped, as the Trainer drops them)."""
+        ft = self.topk_elastic
+        if ft is None:
+            raise ValueError("topk_ddp: topk_elastic_position needs fault_tolerance='torchft' and fabric.setup first")
+        outer = self._elastic_outer()
+        return ft.step if outer is None else int(outer.steps)
+
     def _setup_distributed(self) -> None:
         # fault_tolerance="torchft": the replica is made (and the lighthouse checked) before the process group, and
         # joins torchft right after it, as the Trainer strategy's setup_distributed does
-        if self.topk_config.elastic and self.topk_config.local_steps > 0:
-            raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 is not available with Fabric "
-                             "(a rolled-back round drops inner steps the user's loop has no position for): use the "
-                             "Trainer's TopKDDPStrategy, or local_steps=0 (docs/elastic.md)")
         self._elastic_prepare()
         super()._setup_distributed()
         self._elastic_start()
@@ -85,8 +93,9 @@ class _FabricTopKMixin(TopKStrategyMixin):
         if self.topk_elastic is not None:
             self._topk_fabric_setup = (list(out[1]), [] if out[2] is None else [out[2]])
             # the first quorum, before the loop's first forward: a replica group that is behind heals here
-            self._elastic_join()
-            self._elastic_step_quorum()
+            self._elastic_join()  # local SGD: and takes part in the peers' round (the join round)
+            if self._elastic_outer() is None:
+                self._elastic_step_quorum()
         return out
 
     def _topk_optimizers(self):
@@ -141,9 +150,9 @@ class _FabricTopKMixin(TopKStrategyMixin):
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
             self._sync_reducer()
-        if self.topk_elastic is not None:
+        if self.topk_elastic is not None and self._elastic_outer() is None:  # local SGD: a quorum per round
             # The next step's quorum (Fabric has no hook before the user's forward): a heal lands here, between
-            # this optimizer.step() and the loop's next forward; strategy.topk_elastic.step is then the peers'.
+            # this optimizer.step() and the loop's next forward; topk_elastic_position is then the peers'.
             self._elastic_step_quorum()
         return out
 

@@ -303,9 +303,6 @@ def test_fabric_refusals_name_the_option():
     from lightning_topk.lightning.elastic import TorchFTReplica
     from lightning_topk.lightning.fabric import FabricTopKDDPStrategy
 
-    s = FabricTopKDDPStrategy(fault_tolerance="torchft", local_steps=4)
-    with pytest.raises(ValueError, match="local_steps > 0 is not available with Fabric"):
-        s._setup_distributed()  # before any process group
     s = FabricTopKDDPStrategy(fault_tolerance="torchft")
     s.topk_elastic = TorchFTReplica(s.topk_config, dict, print)
     with pytest.raises(ValueError, match=r"fabric.setup\(model, optimizer"):
@@ -407,6 +404,45 @@ def test_fabric_two_groups_of_two_processes_heal_and_agree(tmp_path):
     for f in finals[1:]:
         assert all(torch.equal(v, f["params"][n]) for n, v in finals[0]["params"].items())
         assert all(torch.equal(v, s[n]) for s0, s in zip(finals[0]["opt"], f["opt"]) for n, v in s0.items())
+
+
+@pytest.mark.timeout(300)
+def test_fabric_local_sgd_kill_one_of_three_heal_and_rejoin(tmp_path):
+    """Fabric, local SGD under torchft (H = 4), 3 replica groups of 1 process: SIGKILL one; the survivors' rounds go
+    on committing; the restarted one joins at their next round (inside fabric.setup) and its loop continues at their
+    inner step (topk_elastic_position); at the end all three hold identical parameters and outer state."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, min_replicas=2, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--local-steps", 4,
+            "--min-replicas", 2)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 4 for r in range(3)), 150, "4 rounds on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(c.rows(r)[-1]["ft_step"] for r in (0, 2))
+        _wait(lambda: min(c.rows(r)[-1]["ft_step"] for r in (0, 2)) >= killed_at + 3, 90, "3 rounds without it")
+        os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: c.rows(1), 150, "the restarted replica's first step")
+        stop.write_text(str(max(c.rows(r)[-1]["ft_step"] for r in range(3)) + 3))
+        for p in (procs[0], procs[2], restarted):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    assert any(x["quorum"] == 2 and x["contributors"] == 2 for x in c.rows(0)), "no round of 2 contributors"
+    back, peer = c.rows(1), {x["step"]: x for q in (0, 2) for x in c.rows(q)}
+    assert back[0]["heals"] == 1 and back[0]["step"] > 0 and back[0]["step"] % 4 == 0, back[0]  # at a round start
+    assert all(x["step"] in peer and x["rounds"] == peer[x["step"]]["rounds"] for x in back), back[:3]
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
+    for f in finals[1:]:
+        assert all(torch.equal(v, f["params"][k]) for k, v in finals[0]["params"].items())
+        assert all(torch.equal(finals[0]["outer"][k], f["outer"][k]) for k in ("theta", "mom"))
+        assert all(finals[0]["outer"][k] == f["outer"][k] for k in ("rounds", "position", "steps"))
+    print("ELASTIC_FABRIC_LOCAL", json.dumps(dict(killed_at_round=killed_at, heal_time_s=back[0]["heal_time_s"],
+                                                  joined_at_step=back[0]["step"])))
 
 
 @pytest.mark.timeout(240)

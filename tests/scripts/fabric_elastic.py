@@ -1,9 +1,9 @@
 """One replica group of a ``fault_tolerance="torchft"`` run through Lightning Fabric on the digits (the loop of
 examples/fabric/train_elastic.py); tests/lightning/test_elastic.py starts several against one lighthouse.
 
-The loop reads torchft's committed step (``fabric.strategy.topk_elastic.step``) at the top of each iteration and
-takes the batch fixed by (replica, step): a replica that healed trains at its peers' position, and a step that was
-not committed replays its batch.
+The loop reads ``fabric.strategy.topk_elastic_position`` (torchft's committed step; under local SGD, ``--local-steps
+H``, the inner-step attempts) at the top of each iteration and takes the batch fixed by (replica, position): a
+replica that healed trains at its peers' position, and a step that was not committed replays its batch.
 
 Writes ``<out>/replica<R>.jsonl`` (one line per step: the step it ran at, committed or not, quorum, heals) and at the
 end ``<out>/replica<R>.pt`` (parameters, optimizer state, metrics). Stops at committed step ``--steps`` or the one
@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--exchange", default="allgather")
     ap.add_argument("--devices", type=int, default=1)
     ap.add_argument("--min-replicas", type=int, default=1)
+    ap.add_argument("--local-steps", type=int, default=0, help="> 0: sparse local SGD, H inner steps per round")
     ap.add_argument("--package", default="lightning.fabric", choices=["lightning.fabric", "lightning_fabric"])
     ap.add_argument("--reference", action="store_true")
     a = ap.parse_args()
@@ -70,9 +71,10 @@ def main():
     if a.reference:
         fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")
     else:
+        local = dict(local_steps=a.local_steps, outer_density=0.05, outer_value_bits=8) if a.local_steps else {}
         strategy = fabric_strategy_class(a.package)(
-            fault_tolerance="torchft", density=a.density, exchange=a.exchange, min_sparse_numel=4096,
-            min_replicas=a.min_replicas,
+            fault_tolerance="torchft", density=a.density, min_sparse_numel=4096, min_replicas=a.min_replicas,
+            **(local or dict(exchange=a.exchange)),
             ft_timeout=20.0, ft_quorum_timeout=60.0, ft_connect_timeout=5.0)
         fabric = Fabric(accelerator="cpu", devices=a.devices, strategy=strategy)
     fabric.launch()
@@ -86,18 +88,19 @@ def main():
     model, opt = fabric.setup(model, opt)  # torchft: the first quorum (a heal, when behind) runs in here
     strategy = fabric.strategy
     ft = getattr(strategy, "topk_elastic", None)
-    step_of = (lambda: ft.step) if ft is not None else None
+    outer = getattr(strategy.topk_state.exchange, "outer", None) if ft is not None else None
     x, y = digits()[0].tensors
     who = rank if a.reference else rank * a.devices + fabric.local_rank  # each process its own batches
     log = Path(a.out) / f"{tag}.jsonl"
     n, before = 0, None
     while True:
-        step = step_of() if step_of else n  # every replica of a quorum is at the same committed step
+        # the position every replica of a quorum is at: torchft's committed step (local SGD: inner steps)
+        step = strategy.topk_elastic_position if ft is not None else n
         target = a.steps
         if a.stop_file and os.path.exists(a.stop_file):
             text = Path(a.stop_file).read_text().strip()
             target = int(text) if text else target
-        if step >= target:
+        if (ft.step if ft is not None else n) >= target:  # committed steps (local SGD: rounds)
             break
         if a.delay:
             time.sleep(a.delay)
@@ -116,6 +119,8 @@ def main():
         if ft is not None:
             row.update(ft_step=ft.step, quorum=ft.quorum_size, committed=ft.committed, uncommitted=ft.uncommitted,
                        heals=ft.heals, heal_time_s=ft.heal_time_s)
+        if outer is not None:
+            row.update(rounds=outer.stats.rounds, position=outer.position, contributors=outer.stats.contributors)
         if refuse:
             row["unchanged"] = same(before, snapshot(model, opt.optimizer, strategy))
             row["residuals_checked"] = len(before["res"])
@@ -124,6 +129,9 @@ def main():
     final = snapshot(model, opt.optimizer, strategy)
     final["metrics"] = ft.metrics() if ft is not None else {}
     final["ptrs_kept"] = [p.data_ptr() for p in model.parameters()] == ptrs
+    if outer is not None:
+        final["outer"] = {"theta": outer.theta.clone(), "mom": outer.mom.clone(), "rounds": outer.stats.rounds,
+                          "position": outer.position, "steps": outer.steps}
     torch.save(final, Path(a.out) / f"{tag}.pt")
     strategy.teardown()
 
