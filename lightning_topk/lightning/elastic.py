@@ -24,6 +24,10 @@ group connects the ranks that hold the same shard, and a heal carries this rank'
 optimizer state as local tensors: :func:`~lightning_topk.comm.sharded.local_module_state`); at step 0 torchft's
 source for rank r is the quorum's replica r mod R for every group, so all groups start with the same shards.
 
+Lightning Fabric (:mod:`lightning_topk.lightning.fabric`) has no hook before the user's forward: each step's quorum
+runs at the end of the previous optimizer step, the first at ``fabric.setup``; the user's loop takes its data
+position from the strategy's ``topk_elastic_position`` (docs/elastic.md, "Lightning Fabric").
+
 Here: :class:`TorchFTReplica` (the Manager, its process group and store, the lighthouse check, telemetry) and
 :class:`ElasticMixin` (the strategy's hooks: start, one quorum per step, teardown).
 """
@@ -310,17 +314,24 @@ class ElasticMixin:
     #: the model is sharded over the group's processes (topk_fsdp): each rank heals its own shards
     _elastic_sharded = False
 
-    def _elastic_prepare(self, name: str) -> None:
-        """Before any process group: one Trainer per replica group, torchft installed, a lighthouse answering."""
+    def _elastic_replica(self, name: str) -> None:
+        """Before any process group: one Trainer (or Fabric) per replica group, torchft installed, a lighthouse
+        answering."""
         if self.num_nodes != 1:  # type: ignore[attr-defined]
             raise ValueError(
-                f"{name}: fault_tolerance='torchft' runs one Trainer per replica group (num_nodes=1, got "
+                f"{name}: fault_tolerance='torchft' runs one Trainer (or Fabric) per replica group (num_nodes=1, got "
                 f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
         self.topk_elastic = TorchFTReplica(self.topk_config, self._elastic_state_dict,  # type: ignore[attr-defined]
                                            self._elastic_load_state_dict, self._elastic_residual_mass, name=name)
         self.topk_elastic.check()  # a missing lighthouse fails before any process group
 
     def setup_distributed(self) -> None:
+        self._elastic_prepare()
+        super().setup_distributed()  # type: ignore[misc]
+        self._elastic_start()
+
+    def _elastic_prepare(self) -> None:
+        """topk_ddp, before the process group: check the options, make the replica, check the lighthouse."""
         cfg = self.topk_config  # type: ignore[attr-defined]
         if cfg.elastic:
             if cfg.local_steps > 0 and self.num_processes > 1:  # type: ignore[attr-defined]
@@ -338,8 +349,10 @@ class ElasticMixin:
             # replica that joins mid-run would step once with the initial layout while its peers use the rebuilt
             # one (seen: its first step's gradient differed). With find_unused_parameters DDP never rebuilds.
             kw["find_unused_parameters"] = True
-            self._elastic_prepare("topk_ddp")
-        super().setup_distributed()  # type: ignore[misc]
+            self._elastic_replica("topk_ddp")
+
+    def _elastic_start(self) -> None:
+        """After the process group: this process's Manager and torchft process group."""
         if self.topk_elastic is not None:
             self.topk_elastic.join(self.global_rank, self.world_size)  # type: ignore[attr-defined]
 
@@ -376,16 +389,22 @@ class ElasticMixin:
         return getattr(state.exchange, "outer", None) if state is not None and state.exchange is not None else None
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        ft = self.topk_elastic
-        if ft is not None and self._elastic_outer() is None:  # per step: a quorum per training batch
-            first, self._elastic_first_quorum = getattr(self, "_elastic_first_quorum", None), None
-            healed = ft.begin_step() if first is None else first  # the join's quorum is the first batch's
-            group = ft.group
-            if group is not None and group.intra is not None:
-                self._elastic_group_sync(healed, group.intra)
+        if self.topk_elastic is not None and self._elastic_outer() is None:  # per step: a quorum per training batch
+            self._elastic_step_quorum()
         parent = getattr(super(), "on_train_batch_start", None)
         if parent is not None:
             parent(batch, batch_idx)
+
+    def _elastic_step_quorum(self) -> None:
+        """The quorum of the step about to run (the join's, when it formed one and no step used it yet), then,
+        with several processes per group, the group's sync after a heal."""
+        ft = self.topk_elastic
+        assert ft is not None
+        first, self._elastic_first_quorum = getattr(self, "_elastic_first_quorum", None), None
+        healed = ft.begin_step() if first is None else first
+        group = ft.group
+        if group is not None and group.intra is not None:
+            self._elastic_group_sync(healed, group.intra)
 
     def _elastic_group_sync(self, healed: bool, intra: Any) -> None:
         """Several processes per group: after a heal on any of its ranks, the group's rank 0 state is the group's.
@@ -436,6 +455,11 @@ class ElasticMixin:
         return float(sum(float(r.abs().sum()) for r in state.residuals().values()))
 
     # ---- what a heal carries ---------------------------------------------------------------------
+    def _elastic_schedulers(self) -> List[Any]:
+        """The LR schedulers a heal carries: the Trainer's (Fabric: the one passed to ``fabric.setup``)."""
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        return [c.scheduler for c in trainer.lr_scheduler_configs] if trainer is not None else []
+
     def _elastic_state_dict(self) -> Dict[str, Any]:
         """Parameters and buffers, optimizer state, the top-k state without this replica's residuals, velocities
         and owner residuals (error feedback is per replica: a copy would count the peer's unsent mass twice) and the
@@ -453,7 +477,7 @@ class ElasticMixin:
             topk["exchanges"] = {n: {k: v for k, v in sec.items() if k != "owner_residual"}
                                  for n, sec in topk.get("exchanges", {}).items()}
         trainer = getattr(module, "_trainer", None)
-        schedulers = [copy.deepcopy(c.scheduler.state_dict()) for c in trainer.lr_scheduler_configs] if trainer else []
+        schedulers = [copy.deepcopy(s.state_dict()) for s in self._elastic_schedulers()]
         at_round_end = getattr(self, "_elastic_round_end", False)
         if self._elastic_sharded:  # this rank's shards, as plain tensors (a peer's same rank holds the same ones)
             mod, opts = local_module_state(module), [local_optimizer_state(o) for o in self.optimizers]  # type: ignore[attr-defined]
@@ -495,10 +519,10 @@ class ElasticMixin:
             self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
         if outer is not None and sd.get("outer") is not None:
             heal_from(outer, sd["outer"])
+        for sched, ssd in zip(self._elastic_schedulers(), sd.get("schedulers", [])):
+            sched.load_state_dict(ssd)
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
-            for c, ssd in zip(trainer.lr_scheduler_configs, sd.get("schedulers", [])):
-                c.scheduler.load_state_dict(ssd)
             position = _position(sd["loop"]) if sd.get("loop") is not None else {}
             joining = getattr(self, "_elastic_joining", False)
             if joining and any(position.values()):

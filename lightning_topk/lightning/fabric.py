@@ -12,6 +12,10 @@ layout, non-finite handling, telemetry properties) and adapts the few places whe
 * ``fabric.save(path, state)`` writes only on rank 0; every rank also writes its residual shard next to it
   (:mod:`lightning_topk.lightning.checkpoint`), and ``fabric.load`` restores each rank's own shard.
 * ``strategy.topk_metrics()`` returns the ``topk/*`` metrics reduced over the ranks for ``fabric.log_dict``.
+* ``fault_tolerance="torchft"`` (:mod:`lightning_topk.lightning.elastic`): no hook runs before the user's forward,
+  so each step's quorum (and a heal) runs at the end of the previous ``optimizer_step``, the first one at the end
+  of ``setup_module_and_optimizers`` (local SGD: a quorum per round, the join round at that setup); the loop
+  takes its data position from :attr:`topk_elastic_position`.
 
 ``from lightning_topk.lightning.fabric import FabricTopKDDPStrategy`` gives the class for ``lightning.fabric``
 (or, without the ``lightning`` package, for ``lightning_fabric``); :func:`fabric_strategy_class` picks one.
@@ -19,7 +23,7 @@ layout, non-finite handling, telemetry properties) and adapts the few places whe
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -46,23 +50,62 @@ class _FabricTopKMixin(TopKStrategyMixin):
     def model(self):
         return self._topk_ddp
 
+    # torchft: the optimizers and scheduler of fabric.setup (what a heal carries, with the module)
+    _topk_fabric_setup: Tuple[List[Any], List[Any]] = ([], [])
+
+    @property
+    def optimizers(self) -> List[Any]:
+        return self._topk_fabric_setup[0]
+
+    def _elastic_schedulers(self) -> List[Any]:
+        return self._topk_fabric_setup[1]
+
+    @property
+    def topk_elastic_position(self) -> int:
+        """Under torchft, the optimizer step the loop's next batch belongs to, the same on every replica group of
+        the quorum (a heal makes it the peers'): torchft's committed steps, or under local SGD the inner-step
+        attempts (a rolled-back round's count too: its batches are dropped, as the Trainer drops them)."""
+        ft = self.topk_elastic
+        if ft is None:
+            raise ValueError("topk_ddp: topk_elastic_position needs fault_tolerance='torchft' and fabric.setup first")
+        outer = self._elastic_outer()
+        return ft.step if outer is None else int(outer.steps)
+
+    def _setup_distributed(self) -> None:
+        # fault_tolerance="torchft": the replica is made (and the lighthouse checked) before the process group, and
+        # joins torchft right after it, as the Trainer strategy's setup_distributed does
+        self._elastic_prepare()
+        super()._setup_distributed()
+        self._elastic_start()
+
     # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
     # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
-    def setup_module_and_optimizers(self, module, optimizers, *args: Any, **kwargs: Any):
+    def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
+        if self.topk_elastic is not None and len(optimizers) != 1:  # each optimizer.step() is one torchft step
+            raise ValueError("topk_ddp: fault_tolerance='torchft' with Fabric takes one optimizer (each "
+                             f"optimizer.step() commits one torchft step), got {len(optimizers)} (docs/elastic.md)")
         # recipe="auto" reads the optimizers when setup_module builds the hook
         self._topk_fabric_optimizers = list(optimizers)
         try:
-            return super().setup_module_and_optimizers(module, optimizers, *args, **kwargs)
+            out = super().setup_module_and_optimizers(module, optimizers, scheduler)
         finally:
             self._topk_fabric_optimizers = None
+        if self.topk_elastic is not None:
+            self._topk_fabric_setup = (list(out[1]), [] if out[2] is None else [out[2]])
+            # the first quorum, before the loop's first forward: a replica group that is behind heals here
+            self._elastic_join()  # local SGD: and takes part in the peers' round (the join round)
+            if self._elastic_outer() is None:
+                self._elastic_step_quorum()
+        return out
 
     def _topk_optimizers(self):
         return getattr(self, "_topk_fabric_optimizers", None)
 
     def setup_module(self, module):
-        if self.topk_config.elastic:  # no per-batch hook in Fabric to run the quorum (and a heal) before the forward
-            raise ValueError("topk_ddp: fault_tolerance='torchft' is not available with Fabric yet; use the Trainer's "
-                             "TopKDDPStrategy (docs/elastic.md)")
+        if self.topk_elastic is not None and self._topk_optimizers() is None:
+            raise ValueError("topk_ddp: fault_tolerance='torchft' with Fabric needs the model and its optimizers set "
+                             "up together, fabric.setup(model, optimizer[, scheduler=...]) (a heal carries the "
+                             "optimizer state), not fabric.setup_module(model) (docs/elastic.md)")
         self._configure_buckets(module)
         ddp = super().setup_module(module)
         self._topk_module, self._topk_ddp = module, ddp
@@ -107,6 +150,10 @@ class _FabricTopKMixin(TopKStrategyMixin):
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
             self._sync_reducer()
+        if self.topk_elastic is not None and self._elastic_outer() is None:  # local SGD: a quorum per round
+            # The next step's quorum (Fabric has no hook before the user's forward): a heal lands here, between
+            # this optimizer.step() and the loop's next forward; topk_elastic_position is then the peers'.
+            self._elastic_step_quorum()
         return out
 
     def topk_metrics(self) -> Dict[str, float]:

@@ -113,10 +113,9 @@ class TopKFSDPMixin(ElasticMixin, ShardedTopKMixin, TelemetryMixin):
     @override
     def setup_environment(self) -> None:
         if self.topk_config.elastic:
-            self._elastic_prepare("topk_fsdp")
+            self._elastic_replica("topk_fsdp")
         self._setup_distributed()
-        if self.topk_elastic is not None:
-            self.topk_elastic.join(self.global_rank, self.world_size)
+        self._elastic_start()
         self._device_mesh = make_mesh(self.root_device.type, self.num_nodes, self.num_processes)
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
         # SLURM requeue at a step boundary on every rank (the checkpoint is a collective), one agreed hpc

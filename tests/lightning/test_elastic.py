@@ -101,8 +101,8 @@ def _env(**kw):
 class Cluster:
     """A lighthouse from the documented launcher, and replica processes of tests/scripts/elastic_replica.py."""
 
-    def __init__(self, tmp_path, min_replicas=1):
-        self.tmp, self.port = tmp_path, free_port()
+    def __init__(self, tmp_path, min_replicas=1, script=SCRIPT):
+        self.tmp, self.port, self.script = tmp_path, free_port(), script
         self.addr = f"http://127.0.0.1:{self.port}"
         exe, env = python_for(_env())
         self.lighthouse = subprocess.Popen(
@@ -117,13 +117,13 @@ class Cluster:
             raise
 
     def start(self, r, *args, script=None):
-        """Replica group ``r``: ``script`` (default tests/scripts/elastic_replica.py, with ``--replica r --out DIR``)
-        and ``args``."""
+        """Replica group ``r``: ``script`` with ``args``, or by default the cluster's script (tests/scripts/
+        elastic_replica.py unless given) with ``--replica r --out DIR`` and ``args``."""
         log = open(self.tmp / f"replica{r}.{len([k for k in self.procs if k[0] == r])}.log", "w")
         # from a test zygote (torch and Lightning imported once: a replica starts in ~1 s, not ~15 s on 2 cores);
         # SIGKILL of the returned process kills the replica too (tests/helpers/zygote.py)
         exe, env = python_for(_env(TORCHFT_LIGHTHOUSE=self.addr, REPLICA_GROUP_ID=f"replica{r}"))
-        cmd = [str(SCRIPT), "--replica", str(r), "--out", str(self.tmp)] if script is None else [str(script)]
+        cmd = ([str(self.script), "--replica", str(r), "--out", str(self.tmp)] if script is None else [str(script)])
         p = subprocess.Popen([exe, *cmd, *map(str, args)], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs[(r, p.pid)] = p
         return p
@@ -296,14 +296,179 @@ def test_kill_mid_step_survivors_roll_back_and_go_on(tmp_path):
                                      "failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals]}))
 
 
-def test_fabric_refuses_torchft_clearly():
+FABRIC = ROOT / "tests" / "scripts" / "fabric_elastic.py"
+
+
+def test_fabric_refusals_name_the_option():
     import torch
 
+    from lightning_topk.lightning.elastic import TorchFTReplica
     from lightning_topk.lightning.fabric import FabricTopKDDPStrategy
 
     s = FabricTopKDDPStrategy(fault_tolerance="torchft")
-    with pytest.raises(ValueError, match="not available with Fabric yet"):
+    s.topk_elastic = TorchFTReplica(s.topk_config, dict, print)
+    with pytest.raises(ValueError, match=r"fabric.setup\(model, optimizer"):
         s.setup_module(torch.nn.Linear(2, 2))
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="takes one optimizer"):
+        s.setup_module_and_optimizers(net, [torch.optim.SGD(net.parameters(), 0.1), torch.optim.SGD(net.parameters(), 0.1)])
+
+
+@pytest.mark.timeout(240)
+def test_fabric_uncommitted_step_changes_nothing(tmp_path):
+    """Fabric (the standalone lightning_fabric package): the step torchft refuses leaves parameters, optimizer state
+    and residuals bitwise as they were; the loop, which reads the committed step, replays its batch."""
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, script=FABRIC)
+    try:
+        p = c.start(0, "--steps", 6, "--refuse-at", 3, "--package", "lightning_fabric")
+        assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    rows = c.rows(0)
+    refused = [r for r in rows if "unchanged" in r]
+    assert len(refused) == 1 and refused[0]["unchanged"] and refused[0]["residuals_checked"] > 0, refused
+    assert refused[0]["ft_step"] == 3 and refused[0]["uncommitted"] == 1
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 3, 4, 5] and rows[-1]["ft_step"] == 6
+
+
+@pytest.mark.timeout(300)
+def test_fabric_kill_one_of_three_heal_and_rejoin(tmp_path):
+    """Fabric, 3 replica groups of 1 process: SIGKILL one mid-run; the others keep committing steps; the killed one
+    is restarted, heals from a live peer inside fabric.setup (in place: the module keeps its tensors), rejoins
+    within a few steps and trains at the peers' step; at the end all hold identical parameters and optimizer
+    state."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 10 for r in range(3)), 150, "10 steps on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(c.rows(r)[-1]["ft_step"] for r in (0, 2))
+        t_kill = time.monotonic()
+        _wait(lambda: min(c.rows(r)[-1]["ft_step"] for r in (0, 2)) >= killed_at + 5, 90, "5 steps without it")
+        during, outage_s = min(c.rows(r)[-1]["ft_step"] for r in (0, 2)), time.monotonic() - t_kill
+        os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: c.rows(1), 150, "the restarted replica's first step")
+        stop.write_text(str(max(c.rows(r)[-1]["ft_step"] for r in range(3)) + 10))
+        for p in (procs[0], procs[2], restarted):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    assert during >= killed_at + 5, (killed_at, during)  # the survivors stepped on without it
+    assert any(r["quorum"] == 2 for r in c.rows(0)), "no step ran with the quorum of 2"
+    back, peer = c.rows(1), c.rows(0)
+    assert back[0]["heals"] == 1 and back[0]["heal_time_s"] > 0 and back[0]["step"] >= during, back[0]
+    assert any(r["quorum"] == 3 for r in back) and all(r["ptrs_kept"] for r in back), back[:3]
+    # bounded rejoin: the peers' committed steps between its fabric.setup and its first step
+    t_setup = float((tmp_path / "replica1.setup").read_text())
+    at_setup = max([r["ft_step"] for r in peer if r["t"] <= t_setup] or [0])
+    assert back[0]["step"] - at_setup <= 20, (at_setup, back[0])
+    assert {r["step"] for r in back} <= {r["step"] for q in (0, 2) for r in c.rows(q)}  # the peers' steps
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
+    for f in finals[1:]:
+        assert f["params"].keys() == finals[0]["params"].keys() and len(f["opt"]) == len(finals[0]["opt"]) > 0
+        assert all(torch.equal(v, f["params"][k]) for k, v in finals[0]["params"].items())
+        assert all(torch.equal(v, s[k]) for s0, s in zip(finals[0]["opt"], f["opt"]) for k, v in s0.items())
+    print("ELASTIC_FABRIC", json.dumps(dict(killed_at=killed_at, steps_during_outage=during - killed_at, outage_s=outage_s,
+                                            heal_time_s=back[0]["heal_time_s"], healed_at_step=back[0]["step"],
+                                            steps_from_setup_to_first_step=back[0]["step"] - at_setup)))
+
+
+@pytest.mark.timeout(300)
+def test_fabric_two_groups_of_two_processes_heal_and_agree(tmp_path):
+    """Fabric, 2 replica groups of 2 processes (each process its own batches): the second group starts late, both
+    its ranks heal from the first group mid-run and it joins; all four processes end with identical parameters
+    and optimizer state (the group's ranks agree through the same sync as the Trainer's)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2)
+    ranks = (".rank0", ".rank1")
+    try:
+        first = c.start(0, *args)
+        _wait(lambda: all(c.rows(0, k) and c.rows(0, k)[-1]["ft_step"] >= 5 for k in ranks), 180, "5 steps")
+        late = c.start(1, *args)
+        _wait(lambda: all(c.rows(1, k) for k in ranks), 180, "the late group's first step")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + 5))
+        for p in (first, late):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    assert all(c.rows(1, k)[0]["heals"] == 1 and c.rows(1, k)[0]["step"] >= 5 for k in ranks), c.rows(1)
+    finals = [torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1) for k in ranks]
+    for f in finals[1:]:
+        assert all(torch.equal(v, f["params"][n]) for n, v in finals[0]["params"].items())
+        assert all(torch.equal(v, s[n]) for s0, s in zip(finals[0]["opt"], f["opt"]) for n, v in s0.items())
+
+
+@pytest.mark.timeout(300)
+def test_fabric_local_sgd_kill_one_of_three_heal_and_rejoin(tmp_path):
+    """Fabric, local SGD under torchft (H = 4), 3 replica groups of 1 process: SIGKILL one; the survivors' rounds go
+    on committing; the restarted one joins at their next round (inside fabric.setup) and its loop continues at their
+    inner step (topk_elastic_position); at the end all three hold identical parameters and outer state."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, min_replicas=2, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--local-steps", 4,
+            "--min-replicas", 2)
+    try:
+        procs = [c.start(r, *args) for r in range(3)]
+        _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 4 for r in range(3)), 150, "4 rounds on all")
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        killed_at = max(c.rows(r)[-1]["ft_step"] for r in (0, 2))
+        _wait(lambda: min(c.rows(r)[-1]["ft_step"] for r in (0, 2)) >= killed_at + 3, 90, "3 rounds without it")
+        os.rename(tmp_path / "replica1.jsonl", tmp_path / "replica1.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: c.rows(1), 150, "the restarted replica's first step")
+        stop.write_text(str(max(c.rows(r)[-1]["ft_step"] for r in range(3)) + 3))
+        for p in (procs[0], procs[2], restarted):
+            assert p.wait(timeout=120) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    assert any(x["quorum"] == 2 and x["contributors"] == 2 for x in c.rows(0)), "no round of 2 contributors"
+    back, peer = c.rows(1), {x["step"]: x for q in (0, 2) for x in c.rows(q)}
+    assert back[0]["heals"] == 1 and back[0]["step"] > 0 and back[0]["step"] % 4 == 0, back[0]  # at a round start
+    assert all(x["step"] in peer and x["rounds"] == peer[x["step"]]["rounds"] for x in back), back[:3]
+    finals = [torch.load(tmp_path / f"replica{r}.pt") for r in range(3)]
+    for f in finals[1:]:
+        assert all(torch.equal(v, f["params"][k]) for k, v in finals[0]["params"].items())
+        assert all(torch.equal(finals[0]["outer"][k], f["outer"][k]) for k in ("theta", "mom"))
+        assert all(finals[0]["outer"][k] == f["outer"][k] for k in ("rounds", "position", "steps"))
+    print("ELASTIC_FABRIC_LOCAL", json.dumps(dict(killed_at_round=killed_at, heal_time_s=back[0]["heal_time_s"],
+                                                  joined_at_step=back[0]["step"])))
+
+
+@pytest.mark.timeout(240)
+def test_fabric_dense_matches_fabric_ddp(tmp_path):
+    """No failure, density 1 (fp32 values), exchange="dense": Fabric under torchft with 2 replica groups ends where Lightning Fabric's own
+    "ddp" on 2 processes ends, on the same batches (rank r = replica r)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2, script=FABRIC)
+    try:
+        procs = [c.start(r, "--steps", 8, "--density", 1, "--exchange", "dense", "--min-replicas", 2) for r in (0, 1)]
+        procs.append(c.start(9, "--steps", 8, "--reference"))
+        for p in procs:
+            assert p.wait(timeout=200) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    worst = 0.0
+    for r in (0, 1):
+        ft, ref = (torch.load(tmp_path / f"replica{r}{s}.pt")["params"] for s in ("", ".ref"))
+        for k, v in ref.items():
+            assert torch.allclose(ft[k], v, rtol=1e-5, atol=1e-6), (k, (ft[k] - v).abs().max())
+            worst = max(worst, float((ft[k] - v).abs().max()))
+        assert all(q == 2 for q in (x["quorum"] for x in c.rows(r)))
+    print("ELASTIC_FABRIC_DENSE", json.dumps({"max_abs_diff": worst}))
 
 
 @pytest.mark.timeout(420)
