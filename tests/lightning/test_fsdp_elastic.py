@@ -158,7 +158,7 @@ def test_a_group_spanning_nodes_is_refused():
 
     s = TopKFSDPStrategy(fault_tolerance="torchft", lighthouse="http://127.0.0.1:1")
     s.num_nodes = 2
-    with pytest.raises(ValueError, match=r"topk_fsdp: fault_tolerance='torchft' runs one Trainer per replica group "
+    with pytest.raises(ValueError, match=r"topk_fsdp: fault_tolerance='torchft' runs one Trainer \(or Fabric\) per replica group "
                                          r"\(num_nodes=1, got num_nodes=2"):
         s.setup_environment()
 
