@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.procs import ROOT
-from tests.lightning.test_elastic import Cluster, _logs
+from tests.lightning.test_elastic import Cluster, _logs, kill_second_group_and_rejoin
 
 FSDP_SCRIPT = ROOT / "tests" / "scripts" / "fsdp_train.py"
 pytestmark = pytest.mark.timeout(420)
@@ -71,38 +71,13 @@ def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     one group; the other keeps committing steps alone; the killed group is restarted, each of its ranks heals its
     own shards (parameters, sharded optimizer state, step counts, data position) from the same rank of the live
     group, and it rejoins; at the end every rank's shards and optimizer state equal its counterpart's bitwise."""
-    import os
-    import signal
-
-    from tests.lightning.test_elastic import _wait
-
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
     c = Cluster(tmp_path)
     delay = 0.1
     args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
             "--positioned-data")
-    try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 6 for r in (0, 1) for k in RANKS), 240,
-              "6 steps on all four processes")
-        for k in RANKS:  # the whole group: both of its processes
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
-              120, "the survivor to step on alone")
-        during = c.rows(0, ".rank0")[-1]["ft_step"]
-        for k in RANKS:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in RANKS), 240, "the group to rejoin")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 6))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
-    finally:
-        c.close()
+    killed_at, during = kill_second_group_and_rejoin(c, tmp_path, args, RANKS, warm=6, tail=6)
     back = [c.rows(1, k) for k in RANKS]
     for b in back:  # healed at the peers' step counts, and in the quorum of 2 from its first step on
         assert b[0]["heals"] == 1 and b[0]["heal_time_s"] > 0 and b[0]["ft_step"] >= during, b[0]
