@@ -432,9 +432,11 @@ class ElasticMixin:
             o.load_state_dict(osd)
 
     def teardown(self) -> None:
-        super().teardown()  # type: ignore[misc]
-        if self.topk_elastic is not None:
-            self.topk_elastic.shutdown()
+        try:
+            super().teardown()  # type: ignore[misc]
+        finally:
+            if self.topk_elastic is not None:
+                self.topk_elastic.shutdown()
 
     def _elastic_gate(self) -> Optional[Callable[[bool], bool]]:
         """The step controller's commit gate: torchft's ``should_commit`` per step; none under local SGD (the

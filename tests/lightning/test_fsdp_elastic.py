@@ -10,6 +10,7 @@ from tests.helpers.procs import ROOT
 from tests.lightning.test_elastic import Cluster, _logs
 
 FSDP_SCRIPT = ROOT / "tests" / "scripts" / "fsdp_train.py"
+FSDP_FABRIC = ROOT / "tests" / "scripts" / "fsdp_fabric.py"
 pytestmark = pytest.mark.timeout(420)
 
 
@@ -41,6 +42,34 @@ def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
     diff = max_diff(ref, groups[0])
     assert diff <= 1e-6, diff
     print("FSDP_FT_HSDP", diff)
+
+
+def test_fabric_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
+    """Fabric's topk_fsdp under torchft, 2 replica groups x 2 processes, no failure, density 1 with fp32 values: the
+    same 8 steps as torch's HSDP (fully_shard on the 2-D mesh (replicate=2, shard=2), through the Trainer script) on
+    the same data and initial weights."""
+    pytest.importorskip("torchft")
+    from tests.lightning.test_fsdp import train
+
+    ref, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
+    c = Cluster(tmp_path, min_replicas=2)
+    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8")
+    try:
+        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=FSDP_FABRIC)
+                 for r in (0, 1)]
+        for p in procs:
+            assert p.wait(timeout=300) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
+    ranks = [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
+    assert all(r["exchange_step"] == 8 and r["ft"]["ft/step"] == 8 for r in ranks), ranks
+    # each optimizer.step() forms the next step's quorum: 8 steps and the one after the last
+    assert all(r["quorum_sizes"] == [2] * 9 for r in ranks), [r["quorum_sizes"] for r in ranks]
+    assert max_diff(groups[0], groups[1]) == 0.0
+    diff = max_diff(ref, groups[0])
+    assert diff <= 1e-6, diff
+    print("FSDP_FABRIC_FT_HSDP", diff)
 
 
 RANKS = (".rank0", ".rank1")
