@@ -75,6 +75,69 @@ def test_fabric_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
 RANKS = (".rank0", ".rank1")
 
 
+FABRIC = ROOT / "tests" / "scripts" / "fabric_elastic.py"
+
+
+def test_fabric_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
+    """Fabric's topk_fsdp under torchft, 2 replica groups x 2 processes: SIGKILL both processes of one group; the
+    other keeps committing steps alone; the restarted group's ranks each heal their own shards (parameters, AdamW
+    state, torchft's step) from the same rank of the live group inside fabric.setup_optimizers, in place, and the
+    group rejoins at the peers' position; at the end every rank's shards and optimizer state equal its
+    counterpart's bitwise."""
+    import os
+    import signal
+
+    from tests.lightning.test_elastic import _wait
+
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp")
+    try:
+        c.start(0, *args)
+        victim = c.start(1, *args)
+        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 4 for r in (0, 1) for k in RANKS), 240,
+              "4 steps on all four processes")
+        for k in RANKS:  # the whole group: both of its processes
+            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+        victim.wait(timeout=60)
+        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
+        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 4 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
+              120, "the survivor to step on alone")
+        during = c.rows(0, ".rank0")[-1]["ft_step"]
+        for k in RANKS:
+            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: all(c.rows(1, k) for k in RANKS), 240, "the restarted group's first step")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 4))
+        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    peer = {x["step"]: x["data_pos"] for x in c.rows(0, ".rank0")}
+    for k in RANKS:  # healed inside fabric.setup_optimizers, in place, at the peers' step
+        b = c.rows(1, k)
+        assert b[0]["heals"] == 1 and b[0]["heal_time_s"] > 0 and b[0]["step"] >= during, b[0]
+        assert all(x["ptrs_kept"] for x in b) and any(x["quorum"] == 2 for x in b), b[:3]
+        assert all(x["step"] in peer for x in b)
+    alone = [x for x in c.rows(0, ".rank0") if x["quorum"] == 1 and x["ft_step"] > killed_at]
+    assert len(alone) >= 4, "the survivor did not commit steps alone"
+    for k in RANKS:
+        live, healed = (torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1))
+        assert live["metrics"]["ft/step"] == healed["metrics"]["ft/step"]
+        assert live["params"].keys() == healed["params"].keys() and len(live["opt"]) == len(healed["opt"]) > 0
+        for name, v in live["params"].items():
+            assert torch.equal(v, healed["params"][name]), (k, name)
+        for s0, s1 in zip(live["opt"], healed["opt"]):
+            assert s0.keys() == s1.keys() and all(torch.equal(v, s1[key]) for key, v in s0.items()), k
+    shards = [torch.load(tmp_path / f"replica0{k}.pt")["params"] for k in RANKS]
+    assert any(shards[0][n].shape != shards[1][n].shape or not torch.equal(shards[0][n], shards[1][n])
+               for n in shards[0])  # the ranks hold different shards
+    print("FSDP_FABRIC_FT_KILL", {"killed_at": killed_at, "steps_alone": during - killed_at,
+                                  "heal_time_s": [c.rows(1, k)[0]["heal_time_s"] for k in RANKS],
+                                  "healed_at_step": c.rows(1, ".rank0")[0]["step"]})
+
+
 def test_uncommitted_step_changes_nothing(tmp_path):
     """One group of 2 processes; at committed step 3 both report an error to torchft after the backward, so
     should_commit says no: each rank's parameter shards, sharded optimizer state and shard residuals are bitwise
