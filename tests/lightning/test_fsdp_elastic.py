@@ -138,6 +138,59 @@ def test_fabric_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
                                   "healed_at_step": c.rows(1, ".rank0")[0]["step"]})
 
 
+def test_fabric_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
+    """Fabric's topk_fsdp with local SGD under torchft (H = 4), 2 replica groups x 2 processes: SIGKILL one group; the
+    other's rounds go on committing alone; the restarted group's ranks heal their shards of the model and of the
+    outer state inside fabric.setup_optimizers (the join round) and continue at the peers' inner step; at the end
+    every rank's parameters and outer state equal its counterpart's bitwise."""
+    import os
+    import signal
+
+    from tests.lightning.test_elastic import _wait
+
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
+            "--local-steps", 4)
+    try:
+        c.start(0, *args)
+        victim = c.start(1, *args)
+        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 2 and c.rows(r, k)[-1]["quorum"] == 2
+                          for r in (0, 1) for k in RANKS), 240, "2 rounds of 2 groups on all four processes")
+        for k in RANKS:
+            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+        victim.wait(timeout=60)
+        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
+        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 2, 120, "2 rounds of the survivor alone")
+        for k in RANKS:
+            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
+        restarted = c.start(1, *args)
+        _wait(lambda: all(c.rows(1, k) for k in RANKS), 240, "the restarted group's first step")
+        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 2))
+        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    alone = [x for x in c.rows(0, ".rank0") if x["ft_step"] > killed_at and x["position"] == 0 and x["quorum"] == 1]
+    assert alone and all(x["contributors"] == 1 for x in alone), alone
+    for k in RANKS:
+        b, peer = c.rows(1, k), {x["step"]: x for x in c.rows(0, k)}
+        assert b[0]["heals"] == 1 and b[0]["step"] > 0 and b[0]["step"] % 4 == 0, b[0]  # at a round start
+        assert all(x["step"] in peer and x["rounds"] == peer[x["step"]]["rounds"] for x in b), b[:3]
+        assert all(x["ptrs_kept"] for x in b)
+        live, healed = (torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1))
+        for name, v in live["params"].items():
+            assert torch.equal(v, healed["params"][name]), (k, name)
+        for key in ("theta", "mom"):
+            assert torch.equal(live["outer"][key], healed["outer"][key]), (k, key)
+        assert all(live["outer"][key] == healed["outer"][key] for key in ("rounds", "position", "steps"))
+        assert live["outer"]["theta"].numel() > 0 and live["outer"]["rounds"] > killed_at + 2
+    print("FSDP_FABRIC_FT_LOCAL_KILL", {"killed_at_round": killed_at,
+                                        "heal_time_s": [c.rows(1, k)[0]["heal_time_s"] for k in RANKS],
+                                        "joined_at_step": c.rows(1, ".rank0")[0]["step"]})
+
+
 def test_uncommitted_step_changes_nothing(tmp_path):
     """One group of 2 processes; at committed step 3 both report an error to torchft after the backward, so
     should_commit says no: each rank's parameter shards, sharded optimizer state and shard residuals are bitwise
