@@ -12,8 +12,8 @@ Lightning Fabric (``lightning.fabric`` and the standalone ``lightning_fabric``).
 * ``fault_tolerance="torchft"``: one Fabric per replica group (``num_nodes=1``), as with the Trainer's ``topk_fsdp``
   (each rank heals its own shards); the quorums run where Fabric's ``topk_ddp`` runs them
   (:class:`~lightning_topk.lightning.fabric.FabricElasticMixin`): the first once the optimizer is set up
-  (``fabric.setup_optimizers`` after ``fabric.setup_module``, or ``fabric.setup``), then at the end of each
-  ``optimizer.step()``.
+  (``fabric.setup_optimizers``, after ``fabric.setup_module``: FSDP2 replaces the parameters, and an optimizer of
+  other parameters is refused), then at the end of each ``optimizer.step()``. No LR scheduler is carried.
 """
 from __future__ import annotations
 
@@ -33,7 +33,6 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
     """The Fabric adapter (see the module docstring)."""
 
     _topk_module: Any = None
-    _topk_fabric_scheduler: Any = None
 
     @property
     def lightning_module(self) -> Any:
@@ -60,11 +59,7 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
 
     def setup_module_and_optimizers(self, module: Any, optimizers: Any, scheduler: Any = None) -> Any:
         self._elastic_check_optimizers(len(optimizers))
-        self._topk_fabric_scheduler = scheduler  # torchft: a heal carries it
-        try:
-            return super().setup_module_and_optimizers(module, optimizers, scheduler)
-        finally:
-            self._topk_fabric_scheduler = None
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     def setup_module(self, module: Any) -> Any:
         module = super().setup_module(module)
@@ -73,16 +68,22 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
         return module
 
     def setup_optimizer(self, optimizer: Any) -> Any:
+        module = self._topk_module
+        if module is None and self.topk_elastic is not None:
+            raise ValueError("topk_fsdp: fault_tolerance='torchft' with Fabric sets the model up first "
+                             "(fabric.setup_module(model)), then its optimizer (docs/elastic.md)")
+        if module is not None:
+            own = {id(p) for p in module.parameters()}
+            if any(id(p) not in own for g in optimizer.param_groups for p in g["params"]):
+                raise ValueError("topk_fsdp: the optimizer holds parameters that are not the sharded model's (FSDP2 "
+                                 "replaces them): make it after model = fabric.setup_module(model), from "
+                                 "model.parameters(), and set it up with fabric.setup_optimizers(optimizer)")
+        self._elastic_check_optimizers(len(self.optimizers) + 1)
         optimizer = super().setup_optimizer(optimizer)
-        if self.topk_elastic is not None:
-            if self.topk is None:
-                raise ValueError("topk_fsdp: fault_tolerance='torchft' with Fabric sets the model up first "
-                                 "(fabric.setup_module(model)), then its optimizer (docs/elastic.md)")
-            self._elastic_check_optimizers(len(self.optimizers) + 1)
         if self.topk is not None:
             self.topk.use_optimizers([optimizer])
         # torchft: the first quorum (a heal of this rank's shards, when the group is behind)
-        self._elastic_fabric_setup([optimizer], self._topk_fabric_scheduler)
+        self._elastic_fabric_setup([optimizer], None)
         return optimizer
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -171,6 +171,35 @@ def _logs(tmp_path):
     return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(tmp_path.glob("*.log")))
 
 
+def kill_and_restart_group(c, args, stop, ready, alone, extra, ranks=(".rank0", ".rank1"), solo=True,
+                           rejoined=lambda rows: any(r["quorum"] == 2 for r in rows)):
+    """Replica groups 0 and 1 of ``len(ranks)`` processes (``args``, with ``--stop-file stop``): once every process's
+    last row passes ``ready``, SIGKILL every process of group 1; once group 0 has committed ``alone`` more steps
+    (``solo``: its last quorum alone), restart group 1 (its earlier rows kept as ``*.before.jsonl``); once each of its
+    processes' rows pass ``rejoined``, stop all ``extra`` steps later. Returns group 0's committed step at the kill
+    and at the restart."""
+    c.start(0, *args)
+    victim = c.start(1, *args)
+    _wait(lambda: all(c.rows(r, k) and ready(c.rows(r, k)[-1]) for r in (0, 1) for k in ranks), 240,
+          "every process of both groups")
+    for k in ranks:  # the whole group: all of its processes
+        os.kill(int((c.tmp / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+    victim.wait(timeout=60)
+    head = ranks[0]
+    killed_at = c.rows(0, head)[-1]["ft_step"]
+    _wait(lambda: c.rows(0, head)[-1]["ft_step"] >= killed_at + alone and (not solo or c.rows(0, head)[-1]["quorum"] == 1),
+          120, "the survivor to step on alone")
+    during = c.rows(0, head)[-1]["ft_step"]
+    for k in ranks:
+        os.rename(c.tmp / f"replica1{k}.jsonl", c.tmp / f"replica1{k}.before.jsonl")
+    restarted = c.start(1, *args)
+    _wait(lambda: all(rejoined(c.rows(1, k)) for k in ranks), 240, "the group to rejoin")
+    stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + extra))
+    for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+        assert p.wait(timeout=180) == 0, _logs(c.tmp)
+    return killed_at, during
+
+
 @pytest.mark.timeout(240)
 def test_uncommitted_step_changes_nothing(tmp_path):
     pytest.importorskip("torchft")
@@ -483,24 +512,7 @@ def test_two_groups_of_two_processes_kill_heal_rejoin(tmp_path):
     args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2)
     ranks = [".rank0", ".rank1"]
     try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 8 for r in (0, 1) for k in ranks), 240,
-              "8 steps on all four processes")
-        for k in ranks:  # the whole group: both of its processes
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
-              120, "the survivor to step on alone")
-        during = c.rows(0, ".rank0")[-1]["ft_step"]
-        for k in ranks:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in ranks), 240, "the group to rejoin")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + 8))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 8, 5, 8)
     finally:
         c.close()
     back = [c.rows(1, k) for k in ranks]

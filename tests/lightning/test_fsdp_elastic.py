@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.procs import ROOT
-from tests.lightning.test_elastic import Cluster, _logs
+from tests.lightning.test_elastic import Cluster, _logs, kill_and_restart_group
 
 FSDP_SCRIPT = ROOT / "tests" / "scripts" / "fsdp_train.py"
 FSDP_FABRIC = ROOT / "tests" / "scripts" / "fsdp_fabric.py"
@@ -18,18 +18,21 @@ def max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
-    """2 replica groups x 2 processes under torchft, no failure, density 1 with fp32 values: the same 8 steps as
-    torch's HSDP (fully_shard on the 2-D mesh (replicate=2, shard=2)) on the same data and initial weights."""
+@pytest.mark.parametrize("script, extra, quorums", [(FSDP_SCRIPT, ("--nodes", "1"), 8), (FSDP_FABRIC, (), 9)],
+                         ids=["trainer", "fabric"])
+def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path, script, extra, quorums):
+    """2 replica groups x 2 processes under torchft (Trainer; Fabric's topk_fsdp with its own loop), no failure,
+    density 1 with fp32 values: the same 8 steps as torch's HSDP (fully_shard on the 2-D mesh (replicate=2,
+    shard=2)) on the same data and initial weights. Fabric forms each step's quorum at the end of the previous
+    optimizer.step(): 8 steps and the quorum after the last."""
     pytest.importorskip("torchft")
     from tests.lightning.test_fsdp import train
 
     ref, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
     c = Cluster(tmp_path, min_replicas=2)
-    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8", "--nodes", "1")
+    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8", *extra)
     try:
-        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=FSDP_SCRIPT)
-                 for r in (0, 1)]
+        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=script) for r in (0, 1)]
         for p in procs:
             assert p.wait(timeout=300) == 0, _logs(tmp_path)
     finally:
@@ -37,39 +40,11 @@ def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
     groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
     ranks = [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
     assert all(r["exchange_step"] == 8 and r["step"] == 8 and r["ft"]["ft/step"] == 8 for r in ranks), ranks
-    assert all(r["quorum_sizes"] == [2] * 8 for r in ranks), [r["quorum_sizes"] for r in ranks]
+    assert all(r["quorum_sizes"] == [2] * quorums for r in ranks), [r["quorum_sizes"] for r in ranks]
     assert max_diff(groups[0], groups[1]) == 0.0
     diff = max_diff(ref, groups[0])
     assert diff <= 1e-6, diff
-    print("FSDP_FT_HSDP", diff)
-
-
-def test_fabric_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
-    """Fabric's topk_fsdp under torchft, 2 replica groups x 2 processes, no failure, density 1 with fp32 values: the
-    same 8 steps as torch's HSDP (fully_shard on the 2-D mesh (replicate=2, shard=2), through the Trainer script) on
-    the same data and initial weights."""
-    pytest.importorskip("torchft")
-    from tests.lightning.test_fsdp import train
-
-    ref, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
-    c = Cluster(tmp_path, min_replicas=2)
-    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8")
-    try:
-        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=FSDP_FABRIC)
-                 for r in (0, 1)]
-        for p in procs:
-            assert p.wait(timeout=300) == 0, _logs(tmp_path)
-    finally:
-        c.close()
-    groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
-    ranks = [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
-    assert all(r["exchange_step"] == 8 and r["ft"]["ft/step"] == 8 for r in ranks), ranks
-    # each optimizer.step() forms the next step's quorum: 8 steps and the one after the last
-    assert all(r["quorum_sizes"] == [2] * 9 for r in ranks), [r["quorum_sizes"] for r in ranks]
-    assert max_diff(groups[0], groups[1]) == 0.0
-    diff = max_diff(ref, groups[0])
-    assert diff <= 1e-6, diff
-    print("FSDP_FABRIC_FT_HSDP", diff)
+    print("FSDP_FT_HSDP", script.name, diff)
 
 
 RANKS = (".rank0", ".rank1")
@@ -84,34 +59,15 @@ def test_fabric_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     state, torchft's step) from the same rank of the live group inside fabric.setup_optimizers, in place, and the
     group rejoins at the peers' position; at the end every rank's shards and optimizer state equal its
     counterpart's bitwise."""
-    import os
-    import signal
 
-    from tests.lightning.test_elastic import _wait
 
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
     c = Cluster(tmp_path, script=FABRIC)
     args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp")
     try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 4 for r in (0, 1) for k in RANKS), 240,
-              "4 steps on all four processes")
-        for k in RANKS:  # the whole group: both of its processes
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 4 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
-              120, "the survivor to step on alone")
-        during = c.rows(0, ".rank0")[-1]["ft_step"]
-        for k in RANKS:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(c.rows(1, k) for k in RANKS), 240, "the restarted group's first step")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 4))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 4, 4, 4,
+                                                   rejoined=bool)
     finally:
         c.close()
     peer = {x["step"]: x["data_pos"] for x in c.rows(0, ".rank0")}
@@ -143,10 +99,7 @@ def test_fabric_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     other's rounds go on committing alone; the restarted group's ranks heal their shards of the model and of the
     outer state inside fabric.setup_optimizers (the join round) and continue at the peers' inner step; at the end
     every rank's parameters and outer state equal its counterpart's bitwise."""
-    import os
-    import signal
 
-    from tests.lightning.test_elastic import _wait
 
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
@@ -154,22 +107,8 @@ def test_fabric_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
             "--local-steps", 4)
     try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 2 and c.rows(r, k)[-1]["quorum"] == 2
-                          for r in (0, 1) for k in RANKS), 240, "2 rounds of 2 groups on all four processes")
-        for k in RANKS:
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 2, 120, "2 rounds of the survivor alone")
-        for k in RANKS:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(c.rows(1, k) for k in RANKS), 240, "the restarted group's first step")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 2))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+        killed_at, _ = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 2 and row["quorum"] == 2,
+                                              2, 2, solo=False, rejoined=bool)
     finally:
         c.close()
     alone = [x for x in c.rows(0, ".rank0") if x["ft_step"] > killed_at and x["position"] == 0 and x["quorum"] == 1]
@@ -216,10 +155,7 @@ def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     one group; the other keeps committing steps alone; the killed group is restarted, each of its ranks heals its
     own shards (parameters, sharded optimizer state, step counts, data position) from the same rank of the live
     group, and it rejoins; at the end every rank's shards and optimizer state equal its counterpart's bitwise."""
-    import os
-    import signal
 
-    from tests.lightning.test_elastic import _wait
 
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
@@ -228,24 +164,7 @@ def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
             "--positioned-data")
     try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 6 for r in (0, 1) for k in RANKS), 240,
-              "6 steps on all four processes")
-        for k in RANKS:  # the whole group: both of its processes
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ".rank0")[-1]["quorum"] == 1,
-              120, "the survivor to step on alone")
-        during = c.rows(0, ".rank0")[-1]["ft_step"]
-        for k in RANKS:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in RANKS), 240, "the group to rejoin")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 6))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 6, 5, 6)
     finally:
         c.close()
     back = [c.rows(1, k) for k in RANKS]
@@ -340,10 +259,7 @@ def test_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     processes: SIGKILL one group; the other's rounds go on committing alone; the restarted group's ranks heal their
     shards of the outer state (θ_outer, outer momentum, counts) and of the model from the live group at its next
     round end and rejoin; at the end every rank's parameters and outer state equal its counterpart's bitwise."""
-    import os
-    import signal
 
-    from tests.lightning.test_elastic import _wait
 
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
@@ -351,23 +267,8 @@ def test_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
             "--positioned-data", "--local-steps", 4)
     try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 2 and c.rows(r, k)[-1]["quorum"] == 2
-                          for r in (0, 1) for k in RANKS), 240, "2 committed rounds of 2 groups on all four processes")
-        for k in RANKS:
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 2, 120, "2 rounds of the survivor alone")
-        during = c.rows(0, ".rank0")[-1]["ft_step"]
-        for k in RANKS:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in RANKS), 240, "the group to rejoin")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 1))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 2 and row["quorum"] == 2,
+                                                   2, 1, solo=False)
     finally:
         c.close()
     alone = [x for x in c.rows(0, ".rank0") if x["ft_step"] > killed_at and x["position"] == 0 and x["quorum"] == 1]

@@ -81,7 +81,7 @@ def main():
             fabric.save(a.save, state)
     full = {f"net.{n}": q.full_tensor().detach().clone() for n, q in getattr(model, "module", model).named_parameters()}
     st = fabric.strategy.topk_state
-    info = {"exchange_step": st.step if st is not None else None,
+    info = {"step": step, "exchange_step": st.step if st is not None else None,
             "residual_sum": float(sum(t.double().sum() for t in st.residuals().values())) if st is not None else 0.0}
     ft = fabric.strategy.topk_elastic
     if ft is not None:
