@@ -54,6 +54,7 @@ from lightning_topk.comm.sharded import (
     local_module_state,
     local_optimizer_state,
 )
+from lightning_topk.lightning.elastic_position import data_position, loop_position, set_global_step
 from lightning_topk.optional import require
 
 log = logging.getLogger(__name__)
@@ -432,9 +433,11 @@ class ElasticMixin:
             o.load_state_dict(osd)
 
     def teardown(self) -> None:
-        super().teardown()  # type: ignore[misc]
-        if self.topk_elastic is not None:
-            self.topk_elastic.shutdown()
+        try:
+            super().teardown()  # type: ignore[misc]
+        finally:
+            if self.topk_elastic is not None:
+                self.topk_elastic.shutdown()
 
     def _elastic_gate(self) -> Optional[Callable[[bool], bool]]:
         """The step controller's commit gate: torchft's ``should_commit`` per step; none under local SGD (the
@@ -523,7 +526,7 @@ class ElasticMixin:
             sched.load_state_dict(ssd)
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
-            position = _position(sd["loop"]) if sd.get("loop") is not None else {}
+            position = loop_position(sd["loop"]) if sd.get("loop") is not None else {}
             joining = getattr(self, "_elastic_joining", False)
             if joining and any(position.values()):
                 # joining: the fit loop has not started; it resumes at the peer's position (as from a checkpoint).
@@ -531,7 +534,7 @@ class ElasticMixin:
                 trainer.fit_loop.load_state_dict(sd["loop"])
                 self.topk_elastic.data_position = position  # type: ignore[union-attr]
             elif not joining:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
-                _set_global_step(trainer, int(sd.get("global_step", 0)) - int(getattr(self, "_elastic_round_end", False)))
+                set_global_step(trainer, int(sd.get("global_step", 0)) - int(getattr(self, "_elastic_round_end", False)))
 
 
 class _RoundGate:
@@ -551,61 +554,3 @@ class _RoundGate:
 
     def commit(self, ok: bool) -> bool:
         return bool(self.strategy.topk_elastic.commit(ok))
-
-
-_PROGRESS_KEYS = ("epoch_loop.batch_progress", "epoch_loop.automatic_optimization.optim_progress",
-                  "epoch_loop.manual_optimization.optim_step_progress")
-
-
-def data_position(trainer: Any, step_done: bool) -> Dict[str, Any]:
-    """The fit loop's checkpoint state (Lightning's loop progress: epoch, batch index, optimizer steps; and the
-    state of every training loader that implements ``state_dict``), deep-copied, at a batch boundary: the batch
-    in flight counts as done with ``step_done`` (local SGD's round-end quorum runs after the batch's optimizer
-    step: its progress counters are set to their ``ready`` values), else as not begun (the per-step quorum runs
-    before the batch's forward pass: they are set to their ``completed`` values). A loader that follows the
-    trainer's position (:class:`~lightning_topk.data.WebLoader` with its ``position_fn``) then starts at the
-    batch the peers run next."""
-    import copy
-
-    sd = copy.deepcopy(trainer.fit_loop.state_dict())
-
-    def settle(d: Any) -> None:
-        if isinstance(d, dict):
-            if "ready" in d and "completed" in d:
-                v = d["ready"] if step_done else d["completed"]
-                for k in ("ready", "started", "processed", "completed"):
-                    if k in d:
-                        d[k] = v
-            for x in d.values():
-                settle(x)
-
-    for key in _PROGRESS_KEYS:
-        settle(sd.get(key))
-    inner = sd.get("epoch_loop.state_dict", {})
-    if step_done and "_batches_that_stepped" in inner:
-        inner["_batches_that_stepped"] += 1
-    return sd
-
-
-def _position(loop: Dict[str, Any]) -> Dict[str, int]:
-    """(epoch, batch index in it, optimizer steps) of a :func:`data_position` (telemetry and tests)."""
-    try:
-        epoch = int(loop["epoch_progress"]["current"]["processed"])
-        batch = int(loop["epoch_loop.batch_progress"]["current"]["completed"])
-        steps = int(loop["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"]["completed"])
-    except (KeyError, TypeError):
-        return {}
-    return {"epoch": epoch, "batch": batch, "steps": steps}
-
-
-def _set_global_step(trainer: Any, step: int) -> None:
-    """Give a healed replica its peer's Trainer step count (optimizer-step attempts, committed or not: the same on
-    every replica of a quorum), so that ``max_steps``, schedulers stepped by interval and logging stay aligned."""
-    loop = trainer.fit_loop.epoch_loop
-    module = trainer.lightning_module
-    if module is None or module.automatic_optimization:
-        progress = loop.automatic_optimization.optim_progress.optimizer.step.total
-    else:
-        progress = loop.manual_optimization.optim_step_progress.total
-    progress.ready = progress.completed = step
-    loop._batches_that_stepped = step

@@ -35,21 +35,12 @@ from lightning_topk.lightning.telemetry import reduced_metrics
 FABRIC_PACKAGES = ("lightning.fabric", "lightning_fabric")
 
 
-class _FabricTopKMixin(TopKStrategyMixin):
-    """Fabric adapter over :class:`TopKStrategyMixin` (see the module docstring)."""
+class FabricElasticMixin:
+    """Fabric's side of ``fault_tolerance="torchft"``, shared by ``topk_ddp`` and ``topk_fsdp``: what a heal carries
+    (the one optimizer and the scheduler Fabric set up), the first quorum once they are set up, the next step's quorum
+    at the end of each ``optimizer.step()``, and the loop's position."""
 
-    _topk_module = None
-    _topk_ddp = None
-
-    # TopKStrategyMixin reads the module and the DDP wrapper under the Trainer strategy's names.
-    @property
-    def lightning_module(self):
-        return self._topk_module
-
-    @property
-    def model(self):
-        return self._topk_ddp
-
+    topk_elastic: Any = None
     # torchft: the optimizers and scheduler of fabric.setup (what a heal carries, with the module)
     _topk_fabric_setup: Tuple[List[Any], List[Any]] = ([], [])
 
@@ -67,9 +58,48 @@ class _FabricTopKMixin(TopKStrategyMixin):
         attempts (a rolled-back round's count too: its batches are dropped, as the Trainer drops them)."""
         ft = self.topk_elastic
         if ft is None:
-            raise ValueError("topk_ddp: topk_elastic_position needs fault_tolerance='torchft' and fabric.setup first")
-        outer = self._elastic_outer()
+            raise ValueError(f"{self.strategy_name}: topk_elastic_position needs fault_tolerance='torchft' and "  # type: ignore[attr-defined]
+                             "fabric.setup first")
+        outer = self._elastic_outer()  # type: ignore[attr-defined]
         return ft.step if outer is None else int(outer.steps)
+
+    def _elastic_check_optimizers(self, n: int) -> None:
+        if self.topk_elastic is not None and n != 1:  # each optimizer.step() is one torchft step
+            raise ValueError(f"{self.strategy_name}: fault_tolerance='torchft' with Fabric takes one optimizer (each "  # type: ignore[attr-defined]
+                             f"optimizer.step() commits one torchft step), got {n} (docs/elastic.md)")
+
+    def _elastic_fabric_setup(self, optimizers: List[Any], scheduler: Any) -> None:
+        """The model and its optimizer are set up: the first quorum, before the loop's first forward (a replica
+        group that is behind heals here; local SGD: and takes part in the peers' round, the join round)."""
+        if self.topk_elastic is None:
+            return
+        self._topk_fabric_setup = (list(optimizers), [] if scheduler is None else [scheduler])
+        self._elastic_join()  # type: ignore[attr-defined]
+        if self._elastic_outer() is None:  # type: ignore[attr-defined]
+            self._elastic_step_quorum()  # type: ignore[attr-defined]
+
+    def _elastic_after_step(self) -> None:
+        """The end of ``optimizer.step()``: the next step's quorum (Fabric has no hook before the user's forward); a
+        heal lands here, between this step and the loop's next forward, and :attr:`topk_elastic_position` is then
+        the peers'. Local SGD: none (a quorum per round, inside the round)."""
+        if self.topk_elastic is not None and self._elastic_outer() is None:  # type: ignore[attr-defined]
+            self._elastic_step_quorum()  # type: ignore[attr-defined]
+
+
+class _FabricTopKMixin(FabricElasticMixin, TopKStrategyMixin):
+    """Fabric adapter over :class:`TopKStrategyMixin` (see the module docstring)."""
+
+    _topk_module = None
+    _topk_ddp = None
+
+    # TopKStrategyMixin reads the module and the DDP wrapper under the Trainer strategy's names.
+    @property
+    def lightning_module(self):
+        return self._topk_module
+
+    @property
+    def model(self):
+        return self._topk_ddp
 
     def _setup_distributed(self) -> None:
         # fault_tolerance="torchft": the replica is made (and the lighthouse checked) before the process group, and
@@ -81,21 +111,14 @@ class _FabricTopKMixin(TopKStrategyMixin):
     # optimizer_step / save_checkpoint / load_checkpoint: TopKStrategyMixin's versions have the Trainer's
     # signatures, so these call Fabric's DDPStrategy (the class after the mixin) directly.
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
-        if self.topk_elastic is not None and len(optimizers) != 1:  # each optimizer.step() is one torchft step
-            raise ValueError("topk_ddp: fault_tolerance='torchft' with Fabric takes one optimizer (each "
-                             f"optimizer.step() commits one torchft step), got {len(optimizers)} (docs/elastic.md)")
+        self._elastic_check_optimizers(len(optimizers))
         # recipe="auto" reads the optimizers when setup_module builds the hook
         self._topk_fabric_optimizers = list(optimizers)
         try:
             out = super().setup_module_and_optimizers(module, optimizers, scheduler)
         finally:
             self._topk_fabric_optimizers = None
-        if self.topk_elastic is not None:
-            self._topk_fabric_setup = (list(out[1]), [] if out[2] is None else [out[2]])
-            # the first quorum, before the loop's first forward: a replica group that is behind heals here
-            self._elastic_join()  # local SGD: and takes part in the peers' round (the join round)
-            if self._elastic_outer() is None:
-                self._elastic_step_quorum()
+        self._elastic_fabric_setup(out[1], out[2])
         return out
 
     def _topk_optimizers(self):
@@ -150,10 +173,7 @@ class _FabricTopKMixin(TopKStrategyMixin):
         if ctl is not None and self.topk_state is not None:  # local SGD counts attempts (skipped ones too)
             self.topk_state.exchange.after_optimizer_step(self._topk_module.named_parameters())
             self._sync_reducer()
-        if self.topk_elastic is not None and self._elastic_outer() is None:  # local SGD: a quorum per round
-            # The next step's quorum (Fabric has no hook before the user's forward): a heal lands here, between
-            # this optimizer.step() and the loop's next forward; topk_elastic_position is then the peers'.
-            self._elastic_step_quorum()
+        self._elastic_after_step()
         return out
 
     def topk_metrics(self) -> Dict[str, float]:

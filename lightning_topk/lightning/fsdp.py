@@ -38,10 +38,9 @@ def mixed_precision_policy(precision: Optional[str]) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any], elastic: bool = False) -> TopKConfig:
+def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any]) -> TopKConfig:
     """The options of a ``topk_fsdp`` strategy (Trainer or Fabric), taken out of ``kwargs``; refuses what does not
-    apply (a mesh of other sizes, tensor parallelism, DDP's options, full-state checkpoints; torchft where
-    ``elastic`` is false: Fabric)."""
+    apply (a mesh of other sizes, tensor parallelism, DDP's options, full-state checkpoints)."""
     tp = kwargs.pop("tensor_parallel_size", "auto")
     dp = kwargs.pop("data_parallel_size", "auto")
     if tp != "auto" or dp != "auto":
@@ -54,24 +53,40 @@ def fsdp_options(config: Optional[TopKConfig], kwargs: Dict[str, Any], elastic: 
     if kwargs.get("save_distributed_checkpoint", True) is not True:
         raise ValueError("topk_fsdp: checkpoints are distributed (save_distributed_checkpoint=True): the residuals "
                          "and outer state are sharded with the parameters")
-    cfg = config_from(config, kwargs, "topk_fsdp")
-    if cfg.elastic and not elastic:
-        raise ValueError("topk_fsdp: fault_tolerance='torchft' is not available with Fabric yet (no per-batch hook "
-                         "runs the quorum before the forward); use the Trainer's TopKFSDPStrategy (docs/elastic.md)")
-    return cfg
+    return config_from(config, kwargs, "topk_fsdp")
 
 
-class ShardedTopKMixin:
-    """What the Trainer's and Fabric's ``topk_fsdp`` share: the options, the algorithm's object (``topk``) and the data
-    split."""
+class ShardedTopKMixin(ElasticMixin):
+    """What the Trainer's and Fabric's ``topk_fsdp`` share: the options, the algorithm's object (``topk``), the data
+    split, and under torchft what a heal carries (each rank's own shards)."""
 
     topk: Optional[ShardedTopK] = None
+    _elastic_sharded = True
+    _load_topk_state = TopKStrategyMixin._load_topk_state
 
     def _init_topk(self, config: Optional[TopKConfig], shard_modules: Optional[Sequence[str]],
-                   kwargs: Dict[str, Any], elastic: bool = False) -> None:
-        self.topk_config = fsdp_options(config, kwargs, elastic)
+                   kwargs: Dict[str, Any]) -> None:
+        self.topk_config = fsdp_options(config, kwargs)
         self.topk_shard_modules = list(shard_modules) if shard_modules else None
         self.topk = None
+
+    def _elastic_setup_environment(self, setup_distributed: Callable[[], None]) -> None:
+        """torchft: the replica group is made (and the lighthouse checked) before ``setup_distributed`` makes the
+        group's process group, and joins torchft right after it."""
+        if self.topk_config.elastic:
+            self._elastic_replica("topk_fsdp")
+        setup_distributed()
+        self._elastic_start()
+
+    def _make_topk(self, module: Any, optimizers: Optional[Sequence[Any]] = None) -> ShardedTopK:
+        ft = self.topk_elastic
+        self.topk = ShardedTopK(self.topk_config, module, self.device_mesh, optimizers=optimizers,  # type: ignore[attr-defined]
+                                elastic=ft.group if ft is not None else None, commit_gate=self._elastic_gate())
+        return self.topk
+
+    def _elastic_outer(self) -> Any:
+        """Local SGD's outer state (this rank's shard), or None."""
+        return self.topk.outer if self.topk is not None else None
 
     @property
     def topk_state(self) -> Any:
@@ -84,7 +99,7 @@ class ShardedTopKMixin:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
 
-class TopKFSDPMixin(ElasticMixin, ShardedTopKMixin, TelemetryMixin):
+class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
     """FSDP2 inside the node, the top-k exchange across nodes (see the module docstring).
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (``config=`` as
@@ -97,25 +112,15 @@ class TopKFSDPMixin(ElasticMixin, ShardedTopKMixin, TelemetryMixin):
     in each step's quorum, and heals its own shards from that rank of a peer (docs/elastic.md).
     """
 
-    _elastic_sharded = True
-    _load_topk_state = TopKStrategyMixin._load_topk_state
-
     def __init__(self, *, config: Optional[TopKConfig] = None, shard_modules: Optional[Sequence[str]] = None,
                  **kwargs: Any) -> None:
-        self._init_topk(config, shard_modules, kwargs, elastic=True)
+        self._init_topk(config, shard_modules, kwargs)
         self._topk_heartbeat: Optional[faults.Heartbeat] = None
         super().__init__(**kwargs)
 
-    def _elastic_outer(self) -> Any:
-        """Local SGD's outer state (this rank's shard), or None."""
-        return self.topk.outer if self.topk is not None else None
-
     @override
     def setup_environment(self) -> None:
-        if self.topk_config.elastic:
-            self._elastic_replica("topk_fsdp")
-        self._setup_distributed()
-        self._elastic_start()
+        self._elastic_setup_environment(self._setup_distributed)
         self._device_mesh = make_mesh(self.root_device.type, self.num_nodes, self.num_processes)
         self.lightning_module._device_mesh = self._device_mesh  # configure_model's self.device_mesh
         # SLURM requeue at a step boundary on every rank (the checkpoint is a collective), one agreed hpc
@@ -152,10 +157,8 @@ class TopKFSDPMixin(ElasticMixin, ShardedTopKMixin, TelemetryMixin):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-            ft = self.topk_elastic
-            self.topk = ShardedTopK(self.topk_config, self.model, self.device_mesh, optimizers=self.optimizers,
-                                    elastic=ft.group if ft is not None else None, commit_gate=self._elastic_gate())
-            if ft is not None:
+            self._make_topk(self.model, self.optimizers)
+            if self.topk_elastic is not None:
                 self._elastic_join()  # the first quorum (a heal from a peer), before the fit loop sets up its data
 
     @override

@@ -171,6 +171,35 @@ def _logs(tmp_path):
     return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted(tmp_path.glob("*.log")))
 
 
+def kill_and_restart_group(c, args, stop, ready, alone, extra, ranks=(".rank0", ".rank1"), solo=True,
+                           rejoined=lambda rows: any(r["quorum"] == 2 for r in rows)):
+    """Replica groups 0 and 1 of ``len(ranks)`` processes (``args``, with ``--stop-file stop``): once every process's
+    last row passes ``ready``, SIGKILL every process of group 1; once group 0 has committed ``alone`` more steps
+    (``solo``: its last quorum alone), restart group 1 (its earlier rows kept as ``*.before.jsonl``); once each of its
+    processes' rows pass ``rejoined``, stop all ``extra`` steps later. Returns group 0's committed step at the kill
+    and at the restart."""
+    c.start(0, *args)
+    victim = c.start(1, *args)
+    _wait(lambda: all(c.rows(r, k) and ready(c.rows(r, k)[-1]) for r in (0, 1) for k in ranks), 240,
+          "every process of both groups")
+    for k in ranks:  # the whole group: all of its processes
+        os.kill(int((c.tmp / f"replica1{k}.pid").read_text()), signal.SIGKILL)
+    victim.wait(timeout=60)
+    head = ranks[0]
+    killed_at = c.rows(0, head)[-1]["ft_step"]
+    _wait(lambda: c.rows(0, head)[-1]["ft_step"] >= killed_at + alone and (not solo or c.rows(0, head)[-1]["quorum"] == 1),
+          120, "the survivor to step on alone")
+    during = c.rows(0, head)[-1]["ft_step"]
+    for k in ranks:
+        os.rename(c.tmp / f"replica1{k}.jsonl", c.tmp / f"replica1{k}.before.jsonl")
+    restarted = c.start(1, *args)
+    _wait(lambda: all(rejoined(c.rows(1, k)) for k in ranks), 240, "the group to rejoin")
+    stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + extra))
+    for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
+        assert p.wait(timeout=180) == 0, _logs(c.tmp)
+    return killed_at, during
+
+
 @pytest.mark.timeout(240)
 def test_uncommitted_step_changes_nothing(tmp_path):
     pytest.importorskip("torchft")
@@ -471,36 +500,6 @@ def test_fabric_dense_matches_fabric_ddp(tmp_path):
     print("ELASTIC_FABRIC_DENSE", json.dumps({"max_abs_diff": worst}))
 
 
-def kill_second_group_and_rejoin(c, tmp_path, args, ranks, warm, tail):
-    """Two replica groups of ``len(ranks)`` processes: after ``warm`` committed steps on every process, SIGKILL
-    all of group 1's; wait for group 0 to commit 5 steps alone; restart group 1 (its logs kept as ``.before``), wait
-    until every one of its processes has been in a quorum of 2, then stop both ``tail`` steps later (``stop_at``
-    file) and check they exit 0. Returns group 0's committed step at the kill and when group 1 restarted."""
-    stop = tmp_path / "stop_at"
-    try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= warm for r in (0, 1) for k in ranks), 240,
-              f"{warm} steps on all processes")
-        for k in ranks:  # the whole group: every one of its processes
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ranks[0])[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ranks[0])[-1]["ft_step"] >= killed_at + 5 and c.rows(0, ranks[0])[-1]["quorum"] == 1,
-              120, "the survivor to step on alone")
-        during = c.rows(0, ranks[0])[-1]["ft_step"]
-        for k in ranks:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in ranks), 240, "the group to rejoin")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in ranks) + tail))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
-    finally:
-        c.close()
-    return killed_at, during
-
-
 @pytest.mark.timeout(420)
 def test_two_groups_of_two_processes_kill_heal_rejoin(tmp_path):
     """2 replica groups of 2 processes (Lightning DDP inside a group, torchft between the groups, per local rank):
@@ -512,7 +511,10 @@ def test_two_groups_of_two_processes_kill_heal_rejoin(tmp_path):
     c = Cluster(tmp_path)
     args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2)
     ranks = [".rank0", ".rank1"]
-    killed_at, during = kill_second_group_and_rejoin(c, tmp_path, args, ranks, warm=8, tail=8)
+    try:
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 8, 5, 8)
+    finally:
+        c.close()
     back = [c.rows(1, k) for k in ranks]
     assert all(b[0]["heals"] == 1 and b[0]["ft_step"] >= during for b in back), [b[0] for b in back]
     finals = [torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1) for k in ranks]

@@ -158,11 +158,21 @@ def test_topk_precision_is_refused(tmp_path):
 
 
 def test_options_that_do_not_apply_are_refused():
+    from lightning_topk.lightning.elastic import TorchFTReplica
     from lightning_topk.lightning.fsdp import TopKFSDPStrategy
     from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
 
-    with pytest.raises(ValueError, match="fault_tolerance='torchft' is not available with Fabric yet"):
-        fabric_fsdp_class("lightning.fabric")(fault_tolerance="torchft")
+    s = fabric_fsdp_class("lightning.fabric")(fault_tolerance="torchft")  # torchft: one optimizer, after the model
+    s.topk_elastic = TorchFTReplica(s.topk_config, dict, print)
+    net = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"sets the model up first \(fabric.setup_module\(model\)\)"):
+        s.setup_optimizer(torch.optim.SGD(net.parameters(), 0.1))
+    with pytest.raises(ValueError, match="takes one optimizer"):
+        s.setup_module_and_optimizers(net, [torch.optim.SGD(net.parameters(), 0.1)] * 2)
+    plain = fabric_fsdp_class("lightning.fabric")()
+    plain._topk_module = torch.nn.Linear(2, 2)  # as after fabric.setup_module: an optimizer of other parameters
+    with pytest.raises(ValueError, match="not the sharded model's"):  # (fabric.setup(model, optimizer)) is refused
+        plain.setup_optimizer(torch.optim.SGD(net.parameters(), 0.1))
     for cls in (TopKFSDPStrategy, fabric_fsdp_class("lightning.fabric")):
         with pytest.raises(ValueError, match="tensor parallelism is not supported"):
             cls(tensor_parallel_size=2)

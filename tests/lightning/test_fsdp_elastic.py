@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from tests.helpers.procs import ROOT
-from tests.lightning.test_elastic import Cluster, _logs, kill_second_group_and_rejoin
+from tests.lightning.test_elastic import Cluster, _logs, kill_and_restart_group
 
 FSDP_SCRIPT = ROOT / "tests" / "scripts" / "fsdp_train.py"
+FSDP_FABRIC = ROOT / "tests" / "scripts" / "fsdp_fabric.py"
 pytestmark = pytest.mark.timeout(420)
 
 
@@ -17,18 +18,21 @@ def max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
-    """2 replica groups x 2 processes under torchft, no failure, density 1 with fp32 values: the same 8 steps as
-    torch's HSDP (fully_shard on the 2-D mesh (replicate=2, shard=2)) on the same data and initial weights."""
+@pytest.mark.parametrize("script, extra, quorums", [(FSDP_SCRIPT, ("--nodes", "1"), 8), (FSDP_FABRIC, (), 9)],
+                         ids=["trainer", "fabric"])
+def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path, script, extra, quorums):
+    """2 replica groups x 2 processes under torchft (Trainer; Fabric's topk_fsdp with its own loop), no failure,
+    density 1 with fp32 values: the same 8 steps as torch's HSDP (fully_shard on the 2-D mesh (replicate=2,
+    shard=2)) on the same data and initial weights. Fabric forms each step's quorum at the end of the previous
+    optimizer.step(): 8 steps and the quorum after the last."""
     pytest.importorskip("torchft")
     from tests.lightning.test_fsdp import train
 
     ref, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
     c = Cluster(tmp_path, min_replicas=2)
-    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8", "--nodes", "1")
+    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8", *extra)
     try:
-        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=FSDP_SCRIPT)
-                 for r in (0, 1)]
+        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=script) for r in (0, 1)]
         for p in procs:
             assert p.wait(timeout=300) == 0, _logs(tmp_path)
     finally:
@@ -36,14 +40,94 @@ def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path):
     groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
     ranks = [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
     assert all(r["exchange_step"] == 8 and r["step"] == 8 and r["ft"]["ft/step"] == 8 for r in ranks), ranks
-    assert all(r["quorum_sizes"] == [2] * 8 for r in ranks), [r["quorum_sizes"] for r in ranks]
+    assert all(r["quorum_sizes"] == [2] * quorums for r in ranks), [r["quorum_sizes"] for r in ranks]
     assert max_diff(groups[0], groups[1]) == 0.0
     diff = max_diff(ref, groups[0])
     assert diff <= 1e-6, diff
-    print("FSDP_FT_HSDP", diff)
+    print("FSDP_FT_HSDP", script.name, diff)
 
 
 RANKS = (".rank0", ".rank1")
+
+
+FABRIC = ROOT / "tests" / "scripts" / "fabric_elastic.py"
+
+
+def test_fabric_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
+    """Fabric's topk_fsdp under torchft, 2 replica groups x 2 processes: SIGKILL both processes of one group; the
+    other keeps committing steps alone; the restarted group's ranks each heal their own shards (parameters, AdamW
+    state, torchft's step) from the same rank of the live group inside fabric.setup_optimizers, in place, and the
+    group rejoins at the peers' position; at the end every rank's shards and optimizer state equal its
+    counterpart's bitwise."""
+
+
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp")
+    try:
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 4, 4, 4,
+                                                   rejoined=bool)
+    finally:
+        c.close()
+    peer = {x["step"]: x["data_pos"] for x in c.rows(0, ".rank0")}
+    for k in RANKS:  # healed inside fabric.setup_optimizers, in place, at the peers' step
+        b = c.rows(1, k)
+        assert b[0]["heals"] == 1 and b[0]["heal_time_s"] > 0 and b[0]["step"] >= during, b[0]
+        assert all(x["ptrs_kept"] for x in b) and any(x["quorum"] == 2 for x in b), b[:3]
+        assert all(x["step"] in peer for x in b)
+    alone = [x for x in c.rows(0, ".rank0") if x["quorum"] == 1 and x["ft_step"] > killed_at]
+    assert len(alone) >= 4, "the survivor did not commit steps alone"
+    for k in RANKS:
+        live, healed = (torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1))
+        assert live["metrics"]["ft/step"] == healed["metrics"]["ft/step"]
+        assert live["params"].keys() == healed["params"].keys() and len(live["opt"]) == len(healed["opt"]) > 0
+        for name, v in live["params"].items():
+            assert torch.equal(v, healed["params"][name]), (k, name)
+        for s0, s1 in zip(live["opt"], healed["opt"]):
+            assert s0.keys() == s1.keys() and all(torch.equal(v, s1[key]) for key, v in s0.items()), k
+    shards = [torch.load(tmp_path / f"replica0{k}.pt")["params"] for k in RANKS]
+    assert any(shards[0][n].shape != shards[1][n].shape or not torch.equal(shards[0][n], shards[1][n])
+               for n in shards[0])  # the ranks hold different shards
+    print("FSDP_FABRIC_FT_KILL", {"killed_at": killed_at, "steps_alone": during - killed_at,
+                                  "heal_time_s": [c.rows(1, k)[0]["heal_time_s"] for k in RANKS],
+                                  "healed_at_step": c.rows(1, ".rank0")[0]["step"]})
+
+
+def test_fabric_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
+    """Fabric's topk_fsdp with local SGD under torchft (H = 4), 2 replica groups x 2 processes: SIGKILL one group; the
+    other's rounds go on committing alone; the restarted group's ranks heal their shards of the model and of the
+    outer state inside fabric.setup_optimizers (the join round) and continue at the peers' inner step; at the end
+    every rank's parameters and outer state equal its counterpart's bitwise."""
+
+
+    pytest.importorskip("torchft")
+    stop = tmp_path / "stop_at"
+    c = Cluster(tmp_path, script=FABRIC)
+    args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
+            "--local-steps", 4)
+    try:
+        killed_at, _ = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 2 and row["quorum"] == 2,
+                                              2, 2, solo=False, rejoined=bool)
+    finally:
+        c.close()
+    alone = [x for x in c.rows(0, ".rank0") if x["ft_step"] > killed_at and x["position"] == 0 and x["quorum"] == 1]
+    assert alone and all(x["contributors"] == 1 for x in alone), alone
+    for k in RANKS:
+        b, peer = c.rows(1, k), {x["step"]: x for x in c.rows(0, k)}
+        assert b[0]["heals"] == 1 and b[0]["step"] > 0 and b[0]["step"] % 4 == 0, b[0]  # at a round start
+        assert all(x["step"] in peer and x["rounds"] == peer[x["step"]]["rounds"] for x in b), b[:3]
+        assert all(x["ptrs_kept"] for x in b)
+        live, healed = (torch.load(tmp_path / f"replica{r}{k}.pt") for r in (0, 1))
+        for name, v in live["params"].items():
+            assert torch.equal(v, healed["params"][name]), (k, name)
+        for key in ("theta", "mom"):
+            assert torch.equal(live["outer"][key], healed["outer"][key]), (k, key)
+        assert all(live["outer"][key] == healed["outer"][key] for key in ("rounds", "position", "steps"))
+        assert live["outer"]["theta"].numel() > 0 and live["outer"]["rounds"] > killed_at + 2
+    print("FSDP_FABRIC_FT_LOCAL_KILL", {"killed_at_round": killed_at,
+                                        "heal_time_s": [c.rows(1, k)[0]["heal_time_s"] for k in RANKS],
+                                        "joined_at_step": c.rows(1, ".rank0")[0]["step"]})
 
 
 def test_uncommitted_step_changes_nothing(tmp_path):
@@ -71,13 +155,18 @@ def test_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     one group; the other keeps committing steps alone; the killed group is restarted, each of its ranks heals its
     own shards (parameters, sharded optimizer state, step counts, data position) from the same rank of the live
     group, and it rejoins; at the end every rank's shards and optimizer state equal its counterpart's bitwise."""
+
+
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
     c = Cluster(tmp_path)
     delay = 0.1
     args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
             "--positioned-data")
-    killed_at, during = kill_second_group_and_rejoin(c, tmp_path, args, RANKS, warm=6, tail=6)
+    try:
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 6, 5, 6)
+    finally:
+        c.close()
     back = [c.rows(1, k) for k in RANKS]
     for b in back:  # healed at the peers' step counts, and in the quorum of 2 from its first step on
         assert b[0]["heals"] == 1 and b[0]["heal_time_s"] > 0 and b[0]["ft_step"] >= during, b[0]
@@ -170,10 +259,7 @@ def test_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     processes: SIGKILL one group; the other's rounds go on committing alone; the restarted group's ranks heal their
     shards of the outer state (θ_outer, outer momentum, counts) and of the model from the live group at its next
     round end and rejoin; at the end every rank's parameters and outer state equal its counterpart's bitwise."""
-    import os
-    import signal
 
-    from tests.lightning.test_elastic import _wait
 
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
@@ -181,23 +267,8 @@ def test_local_sgd_kill_a_group_heal_its_shards_and_rejoin(tmp_path):
     args = ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--devices", 2, "--fsdp",
             "--positioned-data", "--local-steps", 4)
     try:
-        c.start(0, *args)
-        victim = c.start(1, *args)
-        _wait(lambda: all(c.rows(r, k) and c.rows(r, k)[-1]["ft_step"] >= 2 and c.rows(r, k)[-1]["quorum"] == 2
-                          for r in (0, 1) for k in RANKS), 240, "2 committed rounds of 2 groups on all four processes")
-        for k in RANKS:
-            os.kill(int((tmp_path / f"replica1{k}.pid").read_text()), signal.SIGKILL)
-        victim.wait(timeout=60)
-        killed_at = c.rows(0, ".rank0")[-1]["ft_step"]
-        _wait(lambda: c.rows(0, ".rank0")[-1]["ft_step"] >= killed_at + 2, 120, "2 rounds of the survivor alone")
-        during = c.rows(0, ".rank0")[-1]["ft_step"]
-        for k in RANKS:
-            os.rename(tmp_path / f"replica1{k}.jsonl", tmp_path / f"replica1{k}.before.jsonl")
-        restarted = c.start(1, *args)
-        _wait(lambda: all(any(r["quorum"] == 2 for r in c.rows(1, k)) for k in RANKS), 240, "the group to rejoin")
-        stop.write_text(str(max(c.rows(r, k)[-1]["ft_step"] for r in (0, 1) for k in RANKS) + 1))
-        for p in (c.procs[next(k for k in c.procs if k[0] == 0)], restarted):
-            assert p.wait(timeout=180) == 0, _logs(tmp_path)
+        killed_at, during = kill_and_restart_group(c, args, stop, lambda row: row["ft_step"] >= 2 and row["quorum"] == 2,
+                                                   2, 1, solo=False)
     finally:
         c.close()
     alone = [x for x in c.rows(0, ".rank0") if x["ft_step"] > killed_at and x["position"] == 0 and x["quorum"] == 1]

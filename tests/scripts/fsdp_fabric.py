@@ -7,6 +7,9 @@ counter and residual sum.
   --steps N                                  optimizer steps
   --save-at S --save PATH                    fabric.save(PATH, ...) after step S
   --resume PATH                              fabric.load(PATH, ...) first (then steps from the saved step on)
+  --torchft R                                fault_tolerance="torchft" (lighthouse: $TORCHFT_LIGHTHOUSE, min_replicas=2):
+                                             this run is replica group R of 2 (num_nodes=1), reading node R's batches;
+                                             the loop's step is strategy.topk_elastic_position; OUT.rank<r> has "ft"
 """
 import argparse
 import os
@@ -39,24 +42,31 @@ def main():
     p.add_argument("--save-at", type=int, default=-1)
     p.add_argument("--save")
     p.add_argument("--resume")
+    p.add_argument("--torchft", type=int, default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
 
+    ft = {} if a.torchft is None else dict(fault_tolerance="torchft", min_replicas=2, ft_timeout=30.0,
+                                           ft_quorum_timeout=60.0, ft_connect_timeout=5.0)
     strategy = fabric_fsdp_class("lightning.fabric")(density=a.density, value_dtype=a.value_dtype,
-                                                     exchange=a.exchange, min_sparse_numel=0)
-    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)
+                                                     exchange=a.exchange, min_sparse_numel=0, **ft)
+    fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2 if a.torchft is None else 1, strategy=strategy)
     fabric.launch()
+    rank = fabric.global_rank if a.torchft is None else 2 * a.torchft + fabric.global_rank
     torch.manual_seed(0)
     model = fabric.setup_module(TransformerLM(VOCAB, d_model=32, layers=2, heads=2, ff_mult=2, max_len=T, dropout=0.0))
+    # torchft: the first quorum runs here
     opt = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, foreach=False))
     state = {"model": model, "optimizer": opt, "step": 0}
     if a.resume:
         fabric.load(a.resume, state)
-    loader = DataLoader(data(fabric.global_rank, fabric.world_size), batch_size=8, shuffle=False)
+    loader = DataLoader(data(rank, 4), batch_size=8, shuffle=False)
     batches = list(loader)
     step = state["step"]
     while step < a.steps:
+        if a.torchft is not None:
+            step = fabric.strategy.topk_elastic_position
         (x,) = batches[step % len(batches)]
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
@@ -64,16 +74,23 @@ def main():
         opt.step()
         opt.zero_grad()
         step += 1
+        if a.torchft is not None:
+            step = fabric.strategy.topk_elastic_position
         if step == a.save_at:
             state["step"] = step
             fabric.save(a.save, state)
     full = {f"net.{n}": q.full_tensor().detach().clone() for n, q in getattr(model, "module", model).named_parameters()}
     st = fabric.strategy.topk_state
-    info = {"exchange_step": st.step if st is not None else None,
+    info = {"step": step, "exchange_step": st.step if st is not None else None,
             "residual_sum": float(sum(t.double().sum() for t in st.residuals().values())) if st is not None else 0.0}
+    ft = fabric.strategy.topk_elastic
+    if ft is not None:
+        info.update(ft=ft.metrics(), quorum_sizes=list(ft.quorum_sizes))
     torch.save(info, f"{a.out}.rank{fabric.global_rank}")
     if fabric.global_rank == 0:
         torch.save(full, a.out)
+    if ft is not None:
+        fabric.strategy.teardown()  # Fabric does not call it: it shuts the torchft Manager down
 
 
 if __name__ == "__main__":
