@@ -27,7 +27,8 @@ the wall time, alike for every mode).
 final test accuracy on the whole test set; per seed one undisturbed run and one run where a replica is killed at
 committed step ``--kill-at`` and started again once the others have stepped ``--down`` seconds without it.
 
-``--local-steps`` is passed to the workers (sparse local SGD under torchft, refused by the strategy until it lands).
+``--local-steps H`` is passed to the workers: sparse local SGD under torchft (the strategy's default outer settings);
+``--steps`` and ``--kill-at`` then count committed outer rounds.
 """
 from __future__ import annotations
 
@@ -368,7 +369,7 @@ def run_accuracy_once(a: argparse.Namespace, seed: int, kill: bool, run_dir: str
         cmd = [sys.executable, WORKER, "--mode", "ft", "--data", a.data, "--node", str(r), "--nodes", str(a.replicas),
                "--incarnation", str(incs[r]), "--out", run_dir, "--seed", str(seed), "--eval-every", "0",
                "--stop-step", str(a.steps), "--min-replicas", str(a.min_replicas), "--density", str(a.density),
-               "--delay", str(a.delay), "--start-gate"]
+               "--delay", str(a.delay), "--start-gate", "--ft-timeout", str(a.ft_timeout)]
         if a.data == "digits":
             cmd += ["--min-sparse-numel", "4096"]
         else:
@@ -470,8 +471,12 @@ def header(d: Dict[str, Any]) -> str:
                 f"{st['min_replicas']}, lighthouse join/heartbeat timeouts {st['join_timeout_ms']}/"
                 f"{st['heartbeat_timeout_ms']} ms; target {100 * st['target_acc']:g}% test accuracy")
     else:
-        what = (f"{st['replicas']} replica groups x 1 process on loopback, {st['data']}, {st['steps']} committed steps, "
-                f"density {st['density']:g}; killed run: replica {st['replicas'] - 1} SIGKILLed at committed step "
+        h = st.get("local_steps", 0)
+        unit = "step" if not h else "outer round"
+        training = (f"density {st['density']:g}" if not h else
+                    f"sparse local SGD under torchft, H = {h} inner steps per round")
+        what = (f"{st['replicas']} replica groups x 1 process on loopback, {st['data']}, {st['steps']} committed "
+                f"{unit}s, {training}; killed run: replica {st['replicas'] - 1} SIGKILLed at committed {unit} "
                 f"{st['kill_at']} and started again {st['down']:g} s later (it heals from a peer)")
     note = f" {st['note']}" if st.get("note") else ""
     return f"{where}. {what}.{note}"
@@ -551,13 +556,15 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--min-replicas", type=int, default=2)
     c.add_argument("--hidden", type=int, default=2560)
     c.add_argument("--timeout", type=float, default=600.0)
+    c.add_argument("--ft-timeout", type=float, default=15.0, help="the workers' ft_timeout (quorum: at least 60 s); "
+                   "under local SGD a join waits for the peers' round end, and start-up on a loaded host is slow")
     c.add_argument("--note", default="")
     for p in (g, c):
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--density", type=float, default=None)
         p.add_argument("--join-timeout-ms", type=int, default=500)
         p.add_argument("--heartbeat-timeout-ms", type=int, default=1500)
-        p.add_argument("--local-steps", type=int, default=0, help="sparse local SGD under torchft (once it lands)")
+        p.add_argument("--local-steps", type=int, default=0, help="sparse local SGD under torchft (H inner steps)")
         p.add_argument("--run-dir", default=None)
         p.add_argument("--out", default=None, help="NAME: write benchmarks/results/NAME.json")
     r = sub.add_parser("resummarize", help="recompute a goodput result's summaries from its run folder's rows")

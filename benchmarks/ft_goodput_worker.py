@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--start-gate", action="store_true",
                    help="first start: write <out>/node<N>.ready at the start of training, wait for <out>/go")
     p.add_argument("--local-steps", type=int, default=0,
-                   help="sparse local SGD under torchft (a hook: refused by the strategy until that lands)")
+                   help="sparse local SGD under torchft: H inner steps per outer round (torchft's step is the round)")
     return p.parse_args(argv)
 
 
@@ -109,8 +109,10 @@ def main(argv=None) -> int:
             self.net = net
             self._committed = 0
 
-        def on_train_start(self):
-            if args.start_gate and args.incarnation == 0:  # all replicas' first quorum at once
+        def setup(self, stage):
+            # all replicas' first quorum at once: before the strategy's setup, where a replica joins (under local
+            # SGD the join is a whole round, which a late replica could not meet once the others wait at a gate)
+            if args.start_gate and args.incarnation == 0:
                 (out / f"node{args.node}.ready").write_text("")
                 while not (out / "go").exists():
                     time.sleep(0.05)
@@ -169,7 +171,8 @@ def main(argv=None) -> int:
         extra["local_steps"] = args.local_steps
     callbacks = []
     if ft:
-        strategy = TopKDDPStrategy(fault_tolerance="torchft", density=args.density, exchange="allgather",
+        strategy = TopKDDPStrategy(fault_tolerance="torchft", density=args.density,
+                                   exchange="auto" if args.local_steps else "allgather",  # auto: the local exchange
                                    min_replicas=args.min_replicas, ft_timeout=args.ft_timeout,
                                    ft_quorum_timeout=max(60.0, args.ft_timeout), ft_connect_timeout=10.0,
                                    log_telemetry=False, process_group_backend="gloo", **extra)

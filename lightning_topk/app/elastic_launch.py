@@ -11,7 +11,8 @@ accepts connections (or fails, naming the address, within ``--start_timeout``) a
 with ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID=replica<i>`` in its environment, restarts one that exits
 non-zero (up to ``--max_restarts`` times in all; a restarted group heals from a live peer), and exits when every
 replica has exited with 0 (or with the first failure past the restarts). Without a command it runs the
-lighthouse until interrupted.
+lighthouse until interrupted; SIGTERM then stops it and exits 0 (``examples/slurm/elastic.sbatch`` stops its
+lighthouse step so).
 """
 from __future__ import annotations
 
@@ -61,8 +62,21 @@ def wait_listening(host: str, port: int, proc: subprocess.Popen, timeout: float)
     raise SystemExit(f"elastic_launch: the lighthouse did not listen on {host}:{port} within {timeout:g} s")
 
 
+def check_free(host: str, port: int) -> None:
+    """Fail, naming the address, when something listens there already: the wait below would take that listener (a
+    lighthouse left from an earlier run) for the new lighthouse, which then fails to bind."""
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            pass
+    except OSError:
+        return
+    raise SystemExit(f"elastic_launch: {host}:{port} is in use (an earlier lighthouse still running?); "
+                     "choose another --bind")
+
+
 def start_lighthouse(args: argparse.Namespace) -> subprocess.Popen:
     host, port = split_bind(args.bind)
+    check_free(host, port)
     cmd = [lighthouse_binary(), "--bind", args.bind, "--min_replicas", str(args.min_replicas),
            "--join_timeout_ms", str(args.join_timeout_ms), "--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms)]
     proc = subprocess.Popen(cmd)
@@ -120,7 +134,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     def stop(signum: int, _frame: object) -> None:
         lh.terminate()
-        raise SystemExit(128 + signum)
+        # lighthouse only: SIGTERM is how it is stopped (the SLURM example's last step), not a failure
+        raise SystemExit(128 + signum if command else 0)
 
     signal.signal(signal.SIGTERM, stop)
     try:

@@ -129,11 +129,14 @@ class LiveRecipe:
                              "momentum in the optimizer (plain error feedback)")
         return moms[0]
 
+    def engages(self, state: TopKState) -> bool:
+        """Whether the momentum is in the hook from the next step on: engaged, or the last step sent sparse."""
+        return self.engaged or state.last.numel_sent < state.last.numel
+
     def begin_step(self, state: TopKState) -> None:
         """Before a backward: engage after a step that sent a bucket sparse; then follow the momentum."""
         if not self.engaged:
-            last = state.last
-            if last.numel_sent < last.numel:
+            if self.engages(state):
                 self.engage(state)
             return
         m = self.momentum()

@@ -487,6 +487,7 @@ class ElasticMixin:
         else:
             mod = {k: v.detach().clone() for k, v in module.state_dict().items()}
             opts = [copy.deepcopy(o.state_dict()) for o in self.optimizers]  # type: ignore[attr-defined]
+        live = getattr(self, "topk_live_recipe", None)
         return {
             "module": mod,
             "optimizers": opts,
@@ -500,6 +501,9 @@ class ElasticMixin:
             # the data position: Lightning's loop progress and the resumable loaders' state (fit_loop's
             # checkpoint), for a replica that joins (_elastic_join)
             "loop": data_position(trainer, at_round_end) if trainer is not None else None,
+            # recipe="auto" runs SGD's momentum and weight decay in the hook from this replica's next step on (its
+            # velocities are not sent: a replica decides this from its own last step, which a healed one lacks)
+            "recipe_engages": bool(live is not None and state is not None and live.engages(state)),
         }
 
     def _elastic_load_state_dict(self, sd: Dict[str, Any]) -> None:
@@ -520,6 +524,12 @@ class ElasticMixin:
             if outer is not None:  # the exchange's own section would replace this replica's error feedback
                 sd["topk"].get("exchanges", {}).pop("local", None)
             self._load_topk_state(state, sd["topk"])  # type: ignore[attr-defined]
+        live = getattr(self, "topk_live_recipe", None)
+        if state is not None and live is not None and sd.get("recipe_engages") and not live.engaged:
+            # as the peer does from this step on; the velocity starts from the optimizer's momentum buffers just
+            # loaded (the peer's, when it engages now; none once it has). Dormant, this replica would step with the
+            # optimizer's own momentum and weight decay while its peers run them in the hook.
+            live.engage(state)
         if outer is not None and sd.get("outer") is not None:
             heal_from(outer, sd["outer"])
         for sched, ssd in zip(self._elastic_schedulers(), sd.get("schedulers", [])):

@@ -150,6 +150,35 @@ def test_sbatch_script_headers_and_command(tmp_path):
     assert p.returncode != 0 and "run this script with sbatch" in p.stderr
 
 
+ELASTIC_SBATCH = ROOT / "examples" / "slurm" / "elastic.sbatch"
+
+
+def test_elastic_sbatch_commands(tmp_path):
+    """DRY_RUN=1: the lighthouse step on the batch node bound to the address given, and one torchft replica-group
+    step per node (its REPLICA_GROUP_ID, its own rendezvous port, one node each, the user's overrides last)."""
+    env = dict(os.environ, DRY_RUN="1", SLURM_JOB_ID="31337", SLURM_NNODES="3", SLURM_NTASKS_PER_NODE="4(x3)",
+               SLURMD_NODENAME="gpu07", TORCHFT_LIGHTHOUSE="http://10.0.0.7:29600", OUTPUT_ROOT=str(tmp_path / "out"),
+               MIN_REPLICAS="2", JOIN_TIMEOUT_MS="7000")
+    env.pop("MASTER_PORT", None)
+    p = subprocess.run(["bash", str(ELASTIC_SBATCH), "strategy.density=0.001"], capture_output=True, text=True,
+                       env=env, timeout=30)
+    assert p.returncode == 0, p.stderr
+    lines = [line.split() for line in p.stdout.splitlines()]
+    lh, replicas = lines[0], lines[1:]
+    assert lh[0] == "srun" and "--nodelist=gpu07" in lh and "--overlap" in lh
+    assert lh[lh.index("--bind") + 1] == "10.0.0.7:29600" and lh[lh.index("--min_replicas") + 1] == "2"
+    assert lh[lh.index("--join_timeout_ms") + 1] == "7000"
+    assert len(replicas) == 3
+    for i, r in enumerate(replicas):
+        assert r[0] == "TORCHFT_LIGHTHOUSE=http://10.0.0.7:29600" and r[1] == "srun"
+        assert f"--relative={i}" in r and "--nodes=1" in r and "--ntasks=4" in r
+        assert f"REPLICA_GROUP_ID=node{i}" in r and f"MASTER_PORT={15000 + 1337 + i}" in r
+        assert "strategy=topk_ft" in r and "trainer.num_nodes=1" in r and "trainer.devices=4" in r
+        assert "strategy.min_replicas=2" in r and "run.resume=never" in r
+        assert f"hydra.run.dir={tmp_path / 'out' / 'slurm-31337' / f'node{i}'}" in r
+        assert r[-1] == "strategy.density=0.001"
+
+
 class _Scalar(pl.LightningModule):
     def __init__(self):
         super().__init__()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -147,3 +148,120 @@ def test_sbatch_example_with_topk_fsdp_requeued_in_the_middle_resumes(cluster, t
     assert "topk_fsdp: residuals restored" in text, text[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["epochs"] == 4 and 0.5 < summary["metrics"]["test/acc"] <= 1.0
+
+
+ELASTIC_SBATCH = ROOT / "examples" / "slurm" / "elastic.sbatch"
+KILL_AT = 5  # the killed replica's torchft step when it is killed
+
+
+def _csv_rows(path: Path) -> list:
+    import csv
+
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if r.get("ft/step")]
+
+
+def _ft_step(rows: list) -> int:
+    return max((int(float(r["ft/step"])) for r in rows), default=-1)
+
+
+def _training_pid(job: str, replica: str) -> int:
+    """The training process of a replica group: the process whose environment has SLURM_JOB_ID=<job> and
+    REPLICA_GROUP_ID=<replica> and whose parent's has not (srun's task, not a child of it)."""
+    def tagged(pid: str) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            return False
+        return f"REPLICA_GROUP_ID={replica}".encode() in env and f"SLURM_JOB_ID={job}".encode() in env
+
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if not tagged(pid):
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"lightning-topk-train" in cmd and not tagged(ppid):
+            found.append(int(pid))
+    assert len(found) == 1, f"training processes of {replica}: {found}"
+    return found[0]
+
+
+def test_elastic_sbatch_kill_one_replica_restarts_in_its_step_and_heals(cluster, tmp_path):
+    """examples/slurm/elastic.sbatch at 2 nodes x 1 CPU task: a lighthouse step and one torchft replica group per
+    node. SIGKILL one group's training process mid-run: the other keeps committing steps alone; the killed group's
+    step fails and is restarted on its node, heals from the live peer and rejoins; the job exits 0, the lighthouse
+    step is stopped cleanly, and both groups end with identical weights (their final last*.ckpt)."""
+    t0 = time.monotonic()
+    out_root, stop = tmp_path / "outputs", tmp_path / "stop_at"
+    env = dict(cluster.env, OUTPUT_ROOT=str(out_root), LIGHTHOUSE_PORT=str(_free_port()),
+               MASTER_PORT=str(_free_port()), JOIN_TIMEOUT_MS="1000", HEARTBEAT_TIMEOUT_MS="1500", RESTART_DELAY="0",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", PYTHONUNBUFFERED="1",
+               PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    overrides = ["trainer.accelerator=cpu", "callbacks.progress_bar=null", "run.print_summary=false", "run.test=false",
+                 "trainer.log_every_n_steps=1", "logger.csv.flush_logs_every_n_steps=1",
+                 "trainer.num_sanity_val_steps=0", "trainer.limit_val_batches=0", "data.num_workers=0",
+                 # 0.1 s per step, and the stop at the step the test writes once the killed group is back
+                 f"+callbacks.pace={{_target_:tests.helpers.pace.Pace,seconds:0.1,stop_file:{stop}}}"]
+    submit = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=1", *CPU_FLAGS,
+                             f"--output={tmp_path}/slurm-%j.out", str(ELASTIC_SBATCH), *overrides],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert submit.returncode == 0, submit.stderr
+    job = submit.stdout.strip().split(";")[0]
+    log = tmp_path / f"slurm-{job}.out"
+    run_dir = out_root / f"slurm-{job}"
+
+    def csv0(version: int) -> list:
+        return _csv_rows(run_dir / "node0" / "csv" / f"version_{version}" / "metrics.csv")
+
+    def csv1(version: int) -> list:
+        return _csv_rows(run_dir / "node1" / "csv" / f"version_{version}" / "metrics.csv")
+
+    try:
+        _wait(lambda: _ft_step(csv1(0)) >= KILL_AT and _ft_step(csv0(0)) >= KILL_AT, 180, "the first steps", log)
+        os.kill(_training_pid(job, "node1"), signal.SIGKILL)
+        at_kill = _ft_step(csv0(0))
+        _wait(lambda: csv1(1), 120, "the restarted replica group's first step", log)
+        at_rejoin = _ft_step(csv0(0))
+        stop.write_text(str(max(int(r["step"]) for r in csv0(0)) + 10))
+        _wait(lambda: _job(cluster, job)["JobState"] in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                                         "OUT_OF_MEMORY"), 120, "the job to end", log)
+    finally:
+        if _job(cluster, job).get("JobState") in ("PENDING", "RUNNING", "COMPLETING"):
+            cluster.cmd("scancel", job, check=False)
+    text = log.read_text(errors="replace")
+    info = _job(cluster, job)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
+
+    # The survivor kept committing steps alone while the killed group was down.
+    survivor = csv0(0)
+    alone = [r for r in survivor if r.get("ft/quorum_size") and float(r["ft/quorum_size"]) == 1
+             and _ft_step([r]) > at_kill]
+    assert at_rejoin >= at_kill + 3 and len(alone) >= 3, (at_kill, at_rejoin, len(alone))
+    # The killed group's step failed, was restarted on its node, and the restarted group healed from its peer.
+    restart = text.index("elastic.sbatch: replica group node1 exited with 137; restart 1/3 on the same node")
+    assert "healed from a live peer" in text[restart:], text[restart:][-4000:]
+    back = csv1(1)
+    assert max(float(r["ft/heals"]) for r in back) >= 1 and _ft_step(back[:1]) >= at_kill, back[:2]
+    assert "elastic.sbatch: replica group node0 finished" in text and "replica group node1 finished" in text
+    assert "replica groups done (exit 0); lighthouse step stopped (exit 0)" in text, text[-3000:]
+
+    # Both groups ended at the same step with identical weights.
+    finals = []
+    for n in ("node0", "node1"):
+        last = max((run_dir / n / "checkpoints").glob("last*.ckpt"), key=os.path.getmtime)
+        finals.append(torch.load(last, weights_only=False, map_location="cpu"))
+    assert finals[0]["global_step"] == finals[1]["global_step"] > at_rejoin
+    for k, v in finals[0]["state_dict"].items():
+        assert torch.equal(v, finals[1]["state_dict"][k]), k
+    print(f"real SLURM elastic test: job {job}, killed at ft step {at_kill}, survivor alone for {len(alone)} steps, "
+          f"rejoined at {at_rejoin}, ended at global step {finals[0]['global_step']}, {time.monotonic() - t0:.0f} s")

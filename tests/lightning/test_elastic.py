@@ -234,18 +234,19 @@ def test_quorum_below_min_replicas_waits_then_fails_clearly(tmp_path):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("exchange", ["allgather", "scatter"])
-def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange):
+@pytest.mark.parametrize("exchange,optimizer", [("allgather", "adamw"), ("scatter", "adamw"), ("allgather", "sgd")])
+def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange, optimizer):
     """3 replica groups of 1 process: SIGKILL one mid-run; the two others keep committing steps during the outage;
     the killed one is restarted, heals from a live peer (nothing read from disk; its data position included) and
     rejoins; at the end all three hold identical parameters. The scale-free exchange too: its owners' layout follows
-    the quorum (3, 2, 3)."""
+    the quorum (3, 2, 3). And SGD with momentum and weight decay, where recipe="auto" has moved the momentum into
+    the hook: the healed group takes that over from its first step (else its weight decay differs from its peers')."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchft")
     delay, stop = 0.1, tmp_path / "stop_at"
     c = Cluster(tmp_path)
     args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--positioned-data",
-            "--exchange", exchange)
+            "--exchange", exchange, "--optimizer", optimizer)
     try:
         procs = [c.start(r, *args) for r in range(3)]
         _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 10 for r in range(3)), 150, "10 steps on all")
@@ -553,6 +554,32 @@ def test_launcher_starts_replicas_and_restarts_a_failed_one(tmp_path):
             runs[f.name.split(".")[0]] = runs.get(f.name.split(".")[0], 0) + 1
     assert runs == {"replica0": 1, "replica1": 2}, runs
     assert not _listening(port)  # the lighthouse is gone with the launcher
+
+
+@pytest.mark.timeout(120)
+def test_launcher_refuses_a_busy_address_and_stops_on_sigterm(tmp_path):
+    """elastic_launch without a command (the SLURM example's lighthouse step): a second launcher on the same --bind
+    fails naming the address (it would otherwise take the first lighthouse for its own); SIGTERM stops the
+    lighthouse and the launcher exits 0."""
+    pytest.importorskip("torchft")
+    port = free_port()
+    cmd = [sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}"]
+    first = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:  # the lighthouse's own log lines come first
+            if line.startswith("TORCHFT_LIGHTHOUSE="):
+                assert line.strip() == f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port}"
+                break
+        second = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        assert second.returncode != 0 and f"127.0.0.1:{port} is in use" in second.stderr, second.stderr[-2000:]
+        assert first.poll() is None and _listening(port)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=30) == 0
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert not _listening(port)
 
 
 def _local_args(stop, *extra):

@@ -186,6 +186,8 @@ class Net(pl.LightningModule):
                    Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
 
     def configure_optimizers(self):
+        if self.args.optimizer == "sgd":  # recipe="auto": momentum correction in the hook, weight decay beside it
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
     def train_dataloader(self):
@@ -243,6 +245,7 @@ def main():
     ap.add_argument("--die-in-round", type=int, default=None, help="SIGKILL itself after round K's quorum")
     ap.add_argument("--outer-recipe", default="diloco")
     ap.add_argument("--fsdp", action="store_true", help="topk_fsdp: the model sharded over the group's processes")
+    ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
     args = ap.parse_args()
     os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
     (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
