@@ -387,7 +387,8 @@ class FaultOptions:
             variable ``TORCHFT_LIGHTHOUSE``. Checked with a TCP connect within ``ft_connect_timeout`` when the
             strategy sets up: a missing or unreachable lighthouse is an error that names it.
         min_replicas: the fewest replica groups a step may commit with (int >= 1; torchft's
-            ``min_replica_size``); start the lighthouse with ``--min_replicas`` at least this.
+            ``min_replica_size``); start the lighthouse with ``--min_replicas`` at least this. More than half of
+            the groups started rules out two quorums at once (docs/elastic.md, "Split quorums").
         ft_timeout: seconds for the collectives of a step, ``should_commit`` and a heal's checkpoint transfer
             (torchft's ``timeout``; a number > 0). A replica that dies mid-step costs the others at most this.
         ft_quorum_timeout: seconds a step waits for the lighthouse's quorum (a number > 0, at least

@@ -115,10 +115,12 @@ class TorchFTReplica:
 
     def __init__(self, config: TopKConfig, state_dict: Callable[[], Dict[str, Any]],
                  load_state_dict: Callable[[Dict[str, Any]], None],
-                 residual_mass: Optional[Callable[[], float]] = None, name: str = "topk_ddp") -> None:
+                 residual_mass: Optional[Callable[[], float]] = None, name: str = "topk_ddp",
+                 fingerprint: Optional[Callable[[], float]] = None) -> None:
         self.config = config
         self.name = name  # the strategy's, in messages
         self._residual_mass = residual_mass
+        self._fingerprint = fingerprint
         self._state_dict = state_dict
         self._load_state_dict = load_state_dict
         self.manager: Any = None
@@ -224,14 +226,35 @@ class TorchFTReplica:
                         self.heal_time_s)
         n = m.num_participants()
         qid = getattr(m, "_quorum_id", None)
-        if self._quorum_id is not None and qid != self._quorum_id:
+        changed = self._quorum_id is None or qid != self._quorum_id
+        if self._quorum_id is not None and changed:
             self.quorum_changes += 1
             log.warning("%s: quorum changed at step %d: %d replica group(s) now", self.name, m.current_step(), n)
         self._quorum_id = qid
         self._note_members()
         self.quorum_size = n
         self.quorum_sizes.append(n)
+        if changed and n > 1:
+            self._check_agreement(n)
         return healed
+
+    def _check_agreement(self, n: int) -> None:
+        """After a quorum with new members: its replicas hold the same weights (a float64 fingerprint gathered).
+        torchft heals only a replica that is behind, so groups that committed the same steps in separate quorums
+        (staggered starts, ``min_replicas`` at most half of the groups) would train apart for good, silently."""
+        if self._fingerprint is None or self.group is None:
+            return
+        mine = torch.tensor([self._fingerprint()], dtype=torch.float64)
+        every = torch.empty(n, dtype=torch.float64)
+        self.group.all_gather(every, mine).wait()
+        if self.manager.errored() is None and bool((every != every[0]).any()):
+            raise RuntimeError(
+                f"{self.name}: the {n} replica groups of the quorum at step {self.manager.current_step()} hold "
+                f"different weights (fingerprints {every.tolist()}): they committed the same steps in separate quorums "
+                "before meeting, which torchft does not heal (it heals only a replica that is behind). Set "
+                "min_replicas to more than half of the replica groups you start (then no two quorums can form at "
+                f"once; min_replicas={self.config.min_replicas} now), and start them together (docs/elastic.md, "
+                "\"Split quorums\")")
 
     def commit(self, ok: bool) -> bool:
         """The controller's commit gate: ``ok`` is its verdict; torchft's ``should_commit`` has the last word."""
@@ -323,7 +346,8 @@ class ElasticMixin:
                 f"{name}: fault_tolerance='torchft' runs one Trainer (or Fabric) per replica group (num_nodes=1, got "
                 f"num_nodes={self.num_nodes}; devices may be several): start one per node (docs/elastic.md)")  # type: ignore[attr-defined]
         self.topk_elastic = TorchFTReplica(self.topk_config, self._elastic_state_dict,  # type: ignore[attr-defined]
-                                           self._elastic_load_state_dict, self._elastic_residual_mass, name=name)
+                                           self._elastic_load_state_dict, self._elastic_residual_mass, name=name,
+                                           fingerprint=self._elastic_fingerprint)
         self.topk_elastic.check()  # a missing lighthouse fails before any process group
 
     def setup_distributed(self) -> None:
@@ -456,6 +480,16 @@ class ElasticMixin:
         if state is None:
             return 0.0
         return float(sum(float(r.abs().sum()) for r in state.residuals().values()))
+
+    def _elastic_fingerprint(self) -> float:
+        """What every replica of a quorum holds alike between steps, summed in float64: θ_outer under local SGD (the
+        parameters move apart inside a round), else this rank's parameters (its shards under topk_fsdp)."""
+        outer = self._elastic_outer()
+        if outer is not None:
+            return float(outer.theta.double().sum())
+        params = self.lightning_module.parameters()  # type: ignore[attr-defined]
+        return float(sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().double().sum())
+                         for p in params))
 
     # ---- what a heal carries ---------------------------------------------------------------------
     def _elastic_schedulers(self) -> List[Any]:

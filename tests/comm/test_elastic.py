@@ -27,3 +27,4 @@ def test_elastic_grid_sums_over_every_process_of_every_replica_group():
     for rank, (t, size, r, inter_size, errors) in enumerate(out):
         assert t == [10.0, 1111.0]  # 1+2+3+4 and each process's own digit: every process counted once
         assert (size, r, inter_size, errors) == (4, rank, 2, [])  # process rank = replica x 2 + local rank
+

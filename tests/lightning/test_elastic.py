@@ -244,7 +244,7 @@ def test_kill_one_of_three_replica_groups_heal_and_rejoin(tmp_path, exchange, op
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchft")
     delay, stop = 0.1, tmp_path / "stop_at"
-    c = Cluster(tmp_path)
+    c = Cluster(tmp_path, min_replicas=2)
     args = ("--steps", 100000, "--delay", delay, "--init-differs", "--stop-file", stop, "--positioned-data",
             "--exchange", exchange, "--optimizer", optimizer)
     try:
@@ -303,7 +303,7 @@ def test_kill_mid_step_survivors_roll_back_and_go_on(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
-    c = Cluster(tmp_path)
+    c = Cluster(tmp_path, min_replicas=2)
     args = ("--steps", 100000, "--delay", 0, "--init-differs", "--stop-file", stop)
     try:
         procs = [c.start(r, *args) for r in range(3)]
@@ -371,7 +371,7 @@ def test_fabric_kill_one_of_three_heal_and_rejoin(tmp_path):
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchft")
     stop = tmp_path / "stop_at"
-    c = Cluster(tmp_path, script=FABRIC)
+    c = Cluster(tmp_path, min_replicas=2, script=FABRIC)
     args = ("--steps", 100000, "--delay", 0.1, "--init-differs", "--stop-file", stop)
     try:
         procs = [c.start(r, *args) for r in range(3)]
