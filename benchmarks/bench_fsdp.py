@@ -53,6 +53,11 @@ recorded runs:
         topk_fsdp_frozen,topk_fsdp_dense,hsdp_frozen --json fsdp_accuracy_adam
     python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen --dense-steps 160 \
         --json fsdp_accuracy_adam_dense160
+    python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen --outer-chunk 0 \
+        --json fsdp_accuracy_adam_chunk0
+
+``--outer-chunk`` sets the ``topk_fsdp_update*`` configs' ``outer_chunk`` (default: TopKConfig's, 4096; 0: one top-k
+of each rank's whole shard).
 
 Accuracy (``--phases accuracy``): the byte-level text shipped in the package (``lightning_topk.data.text``,
 ``seq_len`` 65, no download), the ``transformer_lm_bytes`` preset's model (d_model 128, 2 layers, 4 heads),
@@ -160,6 +165,7 @@ def count_memory(module, optimizer, strategy):
 
 
 def worker(a):
+    OUTER_CHUNK_ARG.update({} if a.outer_chunk is None else {"outer_chunk": a.outer_chunk})
     import numpy as np
     import pytorch_lightning as pl
     import torch
@@ -245,11 +251,11 @@ def worker(a):
     elif a.config == "topk_fsdp_local_lm":
         strategy = TopKFSDPStrategy(**LM_LOCAL)
     elif a.config == "topk_fsdp_update":
-        strategy = TopKFSDPStrategy(**UPDATE)
+        strategy = TopKFSDPStrategy(**UPDATE, **OUTER_CHUNK_ARG)
     elif a.config in ("topk_fsdp_dense", "topk_fsdp_frozen"):
         strategy = TopKFSDPStrategy(density=0.01, exchange=a.exchange, dense_steps=a.dense_steps)
     elif a.config in ("topk_fsdp_update_dense", "topk_fsdp_update_frozen"):
-        strategy = TopKFSDPStrategy(**UPDATE, dense_steps=a.dense_steps)
+        strategy = TopKFSDPStrategy(**UPDATE, dense_steps=a.dense_steps, **OUTER_CHUNK_ARG)
     else:
         raise ValueError(a.config)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=strategy, max_steps=a.steps,
@@ -313,6 +319,7 @@ def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, ex
     args = [os.path.abspath(__file__), "--worker", "--config", config, "--steps", steps, "--d-model", d_model,
             "--layers", layers, "--heads", heads, "--out", out]
     args += ["--exchange", exchange, "--batch", batch, "--dense-steps", DENSE_STEPS_ARG[0]]
+    args += ["--outer-chunk", OUTER_CHUNK_ARG["outer_chunk"]] if OUTER_CHUNK_ARG else []
     args += ["--measure-memory"] if measure_memory else []
     args += ["--eval"] if evaluate else []
     t0 = time.perf_counter()
@@ -329,6 +336,7 @@ def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, ex
 
 
 DENSE_STEPS_ARG = [DENSE_STEPS]  # --dense-steps
+OUTER_CHUNK_ARG: dict = {}  # --outer-chunk (the topk_fsdp_update* configs; empty: TopKConfig's default)
 MMAP_THRESHOLD = [0]  # --mmap-threshold (0: glibc's default, a threshold that grows as large blocks are freed)
 
 
@@ -392,6 +400,8 @@ def accuracy_phase(a, tmp):
                "wall_s": wall}
         if config.endswith(("_dense", "_frozen")) and config != "hsdp_frozen":
             row["dense_steps"] = a.dense_steps
+        if config.startswith("topk_fsdp_update") and OUTER_CHUNK_ARG:
+            row["outer_chunk"] = OUTER_CHUNK_ARG["outer_chunk"]
         if config in FROZEN:
             row["optimizer"] = f"FrozenVarianceAdamW(freeze_variance_after={a.dense_steps})"
         shard = r0.get("shard_numel_padded")
@@ -483,6 +493,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--dense-steps", type=int, default=DENSE_STEPS,
                     help="the *_dense and *_frozen configs' dense steps and freeze step (default %(default)s)")
+    ap.add_argument("--outer-chunk", type=int, default=None,
+                    help="the topk_fsdp_update* configs' outer_chunk (default: TopKConfig's; 0: one top-k per shard)")
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -492,6 +504,8 @@ def main():
 
     MMAP_THRESHOLD[0] = a.mmap_threshold
     DENSE_STEPS_ARG[0] = a.dense_steps
+    if a.outer_chunk is not None:
+        OUTER_CHUNK_ARG["outer_chunk"] = a.outer_chunk
     load_before = os.getloadavg()[0]
     print(f"# {NODES} simulated nodes x {DEVICES} gloo processes (CPU), {lightning_topk.__file__}")
     print(f"# load average before: {os.getloadavg()}")

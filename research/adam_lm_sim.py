@@ -21,7 +21,20 @@ then, by ``--mode``:
 Flags: ``--dense-steps N`` (the first N steps dense), ``--freeze W`` (v and its bias correction frozen after step W),
 ``--vmode local`` (v from the dense mean gradient, an upper bound that needs a dense exchange), ``--floor 1``
 (coordinates whose frozen v is 0 keep a live v), ``--flush 1`` (mom2: the residuals applied after the last step),
-``--lrmul``. Usage: ``python research/adam_lm_sim.py --mode topk --dense-steps 100 --freeze 100``.
+``--lrmul``, ``--seed`` (the model's initialisation; the data order is bench_fsdp's).
+
+mom2's packets go through the outer codec itself (:func:`lightning_topk.comm.local.codec.compress`, the top-k per
+chunk and the value quantization ``topk_fsdp`` with ``local_steps=1`` sends), on each node's whole vector zero-padded
+to whole chunks: ``--chunk`` (entries per chunk, ``outer_chunk``; 0: one top-k of the whole vector), ``--bits``
+(``outer_value_bits``), ``--ef-decay`` (``outer_ef_decay``: ``e = beta * e + update``), ``--warm W --warm-start s``
+(after the dense steps the density decays geometrically from s to ``--density`` over W steps, DGC's warm-up,
+:class:`~lightning_topk.comm.schedule.DensitySchedule`), ``--ef ef21`` (EF21: each node sends the top-k of its update
+minus its last estimate, the estimates move by what was sent, and the weights take the mean estimate every step),
+``--mask 1`` (DGC's momentum-factor masking: a node's momentum is zeroed where it sent).
+Each row records the mean density of the sparse steps (``rho_sparse``) and the packet bytes per node per step over
+the whole run against a dense fp32 vector's (``bytes_vs_dense``; the dense steps and a flush count as 4 bytes per
+entry). ``--out FILE`` appends the row to FILE with ``--host``.
+Usage: ``python research/adam_lm_sim.py --mode topk --dense-steps 100 --freeze 100``.
 """
 import argparse
 import json
@@ -35,6 +48,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lightning_topk.comm.local.codec import PacketLayout, chunk_k, chunk_size, compress
+from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.data.text import VOCAB_SIZE, byte_sequences
 from lightning_topk.models.components.transformer import TransformerLM
 
@@ -50,11 +65,21 @@ ap.add_argument("--tag", default="")
 ap.add_argument("--floor", type=int, default=0)  # coordinates whose frozen v is 0 keep the live v
 ap.add_argument("--lrmul", type=float, default=1.0)
 ap.add_argument("--flush", type=int, default=0)  # mom2: apply the residuals at the end
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--chunk", type=int, default=0)  # mom2: entries per top-k chunk (0: the whole vector)
+ap.add_argument("--bits", type=int, default=32)  # mom2: bits per value sent
+ap.add_argument("--ef-decay", type=float, default=1.0)  # mom2: e = beta * e + update
+ap.add_argument("--warm", type=int, default=0)  # mom2: density warm-up steps after the dense steps
+ap.add_argument("--warm-start", type=float, default=0.25)
+ap.add_argument("--ef", default="ef")  # mom2: ef | ef21
+ap.add_argument("--mask", type=int, default=0)  # mom2: DGC's momentum-factor masking (sent entries' m_i zeroed)
+ap.add_argument("--out", default="")
+ap.add_argument("--host", default="")
 a = ap.parse_args()
 torch.set_num_threads(1)
 seq_len = 65
 train, val = byte_sequences(seq_len=seq_len, val_fraction=0.05, seed=0)
-torch.manual_seed(0)
+torch.manual_seed(a.seed)
 net = TransformerLM(VOCAB_SIZE, d_model=128, layers=2, heads=4, ff_mult=4, max_len=64, dropout=0.0)
 params = list(net.parameters())
 world, B = 4, 16
@@ -80,6 +105,12 @@ v = torch.zeros(n)
 b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
 flat = torch.cat([p.detach().reshape(-1) for p in params])
 ms = vs = den_frozen = v_fz = vl = None
+sched = DensitySchedule(a.density, a.dense_steps, a.warm, a.warm_start)
+c = chunk_size(n, a.chunk)
+C = -(-n // c)
+est: list = []  # ef21: each node's estimate of its update
+last_upd = torch.zeros(n)  # the last dense step's update
+sent_bytes, sent_numel, sparse_steps = 0, 0, 0
 losses = []
 t0 = time.time()
 for step in range(a.steps):
@@ -98,14 +129,23 @@ for step in range(a.steps):
     lr = a.lr * a.lrmul * lr_at(step)
     t = step + 1
     frozen = a.freeze and t > a.freeze
+    prev = flat.clone()
     flat.mul_(1 - lr * wd)
-    if a.mode == "mom2" and step >= a.dense_steps:  # top-k of each node's AdamW update (param units), EF
+    if a.mode == "mom2" and step >= a.dense_steps:  # each node's AdamW update (param units), per-chunk top-k
         if ms is None:
             ms = [m.clone(), m.clone()]
             vs = [v.clone(), v.clone()]
+            res = [torch.zeros(C * c), torch.zeros(C * c)]
+            if a.ef == "ef21":  # the estimates start at the last dense step's update (every node knows it)
+                est = [torch.zeros(C * c), torch.zeros(C * c)]
+                est[0][:n] = last_upd
+                est[1][:n] = last_upd
         bc1 = 1 - b1 ** t
-        k = max(1, int(math.ceil(a.density * n)))
-        out = torch.zeros(n)
+        lay = PacketLayout(C, c, chunk_k(c, sched.density_at(step)), a.bits)
+        sent_bytes += lay.nbytes
+        sent_numel += lay.C * lay.k
+        sparse_steps += 1
+        out = torch.zeros(C * c)
         for i in range(2):
             ms[i].lerp_(node[i], 1 - b1)
             if frozen:
@@ -113,16 +153,23 @@ for step in range(a.steps):
             else:
                 vs[i].mul_(b2).addcmul_(node[i], node[i], value=1 - b2)
                 den = (vs[i].sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-            acc = res[i] + (lr * wd) * flat + (lr / bc1) * ms[i] / den
-            idx = acc.abs().topk(k).indices
-            sent = torch.zeros(n)
-            sent[idx] = acc[idx]
-            res[i] = acc - sent
-            out += sent
+            upd = torch.zeros(C * c)
+            upd[:n] = (lr * wd) * flat + (lr / bc1) * ms[i] / den
+            if a.ef == "ef21":  # send top-k(update - estimate); the weights take the estimates' mean
+                _, sent = compress(upd - est[i], lay)
+                est[i] += sent
+                out += est[i]
+            else:
+                res[i].mul_(a.ef_decay).add_(upd)
+                _, sent = compress(res[i], lay)  # res keeps what was not sent
+                out += sent
+                if a.mask:
+                    ms[i].masked_fill_(sent[:n] != 0, 0.0)
         flat.mul_(1 / (1 - lr * wd))
-        flat.sub_(out / 2)
+        flat.sub_(out[:n] / 2)
         if a.flush and t == a.steps:
-            flat.sub_((res[0] + res[1]) / 2)
+            flat.sub_((res[0] + res[1])[:n] / 2)
+            sent_bytes += 4 * n
     elif a.mode == "mom" and frozen:  # 1-bit Adam: local m_i, EF on m_i/den, frozen den
         if ms is None:
             ms = [m.clone(), m.clone()]
@@ -169,6 +216,7 @@ for step in range(a.steps):
             vl = v.clone()
         bc1 = 1 - b1 ** t
         flat.addcdiv_(m, denom, value=-lr / bc1)
+    last_upd = prev - flat
     off = 0
     with torch.no_grad():
         for p in params:
@@ -183,4 +231,16 @@ with torch.no_grad():
         tot += float(loss_of(x)) * len(x)
 vl = tot / len(vv)
 r = dict(vars(a), val_loss=vl, train_last10=sum(losses[-40:]) / 40, wall=time.time() - t0)
+if a.mode == "mom2":
+    dense_steps = min(a.steps, a.dense_steps)
+    r["rho_sparse"] = sent_numel / max(1, sparse_steps) / n
+    r["bytes_vs_dense"] = (sent_bytes + 4 * n * dense_steps) / a.steps / (4 * n)
+    r["numel"] = n
+if a.mode == "dense" or (a.mode == "topk" and a.dense_steps >= a.steps):
+    r["bytes_vs_dense"] = 1.0
+host = r.pop("host")
+out_path = r.pop("out")
 print(json.dumps(r), flush=True)
+if out_path:
+    with open(out_path, "a") as f:
+        f.write(json.dumps(dict(r, host=host)) + "\n")

@@ -485,15 +485,16 @@ def _summary_rows() -> List[Tuple[str, str, str, str, str]]:
     rows.append(("state per rank of `topk_fsdp` against `topk_ddp`, AdamW Transformer, 2 x 2", "≤ 0.6",
                  f"{ratio:.3f}", _met(ratio <= 0.6), "fsdp_memory.json"))
     fa = {r["config"]: r["val_ratio_to_hsdp"] for r in _load("fsdp_accuracy.json")["rows"]}
-    best = {r["config"]: r for r in _load(ADAM)["rows"]}[ADAM_BEST]
+    best = {r["config"]: r for r in _load(ADAM_PRESET)["rows"]}[ADAM_BEST]
     rows.append(("held-out loss at equal tokens against dense HSDP, byte-level LM, 2 x 2", "≤ 1.03x",
                  f"`topk_fsdp` ρ 0.01: {fa['topk_fsdp']:.3f}x (`topk_ddp`: {fa['topk_ddp']:.3f}x); per step with the "
-                 f"preset's AdamW recipe ({best['dense_steps']} dense steps, frozen v, top-k of the update) "
+                 f"preset's AdamW recipe ({best['dense_steps']} dense steps, frozen v, top-k of the update, one top-k "
+                 f"per shard) "
                  f"{best['val_ratio_to_hsdp']:.3f}x; "
                  f"`topk_fsdp_local` preset {fa['topk_fsdp_local']:.3f}x, LM recipe {fa['topk_fsdp_local_lm']:.3f}x",
                  _met(max(best["val_ratio_to_hsdp"], fa["topk_fsdp_local"]) <= 1.03,
                       ": per step with AdamW, see the section"),
-                 f"fsdp_accuracy.json, {ADAM}"))
+                 f"fsdp_accuracy.json, {ADAM_PRESET}"))
     first = [_topk_first(data[f"{lay} {rate}"]) for lay, rate in CLUSTER_ORDER]
     first_slow = [_topk_first(e) for e in slow]
     rows.append(("fastest to the target accuracy at 100 Mbit/s", "topk first",
@@ -515,8 +516,10 @@ FSDP_LABELS = {"topk_ddp": "`topk_ddp` ρ 0.01", "hsdp": "dense HSDP (torch)", "
                                           "step {d}",
                "hsdp_frozen": "dense HSDP, AdamW's v frozen at step {d} (the optimizer alone)"}
 ADAM = "fsdp_accuracy_adam.json"  # issue 33's AdamW variants (bench_fsdp.py's *_dense, *_frozen configs)
-ADAM_FILES = [ADAM, "fsdp_accuracy_adam_dense160.json"]  # the same configs at other --dense-steps
-ADAM_BEST = "topk_fsdp_update_frozen"  # the transformer_lm_fsdp preset's per-step recipe
+# the same configs at other --dense-steps or --outer-chunk
+ADAM_FILES = [ADAM, "fsdp_accuracy_adam_dense160.json", "fsdp_accuracy_adam_chunk0.json"]
+ADAM_BEST = "topk_fsdp_update_frozen"  # the transformer_lm_fsdp preset's per-step recipe ...
+ADAM_PRESET = "fsdp_accuracy_adam_chunk0.json"  # ... at the preset's outer_chunk (0)
 
 
 def _adam_rows() -> List[Dict[str, Any]]:
@@ -540,7 +543,10 @@ def _fsdp_label(r: Dict[str, Any]) -> str:
     if r["config"] == "hsdp_frozen":
         d = r.get("optimizer", "").split("=")[-1].rstrip(")")
     label = FSDP_LABELS.get(r["config"], r["config"]).format(d=d)
-    if r.get("file") == ADAM and r["config"] == ADAM_BEST:
+    if "outer_chunk" in r:
+        whole = " (one top-k of each rank's shard)" if r["outer_chunk"] == 0 else ""
+        label += f", `outer_chunk={r['outer_chunk']}`{whole}"
+    if r.get("file") == ADAM_PRESET and r["config"] == ADAM_BEST:
         label = f"**{label}** (the `transformer_lm_fsdp` preset)"
     return label
 

@@ -136,8 +136,8 @@ def test_transformer_lm_fsdp_adamw_recipe_freezes_v_at_the_dense_steps(cfg_env):
     for over, dense in ((), 100), (("strategy.dense_steps=30",), 30):
         cfg = cfg_env("experiment=transformer_lm_fsdp", *over)
         s = instantiate(cfg.strategy).topk_config
-        assert (s.local_steps, s.outer_density, s.outer_value_bits, s.outer_recipe, s.dense_steps) == (
-            1, 0.01, 32, "average", dense)
+        assert (s.local_steps, s.outer_density, s.outer_value_bits, s.outer_recipe, s.dense_steps, s.outer_chunk) == (
+            1, 0.01, 32, "average", dense, 0)
         opt = instantiate(cfg.optimizer)(net)
         assert type(opt) is FrozenVarianceAdamW and opt.param_groups[0]["freeze_variance_after"] == dense
     cfg = cfg_env("experiment=transformer_lm_fsdp", "strategy=topk_fsdp_local")
