@@ -655,7 +655,9 @@ for _name, _heading in CLUSTER_RUNS:
     BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
                                        cluster_tables(f"{_name}.json", _heading))
 FT_RUNS = ["ft_goodput_2026-11-27", "ft_goodput_2026-11-27_repeat", "ft_goodput_2026-11-27_join5s",
-           "ft_accuracy_digits_2026-11-27", "ft_accuracy_mnist_2026-11-27", "ft_accuracy_mnist_local_2026-11-27"]
+           "ft_accuracy_digits_2026-11-27", "ft_accuracy_mnist_2026-11-27", "ft_accuracy_mnist_local_2026-11-27",
+           "ft_accuracy_mnist_600_2026-11-27",
+           "ft_accuracy_mnist_600_2026-11-27_seeds345"]
 for _name in FT_RUNS:
     BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json", ft_table(f"{_name}.json"))
 for _name in LOCAL_ACCURACY_RUNS:
