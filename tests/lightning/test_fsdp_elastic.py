@@ -18,6 +18,20 @@ def max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def two_groups(tmp_path, script, *opts):
+    """Replica groups 0 and 1 of 2 processes each run ``script`` with ``opts`` to the end (min_replicas 2); returns
+    each group's final parameters and each process's record (``ft<r>.pt.rank<k>``)."""
+    c = Cluster(tmp_path, min_replicas=2)
+    try:
+        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=script) for r in (0, 1)]
+        for p in procs:
+            assert p.wait(timeout=300) == 0, _logs(tmp_path)
+    finally:
+        c.close()
+    groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
+    return groups, [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
+
+
 @pytest.mark.parametrize("script, extra, quorums", [(FSDP_SCRIPT, ("--nodes", "1"), 8), (FSDP_FABRIC, (), 9)],
                          ids=["trainer", "fabric"])
 def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path, script, extra, quorums):
@@ -29,16 +43,8 @@ def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path, script, extra, quo
     from tests.lightning.test_fsdp import train
 
     ref, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
-    c = Cluster(tmp_path, min_replicas=2)
-    opts = ("--density", "1", "--value-dtype", "fp32", "--exchange", "allgather", "--steps", "8", *extra)
-    try:
-        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=script) for r in (0, 1)]
-        for p in procs:
-            assert p.wait(timeout=300) == 0, _logs(tmp_path)
-    finally:
-        c.close()
-    groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
-    ranks = [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
+    groups, ranks = two_groups(tmp_path, script, "--density", "1", "--value-dtype", "fp32", "--exchange", "allgather",
+                               "--steps", "8", *extra)
     assert all(r["exchange_step"] == 8 and r["step"] == 8 and r["ft"]["ft/step"] == 8 for r in ranks), ranks
     assert all(r["quorum_sizes"] == [2] * quorums for r in ranks), [r["quorum_sizes"] for r in ranks]
     assert max_diff(groups[0], groups[1]) == 0.0
@@ -235,17 +241,8 @@ def test_local_sgd_dense_equals_per_shard_averaging(tmp_path):
     from tests.lightning.test_fsdp import train
 
     ref, _ = train(tmp_path, "avg", "--strategy", "avg", "--local-steps", "4", "--steps", "8")
-    c = Cluster(tmp_path, min_replicas=2)
-    opts = ("--local-steps", "4", "--outer-value-bits", "32", "--outer-density", "1", "--steps", "8", "--nodes", "1")
-    try:
-        procs = [c.start(r, "--out", tmp_path / f"ft{r}.pt", "--torchft", r, *opts, script=FSDP_SCRIPT)
-                 for r in (0, 1)]
-        for p in procs:
-            assert p.wait(timeout=300) == 0, _logs(tmp_path)
-    finally:
-        c.close()
-    groups = [torch.load(tmp_path / f"ft{r}.pt") for r in (0, 1)]
-    ranks = [torch.load(tmp_path / f"ft{r}.pt.rank{k}", weights_only=False) for r in (0, 1) for k in (0, 1)]
+    groups, ranks = two_groups(tmp_path, FSDP_SCRIPT, "--local-steps", "4", "--outer-value-bits", "32",
+                               "--outer-density", "1", "--steps", "8", "--nodes", "1")
     # the join round (nothing sent), then 2 rounds
     assert all(r["rounds"] == 3 and r["ft"]["ft/step"] == 3 and r["quorum_sizes"] == [2, 2, 2] for r in ranks), ranks
     assert max_diff(groups[0], groups[1]) == 0.0
