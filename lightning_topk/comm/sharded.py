@@ -233,14 +233,15 @@ class ShardedTopK:
 
 
 # ---- what a heal between replicas of a sharded model carries (fault_tolerance="torchft") ------------------
-def _local(t: Any) -> Any:
+def local_tensor(t: Any) -> Any:
+    """This rank's shard of a DTensor (``to_local()``); any other tensor as it is."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def local_module_state(module: nn.Module) -> Dict[str, torch.Tensor]:
     """Copies of this rank's part of ``module.state_dict()``: each parameter's local shard (a DTensor's
-    ``to_local()``), each buffer whole (FSDP replicates buffers)."""
-    return {k: _local(v).detach().clone() for k, v in module.state_dict().items()}
+    ``to_local()``; an unsharded module's tensors whole), each buffer whole (FSDP replicates buffers)."""
+    return {k: local_tensor(v).detach().clone() for k, v in module.state_dict().items()}
 
 
 def load_local_module_state(module: nn.Module, sd: Dict[str, torch.Tensor]) -> None:
@@ -252,7 +253,7 @@ def load_local_module_state(module: nn.Module, sd: Dict[str, torch.Tensor]) -> N
                            f"({sorted(set(own) ^ set(sd))[:8]})")
     with torch.no_grad():
         for k, v in own.items():
-            _local(v).copy_(sd[k])
+            local_tensor(v).copy_(sd[k])
 
 
 def local_optimizer_state(optimizer: Any) -> Dict[str, Any]:
@@ -268,7 +269,7 @@ def local_optimizer_state(optimizer: Any) -> Dict[str, Any]:
         for k, v in entry.items():
             if hasattr(v, "to_local"):
                 marked.append((i, k))
-            state[i][k] = _local(v).detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
+            state[i][k] = local_tensor(v).detach().clone() if torch.is_tensor(v) else copy.deepcopy(v)
     return {"state": state, "param_groups": copy.deepcopy(sd["param_groups"]), "dtensor": marked}
 
 

@@ -53,6 +53,7 @@ from lightning_topk.comm.sharded import (
     load_local_optimizer_state,
     local_module_state,
     local_optimizer_state,
+    local_tensor,
 )
 from lightning_topk.lightning.elastic_position import data_position, loop_position, set_global_step
 from lightning_topk.optional import require
@@ -488,8 +489,7 @@ class ElasticMixin:
         if outer is not None:
             return float(outer.theta.double().sum())
         params = self.lightning_module.parameters()  # type: ignore[attr-defined]
-        return float(sum(float((p.to_local() if hasattr(p, "to_local") else p).detach().double().sum())
-                         for p in params))
+        return float(sum(float(local_tensor(p).detach().double().sum()) for p in params))
 
     # ---- what a heal carries ---------------------------------------------------------------------
     def _elastic_schedulers(self) -> List[Any]:
@@ -516,11 +516,8 @@ class ElasticMixin:
         trainer = getattr(module, "_trainer", None)
         schedulers = [copy.deepcopy(s.state_dict()) for s in self._elastic_schedulers()]
         at_round_end = getattr(self, "_elastic_round_end", False)
-        if self._elastic_sharded:  # this rank's shards, as plain tensors (a peer's same rank holds the same ones)
-            mod, opts = local_module_state(module), [local_optimizer_state(o) for o in self.optimizers]  # type: ignore[attr-defined]
-        else:
-            mod = {k: v.detach().clone() for k, v in module.state_dict().items()}
-            opts = [copy.deepcopy(o.state_dict()) for o in self.optimizers]  # type: ignore[attr-defined]
+        # copies of this rank's tensors (under topk_fsdp its shards, as plain tensors: a peer's same rank holds the same)
+        mod, opts = local_module_state(module), [local_optimizer_state(o) for o in self.optimizers]  # type: ignore[attr-defined]
         live = getattr(self, "topk_live_recipe", None)
         return {
             "module": mod,
@@ -542,16 +539,9 @@ class ElasticMixin:
 
     def _elastic_load_state_dict(self, sd: Dict[str, Any]) -> None:
         module = self.lightning_module  # type: ignore[attr-defined]
-        sharded = self._elastic_sharded
-        if sharded:
-            load_local_module_state(module, sd["module"])
-        else:
-            module.load_state_dict(sd["module"])  # in place: the optimizers and DDP keep the same tensors
+        load_local_module_state(module, sd["module"])  # in place: the optimizers, DDP and FSDP keep their tensors
         for opt, osd in zip(self.optimizers, sd["optimizers"]):  # type: ignore[attr-defined]
-            if sharded:
-                load_local_optimizer_state(opt, osd)
-            else:
-                opt.load_state_dict(osd)
+            load_local_optimizer_state(opt, osd)
         state = self.topk_state  # type: ignore[attr-defined]
         outer = self._elastic_outer()
         if state is not None and sd.get("topk") is not None:
