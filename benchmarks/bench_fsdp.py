@@ -56,6 +56,7 @@ recorded runs:
     python benchmarks/bench_fsdp.py --phases accuracy --acc-configs hsdp,topk_fsdp_update_frozen --outer-chunk 0 \
         --json fsdp_accuracy_adam_chunk0
 
+``--beta1-after`` sets the ``*_frozen`` configs' ``beta1_after_freeze`` (AdamW's beta1 after the freeze).
 ``--outer-chunk`` sets the ``topk_fsdp_update*`` configs' ``outer_chunk`` (default: TopKConfig's, 4096; 0: one top-k
 of each rank's whole shard).
 
@@ -98,6 +99,7 @@ UPDATE = dict(local_steps=1, outer_density=0.01, outer_value_bits=32, outer_reci
 # The AdamW variants (issue 33): DENSE_STEPS synchronous (dense) steps first; the *_frozen configs also freeze
 # AdamW's second moment at that step (lightning_topk.optim.FrozenVarianceAdamW, freeze_variance_after=DENSE_STEPS)
 DENSE_STEPS = 100
+BETA1_AFTER_ARG: dict = {}  # --beta1-after: the *_frozen configs' beta1_after_freeze (absent: betas[0])
 FROZEN = ("topk_fsdp_frozen", "topk_fsdp_update_frozen", "hsdp_frozen")
 WARMUP_STEPS = 100  # topk_fsdp_warmup: DGC's warm-up, density 0.25 -> 0.01 geometrically over these steps
 # topk_fsdp_local_lm: conf/experiment_strategy/transformer_lm_bytes_topk_local.yaml's recipe for this LM (post-local
@@ -166,6 +168,7 @@ def count_memory(module, optimizer, strategy):
 
 def worker(a):
     OUTER_CHUNK_ARG.update({} if a.outer_chunk is None else {"outer_chunk": a.outer_chunk})
+    BETA1_AFTER_ARG.update({} if a.beta1_after is None else {"beta1_after_freeze": a.beta1_after})
     import numpy as np
     import pytorch_lightning as pl
     import torch
@@ -223,7 +226,7 @@ def worker(a):
                 from lightning_topk.optim import FrozenVarianceAdamW
 
                 opt = FrozenVarianceAdamW(self.parameters(), lr=2e-3, weight_decay=0.01, foreach=False,
-                                          freeze_variance_after=a.dense_steps)
+                                          freeze_variance_after=a.dense_steps, **BETA1_AFTER_ARG)
             else:
                 opt = torch.optim.AdamW(self.parameters(), lr=2e-3, weight_decay=0.01, foreach=False)
             warm = 10
@@ -320,6 +323,7 @@ def run(config, steps, d_model, layers, heads, measure_memory, evaluate, tmp, ex
             "--layers", layers, "--heads", heads, "--out", out]
     args += ["--exchange", exchange, "--batch", batch, "--dense-steps", DENSE_STEPS_ARG[0]]
     args += ["--outer-chunk", OUTER_CHUNK_ARG["outer_chunk"]] if OUTER_CHUNK_ARG else []
+    args += ["--beta1-after", BETA1_AFTER_ARG["beta1_after_freeze"]] if BETA1_AFTER_ARG else []
     args += ["--measure-memory"] if measure_memory else []
     args += ["--eval"] if evaluate else []
     t0 = time.perf_counter()
@@ -403,7 +407,10 @@ def accuracy_phase(a, tmp):
         if config.startswith("topk_fsdp_update") and OUTER_CHUNK_ARG:
             row["outer_chunk"] = OUTER_CHUNK_ARG["outer_chunk"]
         if config in FROZEN:
-            row["optimizer"] = f"FrozenVarianceAdamW(freeze_variance_after={a.dense_steps})"
+            extra = "".join(f", {k}={v}" for k, v in BETA1_AFTER_ARG.items())
+            row["optimizer"] = f"FrozenVarianceAdamW(freeze_variance_after={a.dense_steps}{extra})"
+            row["freeze_variance_after"] = a.dense_steps
+            row.update(BETA1_AFTER_ARG)
         shard = r0.get("shard_numel_padded")
         if "exchange" in r0:
             ex = [r["exchange"] for r in ranks]
@@ -495,6 +502,8 @@ def main():
                     help="the *_dense and *_frozen configs' dense steps and freeze step (default %(default)s)")
     ap.add_argument("--outer-chunk", type=int, default=None,
                     help="the topk_fsdp_update* configs' outer_chunk (default: TopKConfig's; 0: one top-k per shard)")
+    ap.add_argument("--beta1-after", type=float, default=None,
+                    help="the *_frozen configs' beta1 after the freeze (FrozenVarianceAdamW's beta1_after_freeze)")
     a = ap.parse_args()
     if a.worker:
         return worker(a)
@@ -506,6 +515,8 @@ def main():
     DENSE_STEPS_ARG[0] = a.dense_steps
     if a.outer_chunk is not None:
         OUTER_CHUNK_ARG["outer_chunk"] = a.outer_chunk
+    if a.beta1_after is not None:
+        BETA1_AFTER_ARG["beta1_after_freeze"] = a.beta1_after
     load_before = os.getloadavg()[0]
     print(f"# {NODES} simulated nodes x {DEVICES} gloo processes (CPU), {lightning_topk.__file__}")
     print(f"# load average before: {os.getloadavg()}")

@@ -73,6 +73,8 @@ ap.add_argument("--warm", type=int, default=0)  # mom2: density warm-up steps af
 ap.add_argument("--warm-start", type=float, default=0.25)
 ap.add_argument("--ef", default="ef")  # mom2: ef | ef21
 ap.add_argument("--mask", type=int, default=0)  # mom2: DGC's momentum-factor masking (sent entries' m_i zeroed)
+ap.add_argument("--lrs", type=float, default=1.0)  # mom2: learning-rate multiplier after the dense steps only
+ap.add_argument("--b1s", type=float, default=-1.0)  # beta1 after the dense steps (mom2), after --freeze (dense, topk)
 ap.add_argument("--out", default="")
 ap.add_argument("--host", default="")
 a = ap.parse_args()
@@ -127,6 +129,8 @@ for step in range(a.steps):
     node = [(grads[0] + grads[1]) / 2, (grads[2] + grads[3]) / 2]
     dense_g = (node[0] + node[1]) / 2
     lr = a.lr * a.lrmul * lr_at(step)
+    if a.mode == "mom2" and step >= a.dense_steps:
+        lr *= a.lrs
     t = step + 1
     frozen = a.freeze and t > a.freeze
     prev = flat.clone()
@@ -140,14 +144,15 @@ for step in range(a.steps):
                 est = [torch.zeros(C * c), torch.zeros(C * c)]
                 est[0][:n] = last_upd
                 est[1][:n] = last_upd
-        bc1 = 1 - b1 ** t
+        b1m = b1 if a.b1s < 0 else a.b1s
+        bc1 = 1 - b1m ** t
         lay = PacketLayout(C, c, chunk_k(c, sched.density_at(step)), a.bits)
         sent_bytes += lay.nbytes
         sent_numel += lay.C * lay.k
         sparse_steps += 1
         out = torch.zeros(C * c)
         for i in range(2):
-            ms[i].lerp_(node[i], 1 - b1)
+            ms[i].lerp_(node[i], 1 - b1m)
             if frozen:
                 den = den_frozen
             else:
@@ -199,7 +204,7 @@ for step in range(a.steps):
                 res[i] = acc - sent
                 out += sent
             g = out / 2
-        m.lerp_(g, 1 - b1)
+        m.lerp_(g, 1 - (a.b1s if a.b1s >= 0 and a.freeze and t > a.freeze else b1))
         if frozen:
             if a.floor:
                 vl.mul_(b2).addcmul_(g, g, value=1 - b2)

@@ -541,8 +541,10 @@ def fsdp_adam_table() -> str:
 def _fsdp_label(r: Dict[str, Any]) -> str:
     d = r.get("dense_steps", (r.get("cross_node") or {}).get("dense_steps", ""))
     if r["config"] == "hsdp_frozen":
-        d = r.get("optimizer", "").split("=")[-1].rstrip(")")
+        d = r.get("freeze_variance_after", r.get("optimizer", "").split("=")[-1].rstrip(")"))
     label = FSDP_LABELS.get(r["config"], r["config"]).format(d=d)
+    if r.get("beta1_after_freeze") is not None:
+        label += f", AdamW's beta1 {r['beta1_after_freeze']:g} after step {d} (`beta1_after_freeze`)"
     if "outer_chunk" in r:
         whole = " (one top-k of each rank's shard)" if r["outer_chunk"] == 0 else ""
         label += f", `outer_chunk={r['outer_chunk']}`{whole}"

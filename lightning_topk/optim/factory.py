@@ -18,7 +18,8 @@ def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kw
     """``name`` in :data:`OPTIMIZERS`; ``impl`` in :data:`IMPLS` (torch optimizers only: LARS and LAMB are
     always multi-tensor). ``params`` may come from :func:`lightning_topk.optim.param_groups`; other keyword
     arguments go to the optimizer. ``freeze_variance_after=W`` (adamw only; default 0: off) builds
-    :class:`~lightning_topk.optim.FrozenVarianceAdamW`, AdamW whose second moment is frozen after step W."""
+    :class:`~lightning_topk.optim.FrozenVarianceAdamW`, AdamW whose second moment is frozen after step W, and
+    ``beta1_after_freeze`` (None: off) its ``beta1`` after step W."""
     if name not in OPTIMIZERS:
         raise ValueError(f"build_optimizer: option 'name' must be one of {OPTIMIZERS}, got {name!r}")
     if impl not in IMPLS:
@@ -30,8 +31,11 @@ def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kw
     if name == "sgd" and kwargs.get("momentum", 0) == 0 and kwargs.get("nesterov"):
         raise ValueError("build_optimizer: option 'nesterov' needs 'momentum' > 0")
     freeze = kwargs.pop("freeze_variance_after", 0)
+    beta1_after = kwargs.pop("beta1_after_freeze", None)
     if freeze and name != "adamw":
         raise ValueError(f"build_optimizer: option 'freeze_variance_after' is for adamw, not {name!r}")
+    if beta1_after is not None and not freeze:
+        raise ValueError("build_optimizer: option 'beta1_after_freeze' needs 'freeze_variance_after' > 0 (adamw)")
     params = list(params)
     if impl == "fused" and name == "sgd" and _has_dtensor(params):
         impl = "foreach"  # torch's fused SGD has no DTensor (FSDP2) rule; the multi-tensor form computes the same
@@ -39,7 +43,8 @@ def build_optimizer(name: str, params: Any, lr: float, impl: str = "fused", **kw
              "foreach": {"fused": False, "foreach": True},
              "loop": {"fused": False, "foreach": False}}[impl]
     if freeze:
-        return FrozenVarianceAdamW(params, lr=lr, freeze_variance_after=freeze, **flags, **kwargs)
+        return FrozenVarianceAdamW(params, lr=lr, freeze_variance_after=freeze, beta1_after_freeze=beta1_after,
+                                   **flags, **kwargs)
     return _TORCH[name](params, lr=lr, **flags, **kwargs)
 
 

@@ -140,6 +140,12 @@ def test_transformer_lm_fsdp_adamw_recipe_freezes_v_at_the_dense_steps(cfg_env):
             1, 0.01, 32, "average", dense, 0)
         opt = instantiate(cfg.optimizer)(net)
         assert type(opt) is FrozenVarianceAdamW and opt.param_groups[0]["freeze_variance_after"] == dense
+        assert opt.param_groups[0]["beta1_after_freeze"] == 0.5
+    with pytest.raises(ValueError, match="beta1_after_freeze"):  # no freeze: the beta1 change is refused, by name
+        instantiate(cfg_env("experiment=transformer_lm_fsdp", "strategy.dense_steps=0").optimizer)(net)
+    cfg = cfg_env("experiment=transformer_lm_fsdp", "strategy.dense_steps=0", "strategy.local_steps=0",
+                  "optimizer.beta1_after_freeze=null")
+    assert type(instantiate(cfg.optimizer)(net)) is torch.optim.AdamW
     cfg = cfg_env("experiment=transformer_lm_fsdp", "strategy=topk_fsdp_local")
     assert type(instantiate(cfg.optimizer)(net)) is torch.optim.AdamW and cfg.strategy.local_steps == 4
 

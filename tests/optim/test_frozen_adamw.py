@@ -35,14 +35,16 @@ def _run(net, opt, steps, start=0):
     return out
 
 
-def _reference(net, steps, freeze):
-    """AdamW by hand: m and v as torch's; after step ``freeze`` v and 1-beta2^t stay as they were at ``freeze``."""
-    b1, b2 = BETAS
+def _reference(net, steps, freeze, b1_after=None):
+    """AdamW by hand: m and v as torch's; after step ``freeze`` v and 1-beta2^t stay as they were at ``freeze``,
+    and beta1 is ``b1_after`` (if given)."""
+    b2 = BETAS[1]
     m = [torch.zeros_like(p) for p in net.parameters()]
     v = [torch.zeros_like(p) for p in net.parameters()]
     out = []
     for s in range(steps):
         t = s + 1
+        b1 = BETAS[0] if b1_after is None or t <= freeze else b1_after
         _grads(net, s)
         with torch.no_grad():
             for p, mi, vi in zip(net.parameters(), m, v):
@@ -72,6 +74,30 @@ def test_equals_adamw_before_freeze_and_frozen_reference_after(impl):
         assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(got[s], ref[s])), s
     # and the freeze changed something: after it the run leaves AdamW's
     assert max((x - y).abs().max().item() for x, y in zip(got[-1], torch_adamw[-1])) > 1e-4
+
+
+def test_beta1_after_freeze_changes_only_the_frozen_steps():
+    freeze, steps = 5, 14
+    a, b, c = _net(), _net(), _net()
+    got = _run(a, FrozenVarianceAdamW(a.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False,
+                                      freeze_variance_after=freeze, beta1_after_freeze=0.5), steps)
+    same_beta = _run(b, FrozenVarianceAdamW(b.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+                                            foreach=False, freeze_variance_after=freeze), steps)
+    ref = _reference(c, steps, freeze, b1_after=0.5)
+    for s in range(freeze):
+        assert all(torch.equal(x, y) for x, y in zip(got[s], same_beta[s]))
+    for s in range(steps):
+        assert all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(got[s], ref[s])), s
+    assert max((x - y).abs().max().item() for x, y in zip(got[-1], same_beta[-1])) > 1e-4
+    for bad in (1.0, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match="beta1_after_freeze"):
+            FrozenVarianceAdamW(a.parameters(), freeze_variance_after=3, beta1_after_freeze=bad)
+    with pytest.raises(ValueError, match="beta1_after_freeze.*freeze_variance_after"):
+        FrozenVarianceAdamW(a.parameters(), beta1_after_freeze=0.5)
+    with pytest.raises(ValueError, match="beta1_after_freeze"):
+        build_optimizer("adamw", a.parameters(), lr=LR, beta1_after_freeze=0.5)
+    opt = build_optimizer("adamw", a.parameters(), lr=LR, freeze_variance_after=3, beta1_after_freeze=0.5)
+    assert opt.param_groups[0]["beta1_after_freeze"] == 0.5
 
 
 def test_frozen_update_is_linear_in_the_gradient():
