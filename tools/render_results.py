@@ -488,12 +488,13 @@ def _summary_rows() -> List[Tuple[str, str, str, str, str]]:
     best = {r["config"]: r for r in _load(ADAM_PRESET)["rows"]}[ADAM_BEST]
     rows.append(("held-out loss at equal tokens against dense HSDP, byte-level LM, 2 x 2", "≤ 1.03x",
                  f"`topk_fsdp` ρ 0.01: {fa['topk_fsdp']:.3f}x (`topk_ddp`: {fa['topk_ddp']:.3f}x); per step with the "
-                 f"preset's AdamW recipe ({best['dense_steps']} dense steps, frozen v, top-k of the update, one top-k "
-                 f"per shard) "
-                 f"{best['val_ratio_to_hsdp']:.3f}x; "
-                 f"`topk_fsdp_local` preset {fa['topk_fsdp_local']:.3f}x, LM recipe {fa['topk_fsdp_local_lm']:.3f}x",
-                 _met(max(best["val_ratio_to_hsdp"], fa["topk_fsdp_local"]) <= 1.03,
-                      ": per step with AdamW, see the section"),
+                 f"preset's AdamW recipe ({best['dense_steps']} dense steps, frozen v, beta1 "
+                 f"{best['beta1_after_freeze']:g} after them, top-k of the update, one top-k per shard) "
+                 f"**{best['val_ratio_to_hsdp']:.3f}x**; local SGD with the preset's LM recipe "
+                 f"**{fa['topk_fsdp_local_lm']:.3f}x** (the registered `topk_fsdp_local` defaults "
+                 f"{fa['topk_fsdp_local']:.3f}x)",
+                 _met(max(best["val_ratio_to_hsdp"], fa["topk_fsdp_local_lm"]) <= 1.03,
+                      ": see the section"),
                  f"fsdp_accuracy.json, {ADAM_PRESET}"))
     first = [_topk_first(data[f"{lay} {rate}"]) for lay, rate in CLUSTER_ORDER]
     first_slow = [_topk_first(e) for e in slow]
@@ -517,9 +518,10 @@ FSDP_LABELS = {"topk_ddp": "`topk_ddp` ρ 0.01", "hsdp": "dense HSDP (torch)", "
                "hsdp_frozen": "dense HSDP, AdamW's v frozen at step {d} (the optimizer alone)"}
 ADAM = "fsdp_accuracy_adam.json"  # issue 33's AdamW variants (bench_fsdp.py's *_dense, *_frozen configs)
 # the same configs at other --dense-steps or --outer-chunk
-ADAM_FILES = [ADAM, "fsdp_accuracy_adam_dense160.json", "fsdp_accuracy_adam_chunk0.json"]
+ADAM_FILES = [ADAM, "fsdp_accuracy_adam_dense160.json", "fsdp_accuracy_adam_chunk0.json",
+              "fsdp_accuracy_adam_beta1.json"]
 ADAM_BEST = "topk_fsdp_update_frozen"  # the transformer_lm_fsdp preset's per-step recipe ...
-ADAM_PRESET = "fsdp_accuracy_adam_chunk0.json"  # ... at the preset's outer_chunk (0)
+ADAM_PRESET = "fsdp_accuracy_adam_beta1.json"  # ... at the preset's outer_chunk (0) and beta1_after_freeze (0.5)
 
 
 def _adam_rows() -> List[Dict[str, Any]]:
