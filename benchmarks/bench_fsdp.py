@@ -100,7 +100,7 @@ UPDATE = dict(local_steps=1, outer_density=0.01, outer_value_bits=32, outer_reci
 # AdamW's second moment at that step (lightning_topk.optim.FrozenVarianceAdamW, freeze_variance_after=DENSE_STEPS)
 DENSE_STEPS = 100
 BETA1_AFTER_ARG: dict = {}  # --beta1-after: the *_frozen configs' beta1_after_freeze (absent: betas[0])
-FROZEN = ("topk_fsdp_frozen", "topk_fsdp_update_frozen", "hsdp_frozen")
+FROZEN = ("topk_fsdp_frozen", "topk_fsdp_update_frozen", "hsdp_frozen", "topk_ddp_update_frozen")
 WARMUP_STEPS = 100  # topk_fsdp_warmup: DGC's warm-up, density 0.25 -> 0.01 geometrically over these steps
 # topk_fsdp_local_lm: conf/experiment_strategy/transformer_lm_bytes_topk_local.yaml's recipe for this LM (post-local
 # SGD: 160 synchronous steps, then H 4 with dense 4-bit outer values and plain averaging)
@@ -259,6 +259,8 @@ def worker(a):
         strategy = TopKFSDPStrategy(density=0.01, exchange=a.exchange, dense_steps=a.dense_steps)
     elif a.config in ("topk_fsdp_update_dense", "topk_fsdp_update_frozen"):
         strategy = TopKFSDPStrategy(**UPDATE, dense_steps=a.dense_steps, **OUTER_CHUNK_ARG)
+    elif a.config == "topk_ddp_update_frozen":
+        strategy = TopKDDPStrategy(**UPDATE, dense_steps=a.dense_steps, **OUTER_CHUNK_ARG)
     else:
         raise ValueError(a.config)
     trainer = pl.Trainer(accelerator="cpu", devices=DEVICES, num_nodes=NODES, strategy=strategy, max_steps=a.steps,
@@ -404,7 +406,7 @@ def accuracy_phase(a, tmp):
                "wall_s": wall}
         if config.endswith(("_dense", "_frozen")) and config != "hsdp_frozen":
             row["dense_steps"] = a.dense_steps
-        if config.startswith("topk_fsdp_update") and OUTER_CHUNK_ARG:
+        if config.startswith(("topk_fsdp_update", "topk_ddp_update")) and OUTER_CHUNK_ARG:
             row["outer_chunk"] = OUTER_CHUNK_ARG["outer_chunk"]
         if config in FROZEN:
             extra = "".join(f", {k}={v}" for k, v in BETA1_AFTER_ARG.items())
