@@ -191,6 +191,7 @@ def load(top: Any, path: Any) -> str:
     if not saved.get("residuals"):
         return "no residuals to restore"
     top.carry_residuals()
+    top.restore_recipe(bool(saved.get("velocity")))  # recipe="auto" engaged when saved: its velocity is loaded below
     st = top.state
     views = _views(top)
     kinds = ["residual"] + (["velocity"] if saved.get("velocity") else [])

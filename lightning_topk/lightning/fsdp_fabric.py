@@ -86,12 +86,22 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
         self._elastic_fabric_setup([optimizer], None)
         return optimizer
 
+    def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        if self.topk is not None:
+            self.topk.begin_step()  # recipe="auto": engages after a sparse step, follows the optimizer's momentum
+        super().backward(tensor, module, *args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         top = self.topk
-        if top is not None:
+        if top is None:
+            out = super().optimizer_step(optimizer, **kwargs)
+        else:
             top.before_optimizer_step()  # a skipped step drops the gradients: the optimizer leaves every parameter
-        out = super().optimizer_step(optimizer, **kwargs)
-        if top is not None:
+            saved = top.recipe_before_step(optimizer)
+            try:
+                out = super().optimizer_step(optimizer, **kwargs)
+            finally:
+                top.recipe_after_step(optimizer, saved)
             top.after_optimizer_step()  # local SGD: the round (under torchft its quorum) at the H-th step
         self._elastic_after_step()
         return out
