@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,7 @@ from lightning_topk.comm.exchanges import exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import AutoExchange, build_auto, candidates_for
 from lightning_topk.comm.exchanges.base import Layout
 from lightning_topk.comm.local import OuterState
-from lightning_topk.comm.recipe import LiveRecipe, live_recipe
+from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe
 from lightning_topk.comm.shard import ShardHooks, fsdp_groups
 from lightning_topk.comm.state import TopKState
 
@@ -124,11 +125,17 @@ def check_sharding(module: nn.Module, mesh: Any) -> None:
 class ShardRecipe(LiveRecipe):
     """``recipe="auto"``'s :class:`~lightning_topk.comm.recipe.LiveRecipe` on gradient shards: the hook's slots are
     not the optimizer's parameters, so the velocity of each parameter's shard starts from the local shard of its
-    momentum buffer (a ``DTensor`` laid out as the parameter), zero-padded to FSDP's slot."""
+    momentum buffer (a ``DTensor`` laid out as the parameter), zero-padded to FSDP's slot. Engaged, every parameter
+    of a group with weight decay holds weight decay's momentum share from then on (zero at first: the same
+    arithmetic), so that an engaged checkpoint's optimizer state always has those keys (:meth:`ShardedTopK.restoring`)."""
 
     def __init__(self, optimizer: Any, dormant: TopKConfig, module: nn.Module, numels: Dict[str, int]) -> None:
         super().__init__(optimizer, dormant)
         self.module, self.numels = module, numels
+
+    def engage(self, state: TopKState, seed: bool = True) -> None:
+        super().engage(state, seed)
+        wd_momentum_keys(self.optimizer)
 
     def seeds(self, state: TopKState, bufs: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
         out = {}
@@ -138,6 +145,16 @@ class ShardRecipe(LiveRecipe):
                 t = local_tensor(b.detach()).float().reshape(-1)
                 out[name] = nn.functional.pad(t, (0, self.numels[name] - t.numel()))
         return out
+
+
+def wd_momentum_keys(optimizer: Any) -> None:
+    """Weight decay's momentum share (zero where absent) for every parameter of the groups with weight decay."""
+    for g in optimizer.param_groups:
+        if g.get("weight_decay", 0.0):
+            for p in g["params"]:
+                st = optimizer.state[p]
+                if WD_MOMENTUM not in st:
+                    st[WD_MOMENTUM] = torch.zeros_like(p.detach(), dtype=torch.float32)
 
 
 class ShardedTopK:
@@ -223,9 +240,9 @@ class ShardedTopK:
         """Resolve ``recipe="auto"`` for every optimizer seen so far (:func:`~lightning_topk.comm.recipe.live_recipe`,
         topk_ddp's decision): a dormant :class:`ShardRecipe`, and ``exchange="auto"`` kept to the exchanges that
         support momentum correction (what topk_ddp builds it with)."""
+        self._recipe_optimizers += [o for o in optimizers if all(o is not x for x in self._recipe_optimizers)]
         if self.config.recipe != "auto" or (self.recipe is not None and self.recipe.engaged):
             return
-        self._recipe_optimizers += [o for o in optimizers if all(o is not x for x in self._recipe_optimizers)]
         st = self.state
         if st is None and self.config.local_steps == 0:
             self.recipe_note = "recipe=auto -> none (one node: FSDP alone, no exchange; the optimizer keeps its momentum)"
@@ -255,6 +272,30 @@ class ShardedTopK:
         if self.recipe is not None:
             skipped = self.controller is not None and self.controller.last_decision is Decision.SKIP
             self.recipe.after_step(optimizer, saved, committed=not skipped)
+
+    @contextmanager
+    def restoring(self, engaged: bool) -> Iterator[None]:
+        """Around loading the optimizer's state from a checkpoint saved with the recipe ``engaged``: that optimizer
+        kept no momentum buffers, and torch's distributed state dict lays an empty optimizer's state out by one step
+        with zero gradients, which would make buffers the checkpoint lacks; the optimizer's momentum is 0 meanwhile,
+        and weight decay's momentum share is laid out in its place (:class:`ShardRecipe`)."""
+        live = self.recipe
+        opts = [o for o in self._recipe_optimizers if not o.state]
+        if not engaged or (live is not None and live.engaged) or not opts:
+            yield
+            return
+        saved = [[g["momentum"] for g in o.param_groups] for o in opts]
+        for o in opts:
+            for g in o.param_groups:
+                g["momentum"] = 0.0
+        if live is not None:
+            wd_momentum_keys(live.optimizer)
+        try:
+            yield
+        finally:
+            for o, moms in zip(opts, saved):
+                for g, m in zip(o.param_groups, moms):
+                    g["momentum"] = m
 
     def restore_recipe(self, velocity: bool) -> None:
         """Loading a checkpoint saved with (``velocity``) or without velocities: an engaged run's recipe is engaged

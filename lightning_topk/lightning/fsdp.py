@@ -235,9 +235,12 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        out = super().load_checkpoint(checkpoint_path, weights_only)
-        if self.topk is not None:
-            self._load_topk(Path(self.broadcast(checkpoint_path)))
+        if self.topk is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        with self.topk.restoring(path.is_dir() and shard_checkpoint.saved_engaged(path)):
+            out = super().load_checkpoint(checkpoint_path, weights_only)
+        self._load_topk(path)
         return out
 
     def _load_topk(self, path: Path) -> None:

@@ -114,9 +114,12 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if self.topk is not None:
-            shard_checkpoint.load(self.topk, Path(self.broadcast(path)))
+        if self.topk is None:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        where = Path(self.broadcast(path))
+        with self.topk.restoring(where.is_dir() and shard_checkpoint.saved_engaged(where)):
+            out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        shard_checkpoint.load(self.topk, where)
         return out
 
     def teardown(self) -> None:

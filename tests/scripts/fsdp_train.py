@@ -11,6 +11,7 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --selection-scope S --min-sparse-numel N  top-k options (N: 0 unless given)
   --engage                    recipe="auto" engaged before the first step (as after a sparse step)
   --onecycle                  OneCycleLR(cycle_momentum=True) per step: the momentum changes every step
+  --weight-decay W            SGD's weight_decay
   --density D --value-dtype V --exchange E --local-steps H --outer-value-bits B  top-k options
   --user-shard                configure_model shards the blocks itself (fully_shard on device_mesh["shard"])
   --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
@@ -90,7 +91,8 @@ class LM(pl.LightningModule):
     def configure_optimizers(self):
         if self.args.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=self.args.nesterov, foreach=False)
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=self.args.nesterov,
+                              weight_decay=self.args.weight_decay, foreach=False)
         if not self.args.onecycle:
             return opt
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=self.args.steps + 1,
@@ -99,7 +101,8 @@ class LM(pl.LightningModule):
 
     def on_before_optimizer_step(self, optimizer):
         # (the recipe's momentum, the hook's, the optimizer's own in its step) while the recipe is engaged
-        live, st = getattr(self.trainer.strategy, "topk_live_recipe", None), self.trainer.strategy.topk_state
+        s = self.trainer.strategy
+        live, st = getattr(s, "topk_live_recipe", None), getattr(s, "topk_state", None)
         if live is not None and live.engaged:
             self.trace.append((live.momentum(), st.config.momentum, optimizer.param_groups[0]["momentum"]))
 
@@ -149,6 +152,7 @@ def main():
     p.add_argument("--min-sparse-numel", type=int, default=0)
     p.add_argument("--engage", action="store_true")
     p.add_argument("--onecycle", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.strategy in ("hsdp", "avg"):
@@ -196,6 +200,7 @@ def main():
             "recipe": getattr(trainer.strategy, "topk_recipe", None),
             "momentum": [g["momentum"] for g in trainer.optimizers[0].param_groups],
             "momentum_buffers": sum("momentum_buffer" in s for s in trainer.optimizers[0].state.values()),
+            "wd_momentum": sum("topk_wd_momentum" in s for s in trainer.optimizers[0].state.values()),
             "trace": model.trace}
     if a.strategy != "ddp":
         info["param_dtype"] = str(next(iter(model.net.blocks.layers[0]._get_fsdp_state()._fsdp_param_groups))
