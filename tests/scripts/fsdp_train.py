@@ -211,7 +211,7 @@ def main():
                     residual_abs=float(sum(t.double().abs().sum() for t in res.values())),
                     residuals={k: v.clone() for k, v in res.items()},
                     velocities={k: v.clone() for k, v in st.velocities().items()},
-                    engaged=bool(trainer.strategy.topk_live_recipe and trainer.strategy.topk_live_recipe.engaged),
+                    engaged=bool(getattr(getattr(trainer.strategy, "topk_live_recipe", None), "engaged", False)),
                     skipped=(trainer.strategy.topk_controller if a.strategy == "ddp"
                              else trainer.strategy.topk.controller).skipped_steps)
     ft = getattr(trainer.strategy, "topk_elastic", None)
