@@ -138,7 +138,7 @@ class LiveRecipe:
             return self._stepping
         moms = sorted({float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups})
         if len(moms) != 1 or not 0.0 <= moms[0] < 1.0:
-            raise ValueError(f"topk_ddp: recipe='auto' runs SGD's momentum in the hook and needs one momentum in "
+            raise ValueError(f"topk_ddp/topk_fsdp: recipe='auto' runs SGD's momentum in the hook and needs one momentum in "
                              f"[0, 1) for every parameter group; the groups now hold {moms} (written after setup "
                              "by a scheduler, a callback or add_param_group). Set recipe='none' to keep the "
                              "momentum in the optimizer (plain error feedback)")
