@@ -42,7 +42,7 @@ from lightning_topk.comm.config import RECIPE_CHOICES, TopKConfig
 from lightning_topk.comm.exchanges import registry
 from lightning_topk.comm.state import TopKState
 
-__all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "recipe_for", "WD_MOMENTUM"]
+__all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "live_recipe", "recipe_for", "WD_MOMENTUM"]
 
 WD_MOMENTUM = "topk_wd_momentum"  # the optimizer-state key of weight decay's share of SGD's momentum
 
@@ -104,6 +104,21 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
             f"density {config.density:g})")
 
 
+def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[Any] = None
+                ) -> Tuple[Optional["LiveRecipe"], TopKConfig, str]:
+    """``recipe="auto"`` in a run (``topk_ddp`` and ``topk_fsdp`` alike): (the dormant :class:`LiveRecipe`, or None;
+    the config to build the exchange for, :func:`target_config` where it applies; the decision in words).
+    ``make``: the :class:`LiveRecipe` class to build (a subclass seeds the velocity of sharded parameters)."""
+    use, why = recipe_for(config, optimizers)
+    if not use:
+        return None, config, f"recipe=auto -> error_feedback ({why})"
+    live = (make or LiveRecipe)(optimizers[0], config)
+    m = live.momentum()
+    return (live, target_config(config, m),
+            f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov), from the "
+            f"step after the first one that sends sparse ({why}; density {config.density:g})")
+
+
 class LiveRecipe:
     """``recipe="auto"``'s momentum correction on the user's live SGD (see the module docstring).
 
@@ -123,7 +138,7 @@ class LiveRecipe:
             return self._stepping
         moms = sorted({float(g.get("momentum", 0.0)) for g in self.optimizer.param_groups})
         if len(moms) != 1 or not 0.0 <= moms[0] < 1.0:
-            raise ValueError(f"topk_ddp: recipe='auto' runs SGD's momentum in the hook and needs one momentum in "
+            raise ValueError(f"topk_ddp/topk_fsdp: recipe='auto' runs SGD's momentum in the hook and needs one momentum in "
                              f"[0, 1) for every parameter group; the groups now hold {moms} (written after setup "
                              "by a scheduler, a callback or add_param_group). Set recipe='none' to keep the "
                              "momentum in the optimizer (plain error feedback)")
@@ -146,16 +161,21 @@ class LiveRecipe:
     def engage(self, state: TopKState, seed: bool = True) -> None:
         """Move the momentum into the hook: the velocity starts from the optimizer's momentum buffers
         (``seed``; a checkpoint's velocities otherwise), which the optimizer then no longer keeps."""
-        seeds: Dict[str, Tensor] = {}
-        by_id = {i: n for n, i in state.named_bound()}
+        bufs: Dict[int, Tensor] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 st = self.optimizer.state.get(p)
                 buf = None if st is None else st.pop("momentum_buffer", None)
-                if seed and buf is not None and id(p) in by_id:
-                    seeds[by_id[id(p)]] = buf.detach().float()
-        state.start_velocity(target_config(self.dormant, self.momentum()), seeds)
+                if seed and buf is not None:
+                    bufs[id(p)] = buf
+        state.start_velocity(target_config(self.dormant, self.momentum()), self.seeds(state, bufs))
         self.engaged = True
+
+    def seeds(self, state: TopKState, bufs: Dict[int, Tensor]) -> Dict[str, Tensor]:
+        """The velocity's seeds per bound name, from the momentum buffers per ``id`` of their parameter (the
+        hook's bound parameters are the optimizer's, as under DDP)."""
+        by_id = {i: n for n, i in state.named_bound()}
+        return {by_id[i]: b.detach().float() for i, b in bufs.items() if i in by_id}
 
     def before_step(self, optimizer: Any) -> Optional[List[Tuple[Dict[str, Any], float, float, List[Any]]]]:
         """Zero the optimizer's momentum and weight decay for its step; weight decay's share of the momentum

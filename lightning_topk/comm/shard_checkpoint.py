@@ -161,6 +161,12 @@ def _read_rank(path: Any, rank: int, key: Any = None) -> Dict[str, Any]:
     return sd
 
 
+def saved_engaged(path: Any) -> bool:
+    """Whether the checkpoint folder ``path`` was saved with velocities (``recipe="auto"`` engaged or
+    ``momentum_correction``): its optimizer state then has no momentum buffers (:meth:`ShardedTopK.restoring`)."""
+    return files.isfile(rank_path(path, 0)) and bool(_read_rank(path, 0)["meta"].get("velocity"))
+
+
 def load(top: Any, path: Any) -> str:
     """Restore this rank's state from the checkpoint folder ``path`` (a collective). A checkpoint without top-k
     state (plain FSDP) leaves the residuals at zero. Returns what was done, in words."""
@@ -191,6 +197,7 @@ def load(top: Any, path: Any) -> str:
     if not saved.get("residuals"):
         return "no residuals to restore"
     top.carry_residuals()
+    top.restore_recipe(bool(saved.get("velocity")))  # recipe="auto" engaged when saved: its velocity is loaded below
     st = top.state
     views = _views(top)
     kinds = ["residual"] + (["velocity"] if saved.get("velocity") else [])
@@ -202,6 +209,9 @@ def load(top: Any, path: Any) -> str:
         for r in replicas:
             box[f"{PREFIX}.{kind}.{r}.{name}"] = fp.to_sharded_dtensor(torch.zeros_like(view))
     dcp_load(box, checkpoint_id=folder(path))
+    if "velocity" in kinds and not any(kind == "velocity" for kind, *_ in views) and rank == 0:
+        log.warning("topk_fsdp: momentum_correction is off in this run (%s): the checkpoint's velocities were "
+                    "discarded", top.recipe_note)
     for kind, name, _, view in views:
         if kind not in kinds:
             view.zero_()

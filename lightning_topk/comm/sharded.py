@@ -7,7 +7,8 @@ hook could see the gradient. :class:`ShardedTopK` then runs, on every rank:
 
 * per step (``local_steps=0``): the state's exchange on each group's gradient shard, among the ranks that hold
   that shard on the other nodes (:mod:`~lightning_topk.comm.shard`), one step decision over every rank, and the
-  residuals (4 B per parameter / processes per node) in a sharded checkpoint;
+  residuals (4 B per parameter / processes per node) in a sharded checkpoint; ``recipe="auto"`` as ``topk_ddp``
+  (:mod:`~lightning_topk.comm.recipe`: SGD's momentum moves into a velocity per shard, :class:`ShardRecipe`);
 * local SGD (``local_steps>0``): plain FSDP inner steps inside the node (no cross-node traffic), and every H
   steps the outer round (:class:`~lightning_topk.comm.local.OuterState`) on this rank's parameter shard with its
   replicate group.
@@ -22,8 +23,10 @@ and :func:`local_optimizer_state` are what a heal between replicas carries: this
 """
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,9 +36,10 @@ from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.elastic import ElasticGrid, ElasticGroup
 from lightning_topk.comm.exchanges import exchange_hook, registry
-from lightning_topk.comm.exchanges.auto import build_auto
+from lightning_topk.comm.exchanges.auto import AutoExchange, build_auto, candidates_for
 from lightning_topk.comm.exchanges.base import Layout
 from lightning_topk.comm.local import OuterState
+from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe
 from lightning_topk.comm.shard import ShardHooks, fsdp_groups
 from lightning_topk.comm.state import TopKState
 
@@ -118,6 +122,41 @@ def check_sharding(module: nn.Module, mesh: Any) -> None:
                 "cross-node all-reduce runs before the sparse exchange could)")
 
 
+class ShardRecipe(LiveRecipe):
+    """``recipe="auto"``'s :class:`~lightning_topk.comm.recipe.LiveRecipe` on gradient shards: the hook's slots are
+    not the optimizer's parameters, so the velocity of each parameter's shard starts from the local shard of its
+    momentum buffer (a ``DTensor`` laid out as the parameter), zero-padded to FSDP's slot. Engaged, every parameter
+    of a group with weight decay holds weight decay's momentum share from then on (zero at first: the same
+    arithmetic), so that an engaged checkpoint's optimizer state always has those keys (:meth:`ShardedTopK.restoring`)."""
+
+    def __init__(self, optimizer: Any, dormant: TopKConfig, module: nn.Module, numels: Dict[str, int]) -> None:
+        super().__init__(optimizer, dormant)
+        self.module, self.numels = module, numels
+
+    def engage(self, state: TopKState, seed: bool = True) -> None:
+        super().engage(state, seed)
+        wd_momentum_keys(self.optimizer)
+
+    def seeds(self, state: TopKState, bufs: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name, p in self.module.named_parameters():
+            b = bufs.get(id(p))
+            if b is not None and name in self.numels:
+                t = local_tensor(b.detach()).float().reshape(-1)
+                out[name] = nn.functional.pad(t, (0, self.numels[name] - t.numel()))
+        return out
+
+
+def wd_momentum_keys(optimizer: Any) -> None:
+    """Weight decay's momentum share (zero where absent) for every parameter of the groups with weight decay."""
+    for g in optimizer.param_groups:
+        if g.get("weight_decay", 0.0):
+            for p in g["params"]:
+                st = optimizer.state[p]
+                if WD_MOMENTUM not in st:
+                    st[WD_MOMENTUM] = torch.zeros_like(p.detach(), dtype=torch.float32)
+
+
 class ShardedTopK:
     """The top-k exchange (or local SGD) of one ``fully_shard``-ed model on a ``(replicate, shard)`` mesh (see
     the module docstring). ``optimizers``: the inner optimizers (local SGD's ``outer_recipe="auto"``)."""
@@ -149,10 +188,15 @@ class ShardedTopK:
         self.hooks: Optional[ShardHooks] = None
         self.controller: Optional[StepController] = None
         self.outer: Optional[OuterState] = None
+        self.recipe: Optional[LiveRecipe] = None  # recipe="auto"'s, once the optimizers are known (use_optimizers)
+        self.recipe_note = "recipe=none" if config.recipe == "none" else "recipe=auto: not resolved yet"
+        self._recipe_optimizers: List[Any] = []
         if config.local_steps > 0:
             self._attach_local(optimizers)
         elif self.replicas > 1 or elastic is not None:
             self._attach_step()
+        if optimizers is not None:
+            self._use_recipe(optimizers)
 
     # ---- per step -------------------------------------------------------------------------------------
     def _attach_step(self, exchange: Optional[str] = None) -> None:
@@ -185,9 +229,79 @@ class ShardedTopK:
             self._attach_step("dense")
 
     def use_optimizers(self, optimizers: Sequence[Any]) -> None:
-        """The inner optimizers, once known (Fabric sets them up after the module): local SGD's outer step."""
+        """The optimizers, once known (Fabric sets them up after the module): local SGD's outer step, or
+        ``recipe="auto"``."""
         if self.outer is not None:
             self.outer.use_optimizers(optimizers)
+        self._use_recipe(optimizers)
+
+    # ---- recipe="auto" --------------------------------------------------------------------------------
+    def _use_recipe(self, optimizers: Sequence[Any]) -> None:
+        """Resolve ``recipe="auto"`` for every optimizer seen so far (:func:`~lightning_topk.comm.recipe.live_recipe`,
+        topk_ddp's decision): a dormant :class:`ShardRecipe`, and ``exchange="auto"`` kept to the exchanges that
+        support momentum correction (what topk_ddp builds it with)."""
+        self._recipe_optimizers += [o for o in optimizers if all(o is not x for x in self._recipe_optimizers)]
+        if self.config.recipe != "auto" or (self.recipe is not None and self.recipe.engaged):
+            return
+        st = self.state
+        if st is None and self.config.local_steps == 0:
+            self.recipe_note = "recipe=auto -> none (one node: FSDP alone, no exchange; the optimizer keeps its momentum)"
+            return
+        numels = {n: k for names, ks in self.specs for n, k in zip(names, ks)}  # FSDP's padded slot of each
+        make = functools.partial(ShardRecipe, module=self.module, numels=numels)
+        self.recipe, built, self.recipe_note = live_recipe(self.config, self._recipe_optimizers, make=make)
+        if self.recipe is not None and isinstance(st.exchange, AutoExchange):  # type: ignore[union-attr]
+            auto = st.exchange  # type: ignore[union-attr]
+            auto.candidates = candidates_for(built, self.replicas, 1, False)
+            auto.plan = {k: v for k, v in auto.plan.items() if v in auto.candidates}
+        if dist.get_rank() == 0:
+            log.info("topk_fsdp %s", self.recipe_note)
+
+    def begin_step(self) -> None:
+        """Before a backward: ``recipe="auto"`` engages after a step that sent sparse, then follows the optimizer's
+        momentum (a scheduler may change it)."""
+        if self.recipe is not None and self.state is not None:
+            self.recipe.begin_step(self.state)
+
+    def recipe_before_step(self, optimizer: Any) -> Any:
+        """Before the optimizer step: an engaged recipe zeroes the optimizer's momentum and weight decay for it."""
+        return self.recipe.before_step(optimizer) if self.recipe is not None else None
+
+    def recipe_after_step(self, optimizer: Any, saved: Any) -> None:
+        """After the optimizer step: the user's values back (and weight decay's momentum share on a committed step)."""
+        if self.recipe is not None:
+            skipped = self.controller is not None and self.controller.last_decision is Decision.SKIP
+            self.recipe.after_step(optimizer, saved, committed=not skipped)
+
+    @contextmanager
+    def restoring(self, engaged: bool) -> Iterator[None]:
+        """Around loading the optimizer's state from a checkpoint saved with the recipe ``engaged``: that optimizer
+        kept no momentum buffers, and torch's distributed state dict lays an empty optimizer's state out by one step
+        with zero gradients, which would make buffers the checkpoint lacks; the optimizer's momentum is 0 meanwhile,
+        and weight decay's momentum share is laid out in its place (:class:`ShardRecipe`)."""
+        live = self.recipe
+        opts = [o for o in self._recipe_optimizers if not o.state]
+        if not engaged or (live is not None and live.engaged) or not opts:
+            yield
+            return
+        saved = [[g["momentum"] for g in o.param_groups] for o in opts]
+        for o in opts:
+            for g in o.param_groups:
+                g["momentum"] = 0.0
+        if live is not None:
+            wd_momentum_keys(live.optimizer)
+        try:
+            yield
+        finally:
+            for o, moms in zip(opts, saved):
+                for g, m in zip(o.param_groups, moms):
+                    g["momentum"] = m
+
+    def restore_recipe(self, velocity: bool) -> None:
+        """Loading a checkpoint saved with (``velocity``) or without velocities: an engaged run's recipe is engaged
+        again, its velocity the checkpoint's (loaded next)."""
+        if velocity and self.recipe is not None and not self.recipe.engaged and self.state is not None:
+            self.recipe.engage(self.state, seed=False)
 
     def before_optimizer_step(self) -> Decision:
         """After the backward, before the optimizer step: the step's one decision (every rank alike); a skipped

@@ -89,6 +89,18 @@ class ShardedTopKMixin(ElasticMixin):
         return self.topk.outer if self.topk is not None else None
 
     @property
+    def topk_live_recipe(self) -> Any:
+        """``recipe="auto"``'s :class:`~lightning_topk.comm.sharded.ShardRecipe`, or None."""
+        return self.topk.recipe if self.topk is not None else None
+
+    @property
+    def topk_recipe(self) -> str:
+        """What ``recipe="auto"`` decided, in words (the same as ``topk_ddp``'s for the same optimizer and options)."""
+        if self.topk is not None:
+            return self.topk.recipe_note
+        return "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
+
+    @property
     def topk_state(self) -> Any:
         """The per-step exchange's state (None under local SGD or on one node)."""
         return self.topk.state if self.topk is not None else None
@@ -171,11 +183,23 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
                 top.before_optimizer_step()  # a skipped step drops the gradients: the optimizer leaves every parameter
             return out
 
-        out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
-        if top is not None:
-            top.after_optimizer_step()
+        if top is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        top.begin_step()  # recipe="auto" (automatic optimization: before the closure's backward)
+        saved = top.recipe_before_step(optimizer)
+        try:
+            out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
+        finally:
+            top.recipe_after_step(optimizer, saved)
+        top.after_optimizer_step()
         self._log_topk()
         return out
+
+    @override
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.topk is not None:
+            self.topk.begin_step()  # recipe="auto" under manual optimization
 
     @contextmanager
     @override
@@ -211,9 +235,12 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        out = super().load_checkpoint(checkpoint_path, weights_only)
-        if self.topk is not None:
-            self._load_topk(Path(self.broadcast(checkpoint_path)))
+        if self.topk is None:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        path = Path(self.broadcast(checkpoint_path))
+        with self.topk.restoring(path.is_dir() and shard_checkpoint.saved_engaged(path)):
+            out = super().load_checkpoint(checkpoint_path, weights_only)
+        self._load_topk(path)
         return out
 
     def _load_topk(self, path: Path) -> None:

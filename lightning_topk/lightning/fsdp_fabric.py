@@ -86,12 +86,22 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
         self._elastic_fabric_setup([optimizer], None)
         return optimizer
 
+    def backward(self, tensor: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        if self.topk is not None:
+            self.topk.begin_step()  # recipe="auto": engages after a sparse step, follows the optimizer's momentum
+        super().backward(tensor, module, *args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         top = self.topk
-        if top is not None:
+        if top is None:
+            out = super().optimizer_step(optimizer, **kwargs)
+        else:
             top.before_optimizer_step()  # a skipped step drops the gradients: the optimizer leaves every parameter
-        out = super().optimizer_step(optimizer, **kwargs)
-        if top is not None:
+            saved = top.recipe_before_step(optimizer)
+            try:
+                out = super().optimizer_step(optimizer, **kwargs)
+            finally:
+                top.recipe_after_step(optimizer, saved)
             top.after_optimizer_step()  # local SGD: the round (under torchft its quorum) at the H-th step
         self._elastic_after_step()
         return out
@@ -104,9 +114,12 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
-        out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        if self.topk is not None:
-            shard_checkpoint.load(self.topk, Path(self.broadcast(path)))
+        if self.topk is None:
+            return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        where = Path(self.broadcast(path))
+        with self.topk.restoring(where.is_dir() and shard_checkpoint.saved_engaged(where)):
+            out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        shard_checkpoint.load(self.topk, where)
         return out
 
     def teardown(self) -> None:

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from lightning_topk.comm.cost import choose_bucket_cap, constant_model
 from lightning_topk.comm.exchanges.hierarchical import destroy_groups
-from lightning_topk.comm.recipe import LiveRecipe, recipe_for, target_config
+from lightning_topk.comm.recipe import live_recipe
 from lightning_topk.comm.wire import packed_nbytes
 from lightning_topk.lightning import faults
 from lightning_topk.lightning.checkpoint import remove_rank_state, restore_rank_state, save_rank_state
@@ -104,18 +104,10 @@ class RecipeMixin:
         if self.topk_config.recipe == "auto" and not self.topk_config.momentum_correction:
             opts = self._topk_optimizers()
             if opts is not None:
-                use, why = recipe_for(self.topk_config, opts)
-                if use:
-                    dormant = self.topk_config
-                    self.topk_live_recipe = LiveRecipe(opts[0], dormant)
-                    m = self.topk_live_recipe.momentum()
-                    self.topk_config = target_config(dormant, m)
+                dormant = self.topk_config
+                self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(dormant, opts)
+                if self.topk_live_recipe is not None:
                     self._topk_base_config, self._topk_resolved = dormant, self.topk_config
-                    self.topk_recipe = (f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} "
-                                        f"(Nesterov), from the step after the first one that sends sparse ({why}; "
-                                        f"density {dormant.density:g})")
-                else:
-                    self.topk_recipe = f"recipe=auto -> error_feedback ({why})"
                 if self.global_rank == 0:
                     log.info("topk_ddp %s", self.topk_recipe)
         pending = self._pending_topk_state

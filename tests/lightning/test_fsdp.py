@@ -34,6 +34,61 @@ def test_density_one_with_fp32_values_equals_torch_hsdp(tmp_path):
     assert max_diff(ref, sparse) > 1e-4  # the exchange is in the loop: sparse steps differ
 
 
+SPARSE = ("--density", "0.05", "--exchange", "allgather")
+WD = ("--weight-decay", "0.01")
+AUTO_MC = "recipe=auto -> momentum_correction without masking, momentum_lookahead"
+
+
+def test_auto_moves_sgd_momentum_into_the_shard_hook_and_follows_the_scheduler(tmp_path):
+    """recipe="auto" (the default) with SGD(momentum) at density 0.05: as under topk_ddp, the momentum moves into
+    a velocity per gradient shard from the step after the first sparse one; the optimizer's momentum is 0 only
+    during its step (no momentum buffers left) and OneCycleLR's cycled momentum reaches the hook every step."""
+    _, ranks = train(tmp_path, "auto", *SPARSE, "--onecycle", "--steps", "6")
+    for r in ranks:
+        assert r["recipe"].startswith(AUTO_MC) and "(SGD momentum 0.95 moved into the hook; density 0.05)" in r["recipe"]
+        assert r["engaged"] and r["momentum_buffers"] == 0 and r["momentum"] == [0.95]
+        assert r["velocities"] and sum(float(v.abs().sum()) for v in r["velocities"].values()) > 0
+        assert len(r["trace"]) == 5  # engaged after step 1, the first sparse one
+        assert all(mine == hook and during == 0.0 for mine, hook, during in r["trace"])
+        assert len({m for m, _, _ in r["trace"]}) == 5  # the scheduler's momentum, new at every step
+
+
+def test_auto_sending_every_entry_is_torch_hsdp_with_nesterov_sgd(tmp_path):
+    """Every entry sent through the sparse path (selection_scope="parameter", each parameter below
+    min_sparse_numel): engaged, the hook's momentum with the lookahead is torch's HSDP with SGD(nesterov=True);
+    left dormant (no step sent sparse, so nothing engages), it is HSDP with the user's SGD(momentum) itself."""
+    every = ("--density", "0.5", "--value-dtype", "fp32", "--exchange", "allgather", "--selection-scope", "parameter",
+             "--min-sparse-numel", "1000000000", "--steps", "8")
+    nesterov, _ = train(tmp_path, "nesterov", "--strategy", "hsdp", "--nesterov", "--steps", "8")
+    engaged, ranks = train(tmp_path, "engaged", *every, "--engage")
+    assert all(r["engaged"] and r["exchange_step"] == 8 and r["residual_abs"] == 0.0 for r in ranks)
+    assert max_diff(nesterov, engaged) <= 1e-6
+    heavy_ball, _ = train(tmp_path, "hsdp", "--strategy", "hsdp", "--steps", "8")
+    dormant, ranks = train(tmp_path, "dormant", *every)
+    assert not any(r["engaged"] for r in ranks) and ranks[0]["momentum_buffers"] > 0
+    assert max_diff(heavy_ball, dormant) == 0.0
+    assert max_diff(heavy_ball, engaged) > 1e-3  # Nesterov is not heavy ball: the comparison can fail
+
+
+def test_auto_per_shard_equals_topk_ddp_with_one_process_per_node(tmp_path):
+    """2 nodes x 1 process: each shard is the whole parameter, so with a top-k per parameter
+    (selection_scope="parameter", independent of DDP's buckets and FSDP's groups) topk_fsdp and topk_ddp select
+    the same entries: the same decision, velocities, residuals and parameters, bit for bit. (With several
+    processes per node the two take top-k of different vectors, the node's average shard vs each rank's
+    gradient, so they differ; the 2 x 2 reduction is the HSDP test above.)"""
+    opts = (*SPARSE, "--selection-scope", "parameter", "--steps", "8")
+    ddp, dr = train(tmp_path, "ddp", "--strategy", "ddp", *opts, nodes=2, devices=1)
+    fsdp, fr = train(tmp_path, "fsdp", *opts, nodes=2, devices=1)
+    assert max_diff(ddp, fsdp) == 0.0
+    for d, f in zip(dr, fr):
+        assert d["recipe"] == f["recipe"] and f["recipe"].startswith(AUTO_MC)
+        assert d["engaged"] and f["engaged"] and d["exchange_step"] == f["exchange_step"] == 8
+        assert d["velocities"].keys() == f["velocities"].keys()
+        for k in d["velocities"]:
+            assert torch.equal(d["velocities"][k].reshape(-1), f["velocities"][k].reshape(-1)), k
+            assert torch.equal(d["residuals"][k].reshape(-1), f["residuals"][k].reshape(-1)), k
+
+
 def test_user_sharded_blocks_and_a_bad_mesh(tmp_path):
     _, ranks = train(tmp_path, "user", "--user-shard", "--density", "0.05", "--exchange", "allgather", "--steps", "2")
     assert ranks[0]["exchange_step"] == 2 and ranks[0]["residual_abs"] > 0
@@ -42,13 +97,19 @@ def test_user_sharded_blocks_and_a_bad_mesh(tmp_path):
 
 
 def test_resume_is_exact_and_a_reshard_keeps_the_pending_update(tmp_path):
+    """SGD with momentum and weight decay: recipe="auto" engages, and a resume at the saved layout restores it
+    exactly (its velocity, weight decay's momentum share in the optimizer, no momentum buffers)."""
     ck = tmp_path / "ck"
-    full, fr = train(tmp_path, "full", "--density", "0.05", "--exchange", "allgather", "--steps", "9")
-    _, saved = train(tmp_path, "a", "--density", "0.05", "--exchange", "allgather", "--steps", "8", "--save", ck)
-    resumed, rr = train(tmp_path, "b", "--density", "0.05", "--exchange", "allgather", "--steps", "9",
+    full, fr = train(tmp_path, "full", *SPARSE, *WD, "--steps", "9")
+    _, saved = train(tmp_path, "a", *SPARSE, *WD, "--steps", "8", "--save", ck)
+    resumed, rr = train(tmp_path, "b", *SPARSE, *WD, "--steps", "9",
                         "--resume", ck)
     assert max_diff(full, resumed) == 0.0
     assert [r["residual_sum"] for r in rr] == [r["residual_sum"] for r in fr]
+    for f, r, s in zip(fr, rr, saved):  # recipe="auto" engaged before the save: engaged again, its velocity exact
+        assert s["engaged"] and r["engaged"] and r["momentum_buffers"] == 0 and r["wd_momentum"] == f["wd_momentum"] > 0
+        assert r["velocities"].keys() == f["velocities"].keys() and f["velocities"]
+        assert all(torch.equal(f["velocities"][k], r["velocities"][k]) for k in f["velocities"])
 
     def pending(ranks, replicas):  # (1/R) sum over replicas of each parameter's residual, summed over the shards
         return sum(r["residual_sum"] for r in ranks) / replicas
@@ -56,7 +117,7 @@ def test_resume_is_exact_and_a_reshard_keeps_the_pending_update(tmp_path):
     before = pending(saved, 2)
     assert abs(before) > 0 and saved[0]["residual_abs"] > 0
     for nodes, devices in ((1, 2), (4, 1)):
-        _, after = train(tmp_path, f"re{nodes}", "--density", "0.05", "--exchange", "allgather", "--steps", "8",
+        _, after = train(tmp_path, f"re{nodes}", *SPARSE, *WD, "--steps", "8",
                          "--resume", ck, nodes=nodes, devices=devices)
         assert after[0]["exchange_step"] == 8
         assert pending(after, nodes) == pytest.approx(before, rel=1e-5, abs=1e-7)

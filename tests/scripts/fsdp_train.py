@@ -2,10 +2,16 @@
 tests.helpers.procs.run_nodes; --devices processes per node). Rank 0 writes OUT: the final full parameters, and
 every rank its residual sum and step counters in OUT.rank<r>.
 
-  --strategy topk | hsdp | avg  TopKFSDPStrategy(...); or Lightning's ModelParallelStrategy with torch's HSDP
+  --strategy topk | hsdp | avg | ddp  TopKFSDPStrategy(...); or Lightning's ModelParallelStrategy with torch's HSDP
                               (fully_shard on the 2-D mesh in configure_model): the per-step reference; or
                               (avg) FSDP on each node's processes and, every --local-steps steps, each parameter
-                              shard averaged over the nodes with torch.distributed.all_reduce: local SGD's
+                              shard averaged over the nodes with torch.distributed.all_reduce: local SGD's; or
+                              (ddp) TopKDDPStrategy with the same top-k options
+  --nesterov                  SGD(nesterov=True) (the reference of recipe="auto" when every entry is sent)
+  --selection-scope S --min-sparse-numel N  top-k options (N: 0 unless given)
+  --engage                    recipe="auto" engaged before the first step (as after a sparse step)
+  --onecycle                  OneCycleLR(cycle_momentum=True) per step: the momentum changes every step
+  --weight-decay W            SGD's weight_decay
   --density D --value-dtype V --exchange E --local-steps H --outer-value-bits B  top-k options
   --user-shard                configure_model shards the blocks itself (fully_shard on device_mesh["shard"])
   --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
@@ -43,6 +49,7 @@ class LM(pl.LightningModule):
     def __init__(self, args):
         super().__init__()
         self.args = args
+        self.trace = []
         torch.manual_seed(0)
         self.net = TransformerLM(VOCAB, d_model=32, layers=2, heads=2, ff_mult=2, max_len=T, dropout=0.0)
 
@@ -84,7 +91,25 @@ class LM(pl.LightningModule):
     def configure_optimizers(self):
         if self.args.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
-        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, foreach=False)
+        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=self.args.nesterov,
+                              weight_decay=self.args.weight_decay, foreach=False)
+        if not self.args.onecycle:
+            return opt
+        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=self.args.steps + 1,
+                                                    base_momentum=0.8, max_momentum=0.95)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def on_before_optimizer_step(self, optimizer):
+        # (the recipe's momentum, the hook's, the optimizer's own in its step) while the recipe is engaged
+        s = self.trainer.strategy
+        live, st = getattr(s, "topk_live_recipe", None), getattr(s, "topk_state", None)
+        if live is not None and live.engaged:
+            self.trace.append((live.momentum(), st.config.momentum, optimizer.param_groups[0]["momentum"]))
+
+    def on_train_start(self):
+        if self.args.engage:  # as after a step that sent sparse: the momentum moves into the hook from step 1 on
+            s = self.trainer.strategy
+            s.topk_live_recipe.engage(s.topk_state)
 
 
 def data(rank, world, n=256):
@@ -122,20 +147,31 @@ def main():
     p.add_argument("--topk-precision", action="store_true")
     p.add_argument("--accelerator", default="cpu")
     p.add_argument("--torchft", type=int, default=None)
+    p.add_argument("--nesterov", action="store_true")
+    p.add_argument("--selection-scope", default="bucket")
+    p.add_argument("--min-sparse-numel", type=int, default=0)
+    p.add_argument("--engage", action="store_true")
+    p.add_argument("--onecycle", action="store_true")
+    p.add_argument("--weight-decay", type=float, default=0.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     if a.strategy in ("hsdp", "avg"):
         strategy = pl.strategies.ModelParallelStrategy()
     else:
         opts = dict(density=a.density, value_dtype=a.value_dtype, exchange=a.exchange, nonfinite=a.nonfinite,
-                    min_sparse_numel=0, local_steps=a.local_steps)
+                    min_sparse_numel=a.min_sparse_numel, local_steps=a.local_steps, selection_scope=a.selection_scope)
         if a.torchft is not None:
             opts.update(fault_tolerance="torchft", min_replicas=2, ft_timeout=30.0, ft_quorum_timeout=60.0,
                         ft_connect_timeout=5.0)
         if a.local_steps:
             opts.update(outer_value_bits=a.outer_value_bits, outer_density=a.outer_density, outer_chunk=64,
                         outer_recipe=a.outer_recipe)
-        strategy = TopKFSDPStrategy(**opts)
+        if a.strategy == "ddp":
+            from lightning_topk.lightning.strategy import TopKDDPStrategy
+
+            strategy = TopKDDPStrategy(**opts)
+        else:
+            strategy = TopKFSDPStrategy(**opts)
     callbacks, plugins = [], []
     if a.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=a.ckpt_dir, save_last=True, every_n_train_steps=1))
@@ -161,14 +197,23 @@ def main():
             for n, p in model.named_parameters()}
     st = getattr(trainer.strategy, "topk_state", None)
     info = {"step": trainer.global_step, "loss": float(trainer.callback_metrics.get("loss", float("nan"))),
-            "param_dtype": str(next(iter(model.net.blocks.layers[0]._get_fsdp_state()._fsdp_param_groups))
-                               .mp_policy.param_dtype)}
+            "recipe": getattr(trainer.strategy, "topk_recipe", None),
+            "momentum": [g["momentum"] for g in trainer.optimizers[0].param_groups],
+            "momentum_buffers": sum("momentum_buffer" in s for s in trainer.optimizers[0].state.values()),
+            "wd_momentum": sum("topk_wd_momentum" in s for s in trainer.optimizers[0].state.values()),
+            "trace": model.trace}
+    if a.strategy != "ddp":
+        info["param_dtype"] = str(next(iter(model.net.blocks.layers[0]._get_fsdp_state()._fsdp_param_groups))
+                                  .mp_policy.param_dtype)
     if st is not None:
         res = st.residuals()
         info.update(exchange_step=st.step, residual_sum=float(sum(t.double().sum() for t in res.values())),
                     residual_abs=float(sum(t.double().abs().sum() for t in res.values())),
                     residuals={k: v.clone() for k, v in res.items()},
-                    skipped=trainer.strategy.topk.controller.skipped_steps)
+                    velocities={k: v.clone() for k, v in st.velocities().items()},
+                    engaged=bool(getattr(getattr(trainer.strategy, "topk_live_recipe", None), "engaged", False)),
+                    skipped=(trainer.strategy.topk_controller if a.strategy == "ddp"
+                             else trainer.strategy.topk.controller).skipped_steps)
     ft = getattr(trainer.strategy, "topk_elastic", None)
     if ft is not None:
         info.update(ft=ft.metrics(), quorum_sizes=list(ft.quorum_sizes))
