@@ -304,7 +304,8 @@ def worker(a):
                             "buckets_by": dict(tt.buckets_by), "last_bytes_inter": st.last.bytes_inter,
                             "last_bytes_wire": st.last.bytes_wire, "last_numel": st.last.numel}
     top = getattr(trainer.strategy, "topk", None)
-    outer = getattr(top, "outer", None)
+    # local SGD's outer state: topk_fsdp's ShardedTopK holds it, topk_ddp's local exchange (TopKState.exchange)
+    outer = getattr(top, "outer", None) or getattr(getattr(st, "exchange", None), "outer", None)
     if outer is not None:
         info["outer"] = {"rounds": outer.stats.rounds, "last_round_bytes": outer.stats.bytes,
                          "buffer_bytes": outer.stats.buffer_bytes, "density": outer.stats.density,
@@ -414,7 +415,7 @@ def accuracy_phase(a, tmp):
             row["freeze_variance_after"] = a.dense_steps
             row.update(BETA1_AFTER_ARG)
         shard = r0.get("shard_numel_padded")
-        if "exchange" in r0:
+        if "exchange" in r0 and "outer" not in r0:  # under local SGD TopKState counts the inner steps' traffic
             ex = [r["exchange"] for r in ranks]
             steps = max(1, ex[0]["steps"])
             row["cross_node"] = {

@@ -75,6 +75,7 @@ ap.add_argument("--ef", default="ef")  # mom2: ef | ef21
 ap.add_argument("--mask", type=int, default=0)  # mom2: DGC's momentum-factor masking (sent entries' m_i zeroed)
 ap.add_argument("--lrs", type=float, default=1.0)  # mom2: learning-rate multiplier after the dense steps only
 ap.add_argument("--b1s", type=float, default=-1.0)  # beta1 after the dense steps (mom2), after --freeze (dense, topk)
+ap.add_argument("--b1-from", type=int, default=-1)  # dense/topk: --b1s from after this step (-1: --freeze)
 ap.add_argument("--out", default="")
 ap.add_argument("--host", default="")
 a = ap.parse_args()
@@ -204,7 +205,8 @@ for step in range(a.steps):
                 res[i] = acc - sent
                 out += sent
             g = out / 2
-        m.lerp_(g, 1 - (a.b1s if a.b1s >= 0 and a.freeze and t > a.freeze else b1))
+        b1_from = a.freeze if a.b1_from < 0 else a.b1_from
+        m.lerp_(g, 1 - (a.b1s if a.b1s >= 0 and (b1_from or a.b1_from == 0) and t > b1_from else b1))
         if frozen:
             if a.floor:
                 vl.mul_(b2).addcmul_(g, g, value=1 - b2)
