@@ -30,7 +30,9 @@ to whole chunks: ``--chunk`` (entries per chunk, ``outer_chunk``; 0: one top-k o
 (after the dense steps the density decays geometrically from s to ``--density`` over W steps, DGC's warm-up,
 :class:`~lightning_topk.comm.schedule.DensitySchedule`), ``--ef ef21`` (EF21: each node sends the top-k of its update
 minus its last estimate, the estimates move by what was sent, and the weights take the mean estimate every step),
-``--mask 1`` (DGC's momentum-factor masking: a node's momentum is zeroed where it sent).
+``--mask 1`` (DGC's momentum-factor masking: a node's momentum is zeroed where it sent), ``--b1s b`` (AdamW's beta1
+after the dense steps in ``mom2``; in ``dense``/``topk`` after ``--b1-from`` steps, default ``--freeze``; the third
+sweep), ``--lrs x`` (``mom2``: the learning rate times x after the dense steps).
 Each row records the mean density of the sparse steps (``rho_sparse``) and the packet bytes per node per step over
 the whole run against a dense fp32 vector's (``bytes_vs_dense``; the dense steps and a flush count as 4 bytes per
 entry). ``--out FILE`` appends the row to FILE with ``--host``.
