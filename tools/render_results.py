@@ -522,7 +522,7 @@ ADAM = "fsdp_accuracy_adam.json"  # issue 33's AdamW variants (bench_fsdp.py's *
 # the same configs at other --dense-steps or --outer-chunk
 ADAM_FILES = [ADAM, "fsdp_accuracy_adam_dense160.json", "fsdp_accuracy_adam_chunk0.json",
               "fsdp_accuracy_adam_beta1.json", "fsdp_accuracy_adam_beta1_ddp.json", "fsdp_accuracy_adam_beta1_grad.json",
-              "fsdp_accuracy_adam_beta1_dense50.json"]
+              "fsdp_accuracy_adam_beta1_dense50.json", "fsdp_accuracy_adam_beta1_grad03.json"]
 ADAM_BEST = "topk_fsdp_update_frozen"  # the transformer_lm_fsdp preset's per-step recipe ...
 ADAM_PRESET = "fsdp_accuracy_adam_beta1.json"  # ... at the preset's outer_chunk (0) and beta1_after_freeze (0.5)
 
