@@ -77,6 +77,10 @@ ENTRIES: Dict[str, List[str]] = {
     "topk_fsdp": ["--strategy", "topk_fsdp", "--density", "0.01"],
     "topk_fsdp_allgather": ["--strategy", "topk_fsdp", "--density", "0.01", "--exchange", "allgather"],
     "topk_fsdp_local": ["--strategy", "topk_fsdp_local"],
+    # experiment=transformer_lm_fsdp's per-step AdamW recipe (docs/fsdp.md "AdamW per step"): the top-k of the update,
+    # 100 dense steps, AdamW's v frozen at their end and beta1 0.5 after them
+    "topk_fsdp_adamw": ["--strategy", "topk_fsdp", "--density", "0.01", "--adamw-recipe", "--dense-steps", "100",
+                        "--freeze-variance-after", "100", "--beta1-after-freeze", "0.5"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
                 "topk_hier_0.01", "local")

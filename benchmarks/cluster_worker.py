@@ -110,6 +110,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64, help="--model lm: tokens per sequence (bytes)")
     p.add_argument("--target-loss", type=float, default=None,
                    help="--model lm: validation loss for the time-to-target figure (and --stop-at-target)")
+    p.add_argument("--adamw-recipe", action="store_true",
+                   help="topk_fsdp: the per-step AdamW recipe's exchange (local_steps=1, the top-k of the update at "
+                        "--density, one per shard, fp32, plain averaging)")
+    p.add_argument("--freeze-variance-after", type=int, default=0,
+                   help="--model lm: FrozenVarianceAdamW's freeze step (0: torch's AdamW)")
+    p.add_argument("--beta1-after-freeze", type=float, default=None,
+                   help="--model lm: FrozenVarianceAdamW's beta1 after the freeze")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     a = p.parse_args(argv)
@@ -233,6 +240,11 @@ def make_strategy(args: argparse.Namespace):
             opts.update(density=args.density, exchange=args.exchange)
             if args.value_dtype is not None:
                 opts["value_dtype"] = args.value_dtype
+            if args.dense_steps is not None:
+                opts["dense_steps"] = args.dense_steps
+            if args.adamw_recipe:  # experiment=transformer_lm_fsdp's per-step AdamW recipe (docs/fsdp.md)
+                opts.update(local_steps=1, outer_density=args.density, outer_chunk=0, outer_value_bits=32,
+                            outer_recipe="average", outer_ef_decay=1.0)
         return TopKFSDPStrategy(log_telemetry=False, nonfinite=args.nonfinite, process_group_backend="gloo", **opts)
     if args.strategy == "ddp":
         return DDPStrategy(process_group_backend="gloo")
@@ -390,6 +402,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             return F.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
+            if lm and args.freeze_variance_after:
+                from lightning_topk.optim import FrozenVarianceAdamW
+
+                return FrozenVarianceAdamW(self.parameters(), lr=args.lr, weight_decay=0.01, foreach=False,
+                                           freeze_variance_after=args.freeze_variance_after,
+                                           beta1_after_freeze=args.beta1_after_freeze)
             if lm:
                 return torch.optim.AdamW(self.parameters(), lr=args.lr, weight_decay=0.01, foreach=False)
             return torch.optim.SGD(self.parameters(), lr=args.lr, momentum=0.9)
