@@ -33,6 +33,7 @@ Usage::
     python benchmarks/convergence.py --task mnist5k --opt sgd --density 0.001 --recipe ef mc
     python benchmarks/convergence.py --markdown benchmarks/results/convergence.md
     python benchmarks/convergence.py --task mnist5k --opt adamw --recipe ef --set warmup_steps=100   # options on top
+    python benchmarks/convergence.py --task mnist5k --opt adamw --recipe dense ef --adam-beta1 0.5  # AdamW's beta1
 """
 from __future__ import annotations
 
