@@ -33,6 +33,7 @@ Usage::
     python benchmarks/convergence.py --task mnist5k --opt sgd --density 0.001 --recipe ef mc
     python benchmarks/convergence.py --markdown benchmarks/results/convergence.md
     python benchmarks/convergence.py --task mnist5k --opt adamw --recipe ef --set warmup_steps=100   # options on top
+    python benchmarks/convergence.py --task mnist5k --opt adamw --recipe dense ef --adam-beta1 0.5  # AdamW's beta1
 """
 from __future__ import annotations
 
@@ -89,12 +90,14 @@ def model_for(task: str, seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
-def optimizer_for(name: str, params: Sequence[Tensor], momentum_in_hook: bool) -> torch.optim.Optimizer:
-    """The conf/optimizer presets' settings; with momentum correction the hook holds SGD's momentum."""
+def optimizer_for(name: str, params: Sequence[Tensor], momentum_in_hook: bool,
+                  adam_beta1: float = 0.9) -> torch.optim.Optimizer:
+    """The conf/optimizer presets' settings (AdamW's beta1: ``adam_beta1``); with momentum correction the
+    hook holds SGD's momentum."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.0 if momentum_in_hook else 0.9, weight_decay=5e-4)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=1e-3, betas=(adam_beta1, 0.999), weight_decay=0.01)
     raise ValueError(f"convergence: opt must be one of {list(OPTS)}, got {name!r}")
 
 
@@ -193,6 +196,7 @@ class Run:
     steps: int
     curve: List[Tuple[int, float]] = field(default_factory=list)  # (step, test accuracy)
     seconds: float = 0.0
+    adam_beta1: float = 0.9
     states: List[TopKState] = field(default_factory=list, repr=False)  # the simulated ranks' states
 
     def steps_to(self, target: float) -> Optional[int]:
@@ -210,7 +214,7 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
           batch: int = 32, eval_every: int = 5, seed: int = 0, warmup_steps: int = 40,
           data: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
           on_step: Optional[Callable[[int, nn.Module], None]] = None,
-          overrides: Optional[Dict[str, Any]] = None) -> Run:
+          overrides: Optional[Dict[str, Any]] = None, adam_beta1: float = 0.9) -> Run:
     """Train ``steps`` steps of ``world`` simulated ranks (``batch`` samples each, disjoint shards of a
     seeded shuffle, a new shuffle each epoch) and record the test accuracy every ``eval_every`` steps."""
     xtr, ytr, xte, yte = data if data is not None else load(task)
@@ -220,11 +224,12 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
     cfg = config_for(recipe, density, warmup_steps, overrides)
     if cfg is not None and opt != "sgd" and cfg.momentum_correction:
         raise ValueError(f"convergence: recipe {recipe!r} (momentum correction) is for SGD with momentum")
-    optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction)
+    optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction,
+                          adam_beta1=adam_beta1)
     if cfg is not None and cfg.recipe == "auto":  # as the strategy does at setup (may move SGD's momentum)
         cfg = apply_recipe(cfg, [optim])[0]
     sim = SimulatedAllgather(cfg, named, world) if cfg is not None else None
-    run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps)
+    run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps, adam_beta1=adam_beta1)
     t0 = time.perf_counter()
     for step, shards in enumerate(batches(len(xtr), world, batch, steps, seed), start=1):
         grads = []
@@ -250,7 +255,8 @@ TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80,
 
 
 def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], recipes: Sequence[str],
-         seeds: Sequence[int], steps: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None) -> List[Run]:
+         seeds: Sequence[int], steps: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
+         adam_beta1: float = 0.9) -> List[Run]:
     runs = []
     for task in tasks:
         data = load(task)
@@ -261,7 +267,7 @@ def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], 
                 for density in ([1.0] if recipe == "dense" else densities):
                     for seed in seeds:
                         r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data,
-                                  overrides=None if recipe == "dense" else overrides)
+                                  overrides=None if recipe == "dense" else overrides, adam_beta1=adam_beta1)
                         runs.append(r)
                         print(f"{task:8s} {opt:5s} rho={r.density:<6g} {recipe:10s} seed={seed} "
                               f"final={r.final:.3f} to{TARGETS[task]}="
@@ -284,7 +290,8 @@ def mean_steps_to(runs: Sequence[Run], target: float) -> Optional[float]:
 def from_json(rows: Sequence[Dict[str, Any]]) -> List[Run]:
     """The runs of a ``--json`` file (curves only)."""
     return [Run(r["task"], r["opt"], r["density"], r["recipe"], steps=r["curve"][-1][0],
-                curve=[(int(s), float(a)) for s, a in r["curve"]]) for r in rows]
+                curve=[(int(s), float(a)) for s, a in r["curve"]], adam_beta1=r.get("adam_beta1", 0.9))
+            for r in rows]
 
 
 def table(runs: Sequence[Run]) -> str:
@@ -292,7 +299,8 @@ def table(runs: Sequence[Run]) -> str:
     ratio to dense's), and the final accuracy."""
     keys: Dict[Tuple[str, str, float, str], List[Run]] = {}
     for r in runs:
-        keys.setdefault((r.task, r.opt, r.density, r.recipe), []).append(r)
+        opt = r.opt if r.opt != "adamw" or r.adam_beta1 == 0.9 else f"adamw (beta1 {r.adam_beta1:g})"
+        keys.setdefault((r.task, opt, r.density, r.recipe), []).append(r)
     lines = ["| task | optimizer | density | recipe | steps to t1 (x dense) | steps to t2 (x dense) | final acc |",
              "|---|---|---|---|---|---|---|"]
     for (task, opt, density, recipe), rs in keys.items():
@@ -335,11 +343,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--steps", type=int, help="steps per run (default: digits 240, mnist5k 300)")
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
                     help="TopKConfig options on top of every sparse recipe, e.g. warmup_steps=100 dense_steps=10")
+    ap.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1 (betas=(beta1, 0.999))")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write the curves here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set))
+    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1)
     md = table(runs)
     print(md)
     if a.markdown:
@@ -347,8 +356,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             f.write(md + "\n")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump([dict(task=r.task, opt=r.opt, density=r.density, recipe=r.recipe, curve=r.curve)
-                       for r in runs], f)
+            json.dump([dict(task=r.task, opt=r.opt, density=r.density, recipe=r.recipe, adam_beta1=r.adam_beta1,
+                            curve=r.curve) for r in runs], f)
 
 
 if __name__ == "__main__":

@@ -27,17 +27,23 @@ CASES = {  # recipe -> (optimizer, density)
 }
 
 
+BETA1_CASE = "ef_adam_beta1_0.5"  # ef with torch's AdamW(betas=(0.5, 0.999)): the harness's --adam-beta1 0.5
+
+
 def _real(rank, world):
     out = {}
     xtr, ytr, _, _ = conv.load("digits")
-    for recipe, (opt, density) in CASES.items():
+    for recipe, (opt, density) in [*CASES.items(), (BETA1_CASE, ("adamw", 0.02))]:
         model = conv.model_for("digits", 0)
-        cfg = conv.config_for(recipe, density, warmup_steps=6, overrides=FP32)
+        cfg = conv.config_for("ef" if recipe == BETA1_CASE else recipe, density, warmup_steps=6, overrides=FP32)
         ddp = DDP(model, bucket_cap_mb=100)  # one bucket, as the simulation
         state = TopKState(cfg)
         state.bind(model.named_parameters())
         ddp.register_comm_hook(state, topk_allgather_hook)
-        optim = conv.optimizer_for(opt, list(model.parameters()), momentum_in_hook=cfg.momentum_correction)
+        if recipe == BETA1_CASE:
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.5, 0.999), weight_decay=0.01)
+        else:
+            optim = conv.optimizer_for(opt, list(model.parameters()), momentum_in_hook=cfg.momentum_correction)
         for shards in conv.batches(len(xtr), world, BATCH, STEPS):
             idx = shards[rank]
             optim.zero_grad()
@@ -80,3 +86,19 @@ def test_simulation_matches_two_gloo_processes(real, recipe):
     assert any(not torch.equal(r0[n], r1[n]) for n in r0)
     init = conv.model_for("digits", 0).state_dict()
     assert any(not torch.allclose(init[k], got[k]) for k in init)
+
+
+def test_adam_beta1_matches_torch_adamw_in_two_gloo_processes(real):
+    """``adam_beta1=0.5`` (``--adam-beta1``) trains as torch's ``AdamW(betas=(0.5, 0.999))`` under the real hook."""
+    sims = []
+    run = conv.train("digits", "adamw", "ef", 0.02, STEPS, world=2, batch=BATCH, data=conv.load("digits"),
+                     overrides=FP32, adam_beta1=0.5,
+                     on_step=lambda step, m: sims.append({k: v.detach().clone() for k, v in m.state_dict().items()}))
+    assert run.adam_beta1 == 0.5 and len(sims) == STEPS
+    got = sims[-1]
+    for rank in range(2):
+        for k, v in real[rank][BETA1_CASE][0].items():
+            assert torch.allclose(got[k], v, atol=2e-5, rtol=1e-4), (rank, k)
+    # and beta1 reached the optimizer: the weights differ from beta1 0.9's
+    beta09 = real[0]["ef"][0]
+    assert any(not torch.allclose(got[k], beta09[k], atol=1e-4) for k in got)
