@@ -81,6 +81,9 @@ ENTRIES: Dict[str, List[str]] = {
     # 100 dense steps, AdamW's v frozen at their end and beta1 0.5 after them
     "topk_fsdp_adamw": ["--strategy", "topk_fsdp", "--density", "0.01", "--adamw-recipe", "--dense-steps", "100",
                         "--freeze-variance-after", "100", "--beta1-after-freeze", "0.5"],
+    # the same with AdamW's beta1 0.9 throughout (the preset before 2026-11-28)
+    "topk_fsdp_adamw_b09": ["--strategy", "topk_fsdp", "--density", "0.01", "--adamw-recipe", "--dense-steps", "100",
+                            "--freeze-variance-after", "100"],
 }
 DEFAULT_ONLY = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_0.01", "topk_allgather_0.01", "topk_scatter_0.01",
                 "topk_hier_0.01", "local")
