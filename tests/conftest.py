@@ -7,7 +7,6 @@ import pytest
 
 from tests.helpers.procs import ROOT
 
-
 # The modules that take longest on the 2-core CI machine (seconds there: their slowest tests in the CI log's
 # --durations), longest first. Under `pytest -n 2 --dist loadscope` each module goes to one worker in collection
 # order (pytest_xdist_make_scheduler below), so these start first and the run does not end with one worker
@@ -37,7 +36,7 @@ def _module_order(items):
         count[path] = count.get(path, 0) + 1
     rank = {path: i for i, path in enumerate(LONG_FIRST)}
     first_seen = {path: i for i, path in enumerate(count)}
-    key = lambda path: (rank.get(path, len(rank)), -count[path], first_seen[path])  # noqa: E731
+    key = lambda path: (rank.get(path, len(rank)), -count[path], first_seen[path])
     return sorted(items, key=lambda item: key(item.nodeid.split("::", 1)[0]))
 
 
