@@ -7,8 +7,53 @@ import pytest
 
 from tests.helpers.procs import ROOT
 
+# The modules that take longest on the 2-core CI machine (seconds there: their slowest tests in the CI log's
+# --durations), longest first. Under `pytest -n 2 --dist loadscope` each module goes to one worker in collection
+# order (pytest_xdist_make_scheduler below), so these start first and the run does not end with one worker
+# idle while the other works through a long module that was handed out last. Keep a new module that takes
+# more than ~20 s in this list.
+LONG_FIRST = (
+    "tests/app/test_slurm_real.py",  # ~243 s: one real SLURM, three sbatch jobs in a row
+    "tests/app/test_cli.py",  # ~130 s
+    "tests/app/test_plain_install.py",  # ~87 s: pip into a fresh venv
+    "tests/lightning/test_faults.py",  # ~90 s
+    "tests/comm/test_scatter.py",  # ~70 s: a 4-process training fixture
+    "tests/lightning/test_precision_ddp.py",  # ~70 s
+    "tests/data/test_data_resume_ddp.py",  # ~60 s
+    "tests/benchmarks/test_cluster_wire.py",  # ~45 s
+    "tests/data/test_packaged_text.py",  # ~30 s
+    "tests/lightning/test_convergence.py",  # ~25 s
+    "tests/lightning/test_strategy.py",  # ~25 s
+)
+
+
+def _module_order(items):
+    """Modules in LONG_FIRST first, in its order; then the others by number of tests, most first (what
+    pytest-xdist's loadscope does by itself). Tests keep their order within a module."""
+    count: dict = {}
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        count[path] = count.get(path, 0) + 1
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+    first_seen = {path: i for i, path in enumerate(count)}
+    key = lambda path: (rank.get(path, len(rank)), -count[path], first_seen[path])
+    return sorted(items, key=lambda item: key(item.nodeid.split("::", 1)[0]))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """loadscope, handing modules out in the collection order :func:`_module_order` set (long ones first)
+    rather than re-sorting them by number of tests."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
+    return LoadScopeScheduling(config, log)
+
 
 def pytest_collection_modifyitems(config, items):
+    items[:] = _module_order(items)
     import torch
 
     if torch.cuda.is_available():

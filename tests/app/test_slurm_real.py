@@ -28,7 +28,10 @@ from tests.helpers.procs import ROOT
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 
 SBATCH = ROOT / "examples" / "slurm" / "train.sbatch"
-EPOCHS = 8
+# 3 epochs of 12 steps: the requeue comes after the first step, so the run is still in its first epoch with
+# 30+ steps to go, and the test accuracy (about 0.9 after 3 epochs; chance is 0.1) is far above the 0.5 checked.
+# Each epoch more is ~7 s of the CI machine's two cores and adds nothing to what the test proves.
+EPOCHS = 3
 # The flags docs/slurm.md gives for a CPU-only allocation (the script's #SBATCH lines ask for GPUs).
 CPU_FLAGS = ["--gpus-per-node=0", "--cpus-per-task=1"]
 OVERRIDES = [f"trainer.max_epochs={EPOCHS}", "trainer.accelerator=cpu", "strategy.exchange=allgather",
@@ -136,8 +139,10 @@ def test_sbatch_example_with_topk_fsdp_requeued_in_the_middle_resumes(cluster, t
     """The same submission with ``strategy=topk_fsdp``: the requeue checkpoint is a distributed checkpoint folder
     (the model's shards and ``topk/``: every rank's residual shard and file), written by every rank at the same
     step boundary, and the requeued job resumes from it."""
+    # No DataLoader workers: the test above checks the signal with them (each rank's worker comes from a fork
+    # server that imports torch again: 8 more interpreter start-ups on the CI machine's two cores).
     overrides = [o for o in OVERRIDES if not o.startswith(("strategy.", "trainer.max_epochs"))] + [
-        "strategy=topk_fsdp", "strategy.exchange=allgather", "trainer.max_epochs=4"]
+        "strategy=topk_fsdp", "strategy.exchange=allgather", "trainer.max_epochs=2", "data.num_workers=0"]
     job, run_dir, text, info = _submit_and_requeue(cluster, tmp_path, overrides)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), text[-4000:]
     hpc = run_dir / "hpc_ckpt_1.ckpt"
@@ -147,7 +152,7 @@ def test_sbatch_example_with_topk_fsdp_requeued_in_the_middle_resumes(cluster, t
     assert text.count(f"run.resume=auto: resuming from {hpc}") == 4, text[-4000:]
     assert "topk_fsdp: residuals restored" in text, text[-4000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["epochs"] == 4 and 0.5 < summary["metrics"]["test/acc"] <= 1.0
+    assert summary["epochs"] == 2 and 0.5 < summary["metrics"]["test/acc"] <= 1.0
 
 
 ELASTIC_SBATCH = ROOT / "examples" / "slurm" / "elastic.sbatch"

@@ -460,7 +460,9 @@ def _train_both(rank, world, dataset, epochs):
     return out
 
 
-ACCURACY = {"digits": (60, 0.93), "mnist5k": (12, 0.88)}  # dataset: (epochs, accuracy floor)
+# dataset: (epochs, accuracy floor). On the digits the flat all-gather is at its plateau from epoch 30 on (0.975 at
+# 30, 40 and 60; the scatter 0.972, 0.972, 0.975), so 30 epochs check the same as 60 at half the time.
+ACCURACY = {"digits": (30, 0.93), "mnist5k": (12, 0.88)}
 
 
 def _train_all(rank, world):
