@@ -127,7 +127,8 @@ class ShardRecipe(LiveRecipe):
     not the optimizer's parameters, so the velocity of each parameter's shard starts from the local shard of its
     momentum buffer (a ``DTensor`` laid out as the parameter), zero-padded to FSDP's slot. Engaged, every parameter
     of a group with weight decay holds weight decay's momentum share from then on (zero at first: the same
-    arithmetic), so that an engaged checkpoint's optimizer state always has those keys (:meth:`ShardedTopK.restoring`)."""
+    arithmetic; zero for good in groups without it), so that an engaged checkpoint's optimizer state has a key for every
+    parameter (:meth:`ShardedTopK.restoring`)."""
 
     def __init__(self, optimizer: Any, dormant: TopKConfig, module: nn.Module, numels: Dict[str, int]) -> None:
         super().__init__(optimizer, dormant)
@@ -148,13 +149,14 @@ class ShardRecipe(LiveRecipe):
 
 
 def wd_momentum_keys(optimizer: Any) -> None:
-    """Weight decay's momentum share (zero where absent) for every parameter of the groups with weight decay."""
+    """Weight decay's momentum share (zero where absent) for every parameter, also in groups without weight decay
+    (where it stays zero): an engaged SGD keeps no other state, and torch's distributed checkpoint refuses to load a
+    parameter that has no optimizer state (e.g. the biases of ``exclude_from_decay``'s group)."""
     for g in optimizer.param_groups:
-        if g.get("weight_decay", 0.0):
-            for p in g["params"]:
-                st = optimizer.state[p]
-                if WD_MOMENTUM not in st:
-                    st[WD_MOMENTUM] = torch.zeros_like(p.detach(), dtype=torch.float32)
+        for p in g["params"]:
+            st = optimizer.state[p]
+            if WD_MOMENTUM not in st:
+                st[WD_MOMENTUM] = torch.zeros_like(p.detach(), dtype=torch.float32)
 
 
 class ShardedTopK:

@@ -11,7 +11,7 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --selection-scope S --min-sparse-numel N  top-k options (N: 0 unless given)
   --engage                    recipe="auto" engaged before the first step (as after a sparse step)
   --onecycle                  OneCycleLR(cycle_momentum=True) per step: the momentum changes every step
-  --weight-decay W            SGD's weight_decay
+  --weight-decay W            SGD's weight_decay (biases and norms in a group without it)
   --density D --value-dtype V --exchange E --local-steps H --outer-value-bits B  top-k options
   --user-shard                configure_model shards the blocks itself (fully_shard on device_mesh["shard"])
   --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from lightning_topk.lightning.fsdp import TopKFSDPStrategy
 from lightning_topk.models.components.transformer import TransformerLM
+from lightning_topk.optim import param_groups
 
 warnings.filterwarnings("ignore")
 VOCAB, T = 64, 16
@@ -91,7 +92,9 @@ class LM(pl.LightningModule):
     def configure_optimizers(self):
         if self.args.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01, foreach=False)
-        opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9, nesterov=self.args.nesterov,
+        # with weight decay, biases and norms in a group without it (the Hydra optimizers' exclude_from_decay)
+        params = param_groups(self, self.args.weight_decay) if self.args.weight_decay else self.parameters()
+        opt = torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=self.args.nesterov,
                               weight_decay=self.args.weight_decay, foreach=False)
         if not self.args.onecycle:
             return opt
