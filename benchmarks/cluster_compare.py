@@ -81,6 +81,8 @@ ENTRIES: Dict[str, List[str]] = {
     # 100 dense steps, AdamW's v frozen at their end and beta1 0.5 after them
     "topk_fsdp_adamw": ["--strategy", "topk_fsdp", "--density", "0.01", "--adamw-recipe", "--dense-steps", "100",
                         "--freeze-variance-after", "100", "--beta1-after-freeze", "0.5"],
+    # dense HSDP with AdamW's v frozen at step 100 (the recipe's optimizer without its exchange)
+    "hsdp_frozen": ["--strategy", "hsdp", "--freeze-variance-after", "100"],
     # the same with AdamW's beta1 0.9 throughout (the preset before 2026-11-28)
     "topk_fsdp_adamw_b09": ["--strategy", "topk_fsdp", "--density", "0.01", "--adamw-recipe", "--dense-steps", "100",
                             "--freeze-variance-after", "100"],
