@@ -654,7 +654,8 @@ CLUSTER_RUNS = [("cluster", "###"), ("cluster_1gbit_2026-11-25", "####"), ("clus
                 ("cluster_local_2026-11-27_wan_outer_exchange", "####"), ("cluster_local_2026-11-27_wan_owner4bit", "####"),
                 ("cluster_fsdp_2026-11-27_100mbit", "####"), ("cluster_fsdp_2026-11-27_1gbit", "####"),
                 ("cluster_fsdp_2026-11-27_100mbit_long", "####"), ("cluster_fsdp_2026-11-27_flat_100mbit", "####"),
-                ("cluster_fsdp_2026-11-28_100mbit_adamw", "####"), ("cluster_fsdp_2026-11-28_100mbit_adamw_b09", "####")]
+                ("cluster_fsdp_2026-11-28_100mbit_adamw", "####"), ("cluster_fsdp_2026-11-28_100mbit_adamw_b09", "####"),
+                ("cluster_fsdp_2026-11-28_100mbit_hsdp_frozen", "####")]
 LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_seed2", "local_accuracy_lm_variants",
                        "local_accuracy_sparseloco", "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
                            "owner1x", "owner2x", "owner4x", "issue21", "issue21_factors", "issue21_wan_owner4x_xp",
