@@ -42,7 +42,7 @@ from lightning_topk.comm.config import RECIPE_CHOICES, TopKConfig
 from lightning_topk.comm.exchanges import registry
 from lightning_topk.comm.state import TopKState
 
-__all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "live_recipe", "recipe_for", "WD_MOMENTUM"]
+__all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "live_recipe", "recipe_for", "unresolved_note", "WD_MOMENTUM"]
 
 WD_MOMENTUM = "topk_wd_momentum"  # the optimizer-state key of weight decay's share of SGD's momentum
 
@@ -102,6 +102,11 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
     return (target_config(config, m),
             f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov) ({why}; "
             f"density {config.density:g})")
+
+
+def unresolved_note(config: TopKConfig) -> str:
+    """What ``recipe`` reads as before the optimizers are known (the strategies' ``topk_recipe`` until then)."""
+    return "recipe=none" if config.recipe == "none" else "recipe=auto: not resolved yet"
 
 
 def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[Any] = None

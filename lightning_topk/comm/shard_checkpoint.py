@@ -167,6 +167,12 @@ def saved_engaged(path: Any) -> bool:
     return files.isfile(rank_path(path, 0)) and bool(_read_rank(path, 0)["meta"].get("velocity"))
 
 
+def restoring(top: Any, path: Any) -> Any:
+    """:meth:`ShardedTopK.restoring` for the checkpoint folder ``path`` (engaged if it was saved with velocities):
+    wrap the optimizer's state load in it."""
+    return top.restoring(files.isdir(path) and saved_engaged(path))
+
+
 def load(top: Any, path: Any) -> str:
     """Restore this rank's state from the checkpoint folder ``path`` (a collective). A checkpoint without top-k
     state (plain FSDP) leaves the residuals at zero. Returns what was done, in words."""

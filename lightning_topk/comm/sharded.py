@@ -39,7 +39,7 @@ from lightning_topk.comm.exchanges import exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import AutoExchange, build_auto, candidates_for
 from lightning_topk.comm.exchanges.base import Layout
 from lightning_topk.comm.local import OuterState
-from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe
+from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe, unresolved_note
 from lightning_topk.comm.shard import ShardHooks, fsdp_groups
 from lightning_topk.comm.state import TopKState
 
@@ -191,7 +191,7 @@ class ShardedTopK:
         self.controller: Optional[StepController] = None
         self.outer: Optional[OuterState] = None
         self.recipe: Optional[LiveRecipe] = None  # recipe="auto"'s, once the optimizers are known (use_optimizers)
-        self.recipe_note = "recipe=none" if config.recipe == "none" else "recipe=auto: not resolved yet"
+        self.recipe_note = unresolved_note(config)
         self._recipe_optimizers: List[Any] = []
         if config.local_steps > 0:
             self._attach_local(optimizers)
@@ -265,13 +265,17 @@ class ShardedTopK:
         if self.recipe is not None and self.state is not None:
             self.recipe.begin_step(self.state)
 
-    def recipe_before_step(self, optimizer: Any) -> Any:
-        """Before the optimizer step: an engaged recipe zeroes the optimizer's momentum and weight decay for it."""
-        return self.recipe.before_step(optimizer) if self.recipe is not None else None
-
-    def recipe_after_step(self, optimizer: Any, saved: Any) -> None:
-        """After the optimizer step: the user's values back (and weight decay's momentum share on a committed step)."""
-        if self.recipe is not None:
+    @contextmanager
+    def recipe_step(self, optimizer: Any) -> Iterator[None]:
+        """Around the optimizer step: an engaged recipe zeroes the optimizer's momentum and weight decay for it, then
+        puts the user's values back (and weight decay's momentum share on a committed step)."""
+        if self.recipe is None:
+            yield
+            return
+        saved = self.recipe.before_step(optimizer)
+        try:
+            yield
+        finally:
             skipped = self.controller is not None and self.controller.last_decision is Decision.SKIP
             self.recipe.after_step(optimizer, saved, committed=not skipped)
 

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.recipe import unresolved_note
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning import faults
 from lightning_topk.lightning.elastic import ElasticMixin
@@ -96,9 +97,7 @@ class ShardedTopKMixin(ElasticMixin):
     @property
     def topk_recipe(self) -> str:
         """What ``recipe="auto"`` decided, in words (the same as ``topk_ddp``'s for the same optimizer and options)."""
-        if self.topk is not None:
-            return self.topk.recipe_note
-        return "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
+        return self.topk.recipe_note if self.topk is not None else unresolved_note(self.topk_config)
 
     @property
     def topk_state(self) -> Any:
@@ -186,11 +185,8 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
         if top is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         top.begin_step()  # recipe="auto" (automatic optimization: before the closure's backward)
-        saved = top.recipe_before_step(optimizer)
-        try:
+        with top.recipe_step(optimizer):
             out = super().optimizer_step(optimizer, closure_then_decide, model, **kwargs)
-        finally:
-            top.recipe_after_step(optimizer, saved)
         top.after_optimizer_step()
         self._log_topk()
         return out
@@ -238,7 +234,7 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
         if self.topk is None:
             return super().load_checkpoint(checkpoint_path, weights_only)
         path = Path(self.broadcast(checkpoint_path))
-        with self.topk.restoring(path.is_dir() and shard_checkpoint.saved_engaged(path)):
+        with shard_checkpoint.restoring(self.topk, path):
             out = super().load_checkpoint(checkpoint_path, weights_only)
         self._load_topk(path)
         return out

@@ -97,11 +97,8 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
             out = super().optimizer_step(optimizer, **kwargs)
         else:
             top.before_optimizer_step()  # a skipped step drops the gradients: the optimizer leaves every parameter
-            saved = top.recipe_before_step(optimizer)
-            try:
+            with top.recipe_step(optimizer):
                 out = super().optimizer_step(optimizer, **kwargs)
-            finally:
-                top.recipe_after_step(optimizer, saved)
             top.after_optimizer_step()  # local SGD: the round (under torchft its quorum) at the H-th step
         self._elastic_after_step()
         return out
@@ -117,7 +114,7 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
         if self.topk is None:
             return super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         where = Path(self.broadcast(path))
-        with self.topk.restoring(where.is_dir() and shard_checkpoint.saved_engaged(where)):
+        with shard_checkpoint.restoring(self.topk, where):
             out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         shard_checkpoint.load(self.topk, where)
         return out

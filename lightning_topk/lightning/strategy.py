@@ -21,6 +21,7 @@ from lightning_topk.comm.controller import Decision, StepController
 from lightning_topk.comm.exchanges import Layout, elastic_exchange_hook, exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import build_auto
 from lightning_topk.comm.exchanges.hierarchical import build_groups, make_groups
+from lightning_topk.comm.recipe import unresolved_note
 from lightning_topk.comm.state import TopKState
 from lightning_topk.lightning.elastic import ElasticMixin
 from lightning_topk.lightning.faults import Heartbeat
@@ -58,7 +59,7 @@ class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMi
         self._pending_topk_state: Optional[Dict[str, Any]] = None
         self._topk_heartbeat: Optional[Heartbeat] = None
         self._topk_failed = False  # an exception ended the run: teardown waits for no collective
-        self.topk_recipe = "recipe=none" if self.topk_config.recipe == "none" else "recipe=auto: not resolved yet"
+        self.topk_recipe = unresolved_note(self.topk_config)
         self.topk_live_recipe: Optional[Any] = None  # recipe="auto"'s LiveRecipe, once resolved
         self.topk_bucket_plan: Optional[Any] = None  # the bucket rule's choice (comm.cost.BucketPlan), if it chose
         self._topk_user_cap = kwargs.get("bucket_cap_mb") is not None or bool(kwargs.get("bucket_cap_mb_list"))
