@@ -99,8 +99,12 @@ def apply_recipe(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[TopKCon
     m = float(opt.param_groups[0]["momentum"])
     for g in opt.param_groups:
         g["momentum"] = 0.0
-    return (target_config(config, m),
-            f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov) ({why}; "
+    return target_config(config, m), _engaged_note(m, "", why, config)
+
+
+def _engaged_note(m: float, when: str, why: str, config: TopKConfig) -> str:
+    """The decision in words where momentum correction takes the optimizer's momentum ``m``."""
+    return (f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov){when} ({why}; "
             f"density {config.density:g})")
 
 
@@ -119,9 +123,8 @@ def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[An
         return None, config, f"recipe=auto -> error_feedback ({why})"
     live = (make or LiveRecipe)(optimizers[0], config)
     m = live.momentum()
-    return (live, target_config(config, m),
-            f"recipe=auto -> momentum_correction without masking, momentum_lookahead {m:g} (Nesterov), from the "
-            f"step after the first one that sends sparse ({why}; density {config.density:g})")
+    return live, target_config(config, m), _engaged_note(m, ", from the step after the first one that sends sparse",
+                                                         why, config)
 
 
 class LiveRecipe:
