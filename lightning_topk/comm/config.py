@@ -19,13 +19,13 @@ from lightning_topk.comm.exchanges import registry
 from lightning_topk.comm.schedule import DensitySchedule
 from lightning_topk.comm.selection import METHODS
 from lightning_topk.comm.wire import value_dtype_of
+from lightning_topk.support import ELASTIC_EXCHANGES, NODE_TIER, OUTER_EXCHANGES, message
 
 SCOPE_CHOICES = ("bucket", "parameter")
 NONFINITE_CHOICES = ("raise", "skip", "propagate")
 # Exchanges that shard buckets within a node (intra-node reduce-scatter first).
-HIERARCHICAL_EXCHANGES = ("hierarchical", "hierarchical_scatter")
+HIERARCHICAL_EXCHANGES = NODE_TIER
 OUTER_BITS = (32, 16, 8, 4, 2)  # outer_value_bits (sparse local SGD)
-OUTER_EXCHANGES = ("auto", "allgather", "scatter")  # outer_exchange (sparse local SGD)
 # outer_recipe (sparse local SGD): where unset outer_lr / outer_momentum / outer_nesterov come from
 # (lightning_topk/comm/local/outer_step.py: OUTER_RECIPE_TABLE, outer_step_for).
 OUTER_RECIPES = ("auto", "diloco", "average")
@@ -37,7 +37,6 @@ RECIPE_CHOICES = ("auto", "none")
 # (lightning_topk/lightning/elastic.py, docs/elastic.md).
 FAULT_TOLERANCE_CHOICES = ("none", "torchft")
 # The exchanges that run over a replica count that changes between steps (fault_tolerance="torchft").
-ELASTIC_EXCHANGES = ("auto", "allgather", "scatter", "dense")
 
 
 def _is_int(v: object) -> bool:
@@ -474,16 +473,13 @@ class TopKConfig(FaultOptions, OuterOptions, AutoOptions, StepOptions):
                 raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 does not stream the outer "
                                  "exchange (a round in flight would outlive its quorum); set outer_streaming=false")
             if self.outer_exchange == "scatter":
-                raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs the outer all-gather "
-                                 "(the scale-free owners' ranges assume a fixed replica count); set "
-                                 "outer_exchange='allgather' or 'auto'")
+                raise ValueError(message("ft_outer_scatter"))
             if self.dense_steps > 0:
                 raise ValueError("topk_ddp: fault_tolerance='torchft' with local_steps > 0 does not run the "
                                  "synchronous first dense_steps (post-local SGD) between replica groups; set "
                                  "dense_steps=0")
         if self.exchange not in ELASTIC_EXCHANGES:
-            raise ValueError(f"topk_ddp: fault_tolerance='torchft' runs over a replica count that changes between "
-                             f"steps, which exchange={self.exchange!r} does not; use one of {list(ELASTIC_EXCHANGES)}")
+            raise ValueError(message("ft_exchange", exchange=self.exchange))
         if self.hierarchical is True:
             raise ValueError("topk_ddp: fault_tolerance='torchft' averages each bucket within a replica group, then "
                              "runs the flat exchange between groups; hierarchical=true contradicts it; leave "

@@ -17,6 +17,8 @@ from typing import Any, Callable, List, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from lightning_topk.support import message
+
 
 class ShardSlot:
     """Stands for one parameter's padded gradient shard in a :class:`ShardBucket`: the exchanges read its
@@ -76,11 +78,7 @@ class ShardHooks:
 
         def run(reduce_output: Tensor) -> None:
             if reduce_output.numel() != self.numels[i]:
-                raise RuntimeError(
-                    f"topk_fsdp: a sharded module's parameters {self.names[i]} got no gradient in this backward "
-                    "(FSDP leaves them out of its reduce-scatter), which the sparse exchange does not support; "
-                    "use every parameter of a sharded module in each backward, or put the unused ones in a module "
-                    "of their own")
+                raise RuntimeError(f"{message('fsdp_missing_grad')} (the module's parameters: {self.names[i]})")
             self.calls += 1
             last = self.calls == len(self.slots)
             if last:

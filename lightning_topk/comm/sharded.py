@@ -42,11 +42,11 @@ from lightning_topk.comm.local import OuterState
 from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe, unresolved_note
 from lightning_topk.comm.shard import ShardHooks, fsdp_groups
 from lightning_topk.comm.state import TopKState
+from lightning_topk.support import NODE_TIER, message
 
 log = logging.getLogger(__name__)
 
 MESH_DIMS = ("replicate", "shard")
-NODE_TIER = ("hierarchical", "hierarchical_scatter")
 
 
 def make_mesh(device_type: str, nodes: int, local: int) -> Any:
@@ -168,9 +168,7 @@ class ShardedTopK:
                  commit_gate: Optional[Callable[[bool], bool]] = None) -> None:
         check_sharding(module, mesh)
         if config.exchange in NODE_TIER:
-            raise ValueError(f"topk_fsdp: exchange={config.exchange!r} is what topk_fsdp does already (FSDP's "
-                             "reduce-scatter is the node tier); choose the cross-node exchange: 'auto', 'allgather', "
-                             "'scatter', 'dense' or 'dense_bf16'")
+            raise ValueError(message("fsdp_node_tier", exchange=config.exchange))
         self.config, self.module, self.mesh = config, module, mesh
         rep = mesh["replicate"]
         self.replicas, self.replica, self.local = rep.size(), rep.get_local_rank(), mesh["shard"].size()

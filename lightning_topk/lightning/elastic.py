@@ -55,8 +55,10 @@ from lightning_topk.comm.sharded import (
     local_optimizer_state,
     local_tensor,
 )
+from lightning_topk.lightning import support_cell
 from lightning_topk.lightning.elastic_position import data_position, loop_position, set_global_step
 from lightning_topk.optional import require
+from lightning_topk.support import message
 
 log = logging.getLogger(__name__)
 
@@ -359,13 +361,10 @@ class ElasticMixin:
     def _elastic_prepare(self) -> None:
         """topk_ddp, before the process group: check the options, make the replica, check the lighthouse."""
         cfg = self.topk_config  # type: ignore[attr-defined]
+        support_cell.check(self)
         if cfg.elastic:
             if cfg.local_steps > 0 and self.num_processes > 1:  # type: ignore[attr-defined]
-                raise ValueError(
-                    "topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs one process per replica group "
-                    f"(got devices={self.num_processes}); the outer round's shards over a group's processes are not "  # type: ignore[attr-defined]
-                    "built under torchft yet (docs/elastic.md): set devices=1, or local_steps=0, or shard the model "
-                    "over the group's processes with topk_fsdp (local SGD under torchft runs there)")
+                raise ValueError(message("ft_ddp_local_procs", layout=f"1x{self.num_processes}"))  # type: ignore[attr-defined]
             kw = self._ddp_kwargs  # type: ignore[attr-defined]
             if kw.get("static_graph"):
                 raise ValueError("topk_ddp: fault_tolerance='torchft' does not support static_graph=True (it rebuilds "

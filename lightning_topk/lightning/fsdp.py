@@ -19,7 +19,7 @@ from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.recipe import unresolved_note
 from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
-from lightning_topk.lightning import faults
+from lightning_topk.lightning import faults, support_cell
 from lightning_topk.lightning.elastic import ElasticMixin
 from lightning_topk.lightning.precision import TopKPrecisionMixin
 from lightning_topk.lightning.strategy import TopKStrategyMixin, config_from
@@ -74,6 +74,7 @@ class ShardedTopKMixin(ElasticMixin):
     def _elastic_setup_environment(self, setup_distributed: Callable[[], None]) -> None:
         """torchft: the replica group is made (and the lighthouse checked) before ``setup_distributed`` makes the
         group's process group, and joins torchft right after it."""
+        support_cell.check(self)
         if self.topk_config.elastic:
             self._elastic_replica("topk_fsdp")
         setup_distributed()

@@ -17,6 +17,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
+from lightning_topk.support import message
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -72,8 +74,7 @@ class Exchange:
             raise ValueError(f"topk_ddp: selection_scope='parameter' is not supported with exchange={cls.name!r} "
                              "(resume would not be exact); use exchange='allgather' or selection_scope='bucket'")
         if layout is not None and layout.local < cls.min_local:
-            raise ValueError(f"topk_ddp: exchange={cls.name!r} needs more than one process per node "
-                             f"(devices={layout.local}); use exchange='auto' or 'scatter'")
+            raise ValueError(message("node_tier_one_process", exchange=cls.name, layout=f"1x{layout.local}"))
 
     # ---- the step --------------------------------------------------------------------------------
     def hook(self, state: Any, bucket: Any) -> Any:
