@@ -171,9 +171,11 @@ def message(name: str, **values: object) -> str:
     return rule.render(cell)
 
 
-def pairwise(pool: Sequence[Cell], must: Sequence[Cell] = ()) -> List[Cell]:
+def pairwise(pool: Sequence[Cell], must: Sequence[Cell] = (),
+             group: Optional[Callable[[Cell], object]] = None) -> List[Cell]:
     """A small subset of ``pool`` (supported cells) that covers every pair of (dimension, value)s that occurs in
-    ``pool``, plus ``must``: greedy, deterministic (the first cell that covers most new pairs, in pool order)."""
+    ``pool``, plus ``must``: greedy, deterministic (the first cell that covers most new pairs, in pool order; among
+    equals, one whose ``group`` (e.g. its launch) is already chosen)."""
     def pairs(c: Cell) -> set:
         items = sorted(c.items())
         return {(a, b) for a, b in itertools.combinations(items, 2)}
@@ -184,15 +186,18 @@ def pairwise(pool: Sequence[Cell], must: Sequence[Cell] = ()) -> List[Cell]:
         chosen.append(c)
         left -= pairs(c)
     cache = [(c, pairs(c)) for c in pool]
+    keys = {group(c) for c in chosen} if group else set()
     while left:
-        best, gain = None, 0
+        best, gain = None, (0, False)
         for c, p in cache:
-            g = len(p & left)
-            if g > gain:
+            g = (len(p & left), bool(group) and group(c) in keys)
+            if g[0] and g > gain:
                 best, gain = (c, p), g
         assert best is not None
         chosen.append(best[0])
         left -= best[1]
+        if group:
+            keys.add(group(best[0]))
     return chosen
 
 

@@ -1,0 +1,186 @@
+"""The generated suite's cells: a pairwise sample of the support matrix (lightning_topk.support), the cells the
+review of issue 41 found defects in, and per refusal rule the cells that show it; grouped into launches of
+tests/scripts/cell_probe.py (one per strategy, API and layout)."""
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from lightning_topk import support
+from tests.helpers.procs import SCRIPTS, run_nodes, run_script
+
+PROBE = SCRIPTS / "cell_probe.py"
+DEFAULT = {"strategy": "topk_ddp", "api": "trainer", "mode": "per_step", "exchange": "auto", "fault_tolerance": "none",
+           "layout": "2x2", "optimization": "automatic", "feature": "plain", "end": "max_steps"}
+
+
+def cell(**kw):
+    c = {**DEFAULT, **kw}
+    c["id"] = support.cell_id(c)
+    return c
+
+
+# The cells issue 41's review found defects in (the gloo-run ones; the torchft ones run in tests/lightning).
+DEFECTS = {
+    "1 topk_fsdp x scatter deadlocked": cell(strategy="topk_fsdp", exchange="scatter"),
+    "3 topk_fsdp local SGD resumed a mix of the replicas": cell(strategy="topk_fsdp", mode="local_sgd"),
+    "4 resume right after the first sparse step (topk_ddp)": cell(exchange="allgather", layout="2x1"),
+    "4 resume right after the first sparse step (topk_fsdp)": cell(strategy="topk_fsdp", exchange="allgather"),
+    "5 manual optimization engaged the recipe early (topk_fsdp)": cell(strategy="topk_fsdp", exchange="allgather",
+                                                                       optimization="manual"),
+    "5 manual optimization engaged the recipe early (topk_ddp)": cell(exchange="allgather", optimization="manual",
+                                                                      layout="1x2"),
+    "8 world size 3, defaults": cell(layout="1x3"),
+    "8 world size 3, dense": cell(layout="1x3", exchange="dense"),
+    "8 world size 3, local SGD": cell(layout="1x3", mode="local_sgd"),
+}
+DEFECT_REFUSED = {"6 partial sharding": cell(strategy="topk_fsdp", feature="partial_shard")}
+
+
+def launch_key(c):
+    nodes, procs = c["layout"].split("x")
+    if c["fault_tolerance"] == "torchft":
+        nodes = "1"
+    return c["strategy"], c["api"], int(nodes), int(procs)
+
+
+def runnable(c):
+    """Gloo-run here: no torchft (its cells run in tests/lightning/test_elastic*.py) and no process faults."""
+    return c["fault_tolerance"] == "none" and c["end"] in ("max_steps", "max_epochs")
+
+
+def _sample():
+    pool = [c for c in support.cells() if support.status(c)[0] == "supported" and runnable(c)]
+    chosen = support.pairwise(pool, must=[{k: v for k, v in c.items() if k != "id"} for c in DEFECTS.values()],
+                              group=launch_key)
+    return [cell(**c) for c in chosen]
+
+
+SUPPORTED = _sample()
+
+
+def _refused():
+    """Per setup-time rule, per strategy and API: the first refused cell of the rule (gloo-runnable or not: a
+    refusal comes before any process group, torchft's included)."""
+    out, seen = list(DEFECT_REFUSED.values()), {}
+    launched = {launch_key(c) for c in SUPPORTED}
+    for c in support.cells():
+        st, rule = support.status(c)
+        if st != "refused" or rule.at != "setup" or c["end"] not in ("max_steps", "max_epochs"):
+            continue
+        key = (rule.name, c["strategy"], c["api"])
+        if key not in seen or (launch_key(c) in launched and launch_key(seen[key]) not in launched):
+            seen[key] = c  # the first, or the first in a launch the supported cells make anyway
+    return out + [cell(**c) for c in seen.values()]
+
+
+REFUSED = _refused()
+
+
+def groups(cells):
+    g = defaultdict(list)
+    for c in cells:
+        g[launch_key(c)].append(c)
+    return g
+
+
+class Launches:
+    """Runs each launch of ``cells`` once, on first use, and reads what its ranks wrote."""
+
+    def __init__(self, cells, base: Path, reference=None):
+        self.groups, self.base, self.reference, self.done = groups(cells), base, reference, {}
+
+    def out(self, c):
+        key = launch_key(c)
+        if key not in self.done:
+            cells = self.groups[key]
+            d = self.base / "-".join(map(str, key)) / (self.reference or "topk")
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "cells.json").write_text(json.dumps(cells))
+            args = [PROBE, "--cells", d / "cells.json", "--out", d]
+            if self.reference:
+                args += ["--reference", self.reference]
+            try:
+                if key[2] > 1:
+                    run_nodes(args, num_nodes=key[2], timeout=600)
+                else:
+                    run_script(args, timeout=600)
+                self.done[key] = (d, None)
+            except Exception as e:  # the cells of a launch that failed fail with its log
+                self.done[key] = (d, e)
+        d, err = self.done[key]
+        return d / c["id"], err
+
+
+def ranks(c):
+    n, p = (int(v) for v in c["layout"].split("x"))
+    return n * p
+
+
+def load(d, phase, world):
+    return [torch.load(d / f"{phase}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def agreeing(c, params):
+    """The parameters every rank must hold alike: all, but under topk_ddp not the ones BackboneFinetuning unfroze
+    (outside DDP's buckets: Lightning's own ddp leaves them unsynchronised too)."""
+    if c["feature"] == "unfreeze" and c["strategy"] == "topk_ddp":
+        return {k: v for k, v in params.items() if not k.startswith("blocks")}
+    return params
+
+
+def max_diff(a, b):
+    return max((x - b[k]).abs().max().item() for k, x in a.items())
+
+
+def check_supported(c, launches, reference=None):
+    """A supported cell finishes in time on every rank, its ranks agree bit for bit, every checkpoint resumes bit
+    for bit, and where it sends dense its parameters are Lightning ddp's."""
+    d, err = launches.out(c)
+    assert err is None, f"{c['id']}: the launch failed: {err}"
+    assert not list(d.glob("refused.*")), f"{c['id']} is supported but was refused: {list(d.glob('refused.*'))}"
+    world = ranks(c)
+    full = load(d, "full", world)
+    steps = {f["step"] for f in full}
+    assert steps == {6}, f"{c['id']}: ranks ended at steps {steps}, not 6"
+    for r, f in enumerate(full[1:], 1):
+        a, b = agreeing(c, full[0]["params"]), agreeing(c, f["params"])
+        assert max_diff(a, b) == 0.0, f"{c['id']}: rank {r} differs from rank 0 by {max_diff(a, b):.3g}"
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cell_probe", PROBE)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    for k in probe.resume_points(c):
+        again = load(d, f"resume{k}", world)
+        for r in range(world):
+            diff = max_diff(full[r]["params"], again[r]["params"])
+            assert diff == 0.0, f"{c['id']}: resumed after step {k}, rank {r} ends {diff:.3g} off the straight run"
+    if reference is not None:
+        rd, rerr = reference.out(c)
+        assert rerr is None, f"{c['id']}: the ddp reference failed: {rerr}"
+        ref = load(rd, "ddp", world)
+        for r in range(world):
+            diff = max_diff(ref[r]["params"], full[r]["params"])
+            assert diff == 0.0, f"{c['id']}: rank {r} is {diff:.3g} off Lightning's ddp"
+
+
+def check_refused(c, launches):
+    """A refused cell fails at setup, before any process group, with the matrix's message on every rank that ran."""
+    d, err = launches.out(c)
+    assert err is None, f"{c['id']}: the launch failed: {err}"
+    files = sorted(d.glob("refused.rank*.json"))
+    assert files, f"{c['id']} is refused by the matrix but ran: {sorted(p.name for p in d.iterdir())}"
+    want = support.status(c)[1].render({**c, "layout": f"1x{c['layout'].split('x')[1]}"}
+                                       if c["fault_tolerance"] == "torchft" else c)
+    for f in files:
+        got = json.loads(f.read_text())
+        assert got["error"] == want, f"{c['id']}: {f.name} says\n{got['error']}\nthe matrix says\n{want}"
+        assert got["pg"] is False, f"{c['id']}: the refusal came after the process group was made"
+
+
+def dense_reference(c):
+    """Cells whose every step is dense under topk_ddp with the Trainer: Lightning ddp's, bit for bit."""
+    return (c["strategy"] == "topk_ddp" and c["api"] == "trainer" and c["mode"] == "per_step"
+            and c["exchange"] == "dense")
