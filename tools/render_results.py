@@ -669,6 +669,8 @@ FT_RUNS = ["ft_goodput_2026-11-27", "ft_goodput_2026-11-27_repeat", "ft_goodput_
            "ft_accuracy_mnist_600_2026-11-27_seeds345"]
 for _name in FT_RUNS:
     BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json", ft_table(f"{_name}.json"))
+BLOCKS["support-matrix"] = ("docs/compatibility.md", "lightning_topk/support.py and tests/matrix/cells.py",
+                             lambda: str(_module("tools/render_support.py").markdown()))
 for _name in LOCAL_ACCURACY_RUNS:
     BLOCKS[_name.replace("_", "-")] = ("BENCHMARKS.md", f"benchmarks/results/{_name}.json",
                                        local_accuracy_table(f"{_name}.json"))
