@@ -56,7 +56,8 @@ class ShardBucket:
 class ShardHooks:
     """The all-reduce hooks of one model's FSDP groups: ``groups`` = per group, (parameter names, padded
     shard numel of each). :meth:`hook` gives the group's hook; the last group to call it in a backward
-    ends the state's step (FSDP calls them in backward order, one per group that has gradients)."""
+    ends the state's step (FSDP calls them in backward order, one per group that has gradients). Each hook
+    returns with its own group's exchange complete (not pipelined: FSDP waits for it before the next one)."""
 
     def __init__(self, state: Any, groups: Sequence[Tuple[Sequence[str], Sequence[int]]],
                  exchange_hook: Callable[[Any, Any], Any]) -> None:
@@ -83,7 +84,11 @@ class ShardHooks:
             last = self.calls == len(self.slots)
             if last:
                 self.calls = 0
-            out = self._exchange_hook(self.state, ShardBucket(reduce_output, self.slots[i], i, last)).wait()
+            fut = self._exchange_hook(self.state, ShardBucket(reduce_output, self.slots[i], i, last))
+            # FSDP calls the next group's hook only once this one has returned: finish the exchange's collectives
+            # here (the scale-free exchange otherwise completes a bucket in the next bucket's hook)
+            self.state.exchange.flush(self.state)
+            out = fut.wait()
             if out.data_ptr() != reduce_output.data_ptr():
                 reduce_output.copy_(out)
 
