@@ -28,21 +28,33 @@ _EXPORTS = {
     "topk_allgather_hook": "lightning_topk.comm",
     "topk_select": "lightning_topk.comm",
     "TopKDDPStrategy": "lightning_topk.lightning.strategy",
+    "TopKFSDPStrategy": "lightning_topk.lightning.fsdp",
     "UnifiedTopKDDPStrategy": "lightning_topk.lightning.unified",
     "UnifiedTopKPrecision": "lightning_topk.lightning.unified",
     "StepController": "lightning_topk.comm",
     "TopKPrecision": "lightning_topk.lightning.precision",
     "register_strategies": "lightning_topk.lightning.registry",
     "WebDataModule": "lightning_topk.data",
+    "CacheStatsLogger": "lightning_topk.data",
     "write_shards": "lightning_topk.data",
+    "FrozenVarianceAdamW": "lightning_topk.optim",
+    "LAMB": "lightning_topk.optim",
+    "LARS": "lightning_topk.optim",
+    "SmallCNN": "lightning_topk.models",
 }
 
 __all__ = [
+    "CacheStatsLogger",
     "DensitySchedule",
+    "FrozenVarianceAdamW",
+    "LAMB",
+    "LARS",
+    "SmallCNN",
     "StepController",
     "StepStats",
     "TopKConfig",
     "TopKDDPStrategy",
+    "TopKFSDPStrategy",
     "TopKPrecision",
     "TopKState",
     "UnifiedTopKDDPStrategy",
@@ -69,11 +81,14 @@ if TYPE_CHECKING:
         topk_allgather_hook,
         topk_select,
     )
-    from lightning_topk.data import WebDataModule, write_shards
+    from lightning_topk.data import CacheStatsLogger, WebDataModule, write_shards
+    from lightning_topk.lightning.fsdp import TopKFSDPStrategy
     from lightning_topk.lightning.precision import TopKPrecision
     from lightning_topk.lightning.registry import register_strategies
     from lightning_topk.lightning.strategy import TopKDDPStrategy
     from lightning_topk.lightning.unified import UnifiedTopKDDPStrategy, UnifiedTopKPrecision
+    from lightning_topk.models import SmallCNN
+    from lightning_topk.optim import LAMB, LARS, FrozenVarianceAdamW
 
 
 def __getattr__(name: str) -> Any:

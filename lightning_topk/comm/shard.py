@@ -37,6 +37,10 @@ class ShardSlot:
 class ShardBucket:
     """One FSDP group's reduce-scattered gradient shard, read as a DDP bucket."""
 
+    # A dense exchange sums the replicas' shards, then divides (torch's HSDP on gloo: ReduceOp.AVG), where a
+    # DDP bucket is divided before the sum (torch's reducer); see dense.dense_hook.
+    average_after = True
+
     def __init__(self, buffer: Tensor, slots: Sequence[ShardSlot], index: int, last: bool) -> None:
         self._buffer, self._slots, self._index, self._last = buffer, list(slots), index, last
 

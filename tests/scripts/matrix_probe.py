@@ -3,7 +3,9 @@ strategy on 2 CPU processes; every rank dumps, per feature, the final parameters
 optimizer each step (lr, momentum, weight decay), the user's RNG streams after the fit, and the hook state.
 
     python tests/scripts/matrix_probe.py --strategy ddp|topk_default|topk_probe|topk_dense|topk_sparse|topk_local --out DIR \
-        [--features onecycle,sgd_wd,dropout,...]
+        [--features onecycle,sgd_wd,dropout,...] [--devices N]
+
+``--strategy`` may list several (``ddp,topk_default``): one launch fits each in turn, into ``DIR/<strategy>``.
 
 ``topk_default`` is ``strategy="topk_ddp"`` with every option at its default (``exchange="auto"`` sends this
 small model's buckets dense on one node; ``deterministic=True``, so its plan comes from the constants model);
@@ -105,13 +107,13 @@ def strategy_for(name: str):
     raise SystemExit(f"unknown --strategy {name!r}")
 
 
-def fit(feature: str, strategy: str, out: str, steps: int) -> None:
+def fit(feature: str, strategy: str, out: str, steps: int, devices: int = 2) -> None:
     pl.seed_everything(0, workers=True)
     np.random.seed(0)
     model = Net(feature, steps)
     watch = Watch()
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy_for(strategy), max_steps=steps, callbacks=[watch],
+        accelerator="cpu", devices=devices, strategy=strategy_for(strategy), max_steps=steps, callbacks=[watch],
         accumulate_grad_batches=2 if feature == "accumulate" else 1,
         gradient_clip_val=0.5 if feature == "clip" else None,
         precision="bf16-mixed" if feature == "bf16" else "32-true",
@@ -139,16 +141,21 @@ def main():
     ap.add_argument("--strategy", required=True)
     ap.add_argument("--features", default=",".join(FEATURES))
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    os.makedirs(a.out, exist_ok=True)
+    strategies = a.strategy.split(",")
     for f in a.features.split(","):
         if f not in FEATURES:
             raise SystemExit(f"unknown feature {f!r}; allowed: {', '.join(FEATURES)}")
-        fit(f, a.strategy, a.out, a.steps)
+    for s in strategies:
+        out = a.out if len(strategies) == 1 else os.path.join(a.out, s)
+        os.makedirs(out, exist_ok=True)
+        for f in a.features.split(","):
+            fit(f, s, out, a.steps, a.devices)
     with open(os.path.join(a.out, "done.json"), "w") as fh:
-        json.dump({"strategy": a.strategy, "features": a.features}, fh)
+        json.dump({"strategy": a.strategy, "features": a.features, "devices": a.devices}, fh)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ def elastic_exchange_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.
     averaged gradient, so the same residuals and the same result; the cross-group traffic is per local rank."""
     intra = state.flat_group.intra
     buf = bucket.buffer()
+    buf.mul_(1.0 / dist.get_world_size(intra))  # before the sum, as torch's reducer
     dist.all_reduce(buf, group=intra)
-    buf.div_(dist.get_world_size(intra))
     return exchange_hook(state, bucket)
 
 

@@ -32,8 +32,9 @@ from lightning_topk.comm.wire import ring_allreduce_wire, to_wire
 
 def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtype = torch.float32,
                via: Optional[str] = None):
-    """Dense all-reduce of ``grad/scale`` in ``wire_dtype`` (values divided by the world size before a
-    low-precision cast). Where these parameters hold a residual (they travelled sparse before), it is
+    """Dense all-reduce of ``grad/scale`` in ``wire_dtype``, each rank's values divided by the world size before
+    the all-reduce (as torch's reducer: bit for bit DDP in fp32 at any world size; before the cast in low precision;
+    an FSDP shard's sum is divided after it, as torch's HSDP on gloo). Where these parameters hold a residual (they travelled sparse before), it is
     added and sent too, and with fp16/bf16 the cast error stays in it (error feedback); with momentum
     correction the velocity is updated, sent and kept; otherwise no buffer is made and the cost is a
     cast and a copy, as DDP's own compression hooks. Parameters unused in this backward keep their residual
@@ -76,7 +77,13 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     state.add_stats(stats, via or ("dense_bf16" if low else "dense"), buckets=1, numel=n,
                     bytes_dense=n * grad.element_size(), numel_sent=n, bytes_sent=n * eb, **_link(state, n * eb),
                     bytes_wire=ring_allreduce_wire(n * eb, world), bytes_dense_wire=ring_allreduce_wire(4 * n, world))
-    f = factor(state.grad_scale, 1 if low else world)
+    # As torch's reducer (no comm hook): each rank's values times 1/world before the all-reduce of the sum
+    # (``at::mul_out(bucket, grad, 1/world)``); dividing the sum after it differs for worlds not a power of 2.
+    # An FSDP shard (``average_after``) is summed, then divided, as torch's HSDP on gloo (ReduceOp.AVG).
+    after = not low and getattr(bucket, "average_after", False)
+    if not low and not after and world > 1:
+        wire.mul_(1.0 / world)
+    f = factor(state.grad_scale, world if after else 1)
     t_launch = clock(device)
     fut = elastic.all_reduce(wire, group, async_op=True).get_future()
 
@@ -89,7 +96,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
             if isinstance(f, torch.Tensor) or f != 1.0:
                 grad.mul_(f)
             return grad
-        return deliver(state, grad, wire.mul_(f))
+        return deliver(state, grad, wire if not isinstance(f, torch.Tensor) and f == 1.0 else wire.mul_(f))
 
     if bucket.is_last():
         state.end_exchange()

@@ -151,12 +151,12 @@ class LocalExchange(Exchange):
                 state.add_stats(stats, bytes_sent=n * eb, bytes_intra=n * eb, bytes_wire=ring_allreduce_wire(n * eb, L))
         if L > 1:
             t = clock(grad.device)
+            grad.mul_(1.0 / L)  # before the sum, as torch's reducer (DDP bit for bit at any L)
             fut = dist.all_reduce(grad, group=reduce_group, async_op=True).get_future()
 
             def finish(done: torch.futures.Future) -> Tensor:
                 done.wait()  # a failed all-reduce raises its own error, before `grad` is read
                 state.add_time(stats, "comm_time_s", t)
-                grad.div_(L)
                 state.flags.note_result(grad)
                 return grad
 
