@@ -58,12 +58,12 @@ def test_backbone_finetuning_is_refused_where_the_hook_holds_the_momentum(runs):
         ddp, none = runs("tune_ddp", r), runs("tune_none", r)
         assert ddp["groups"] == none["groups"] == 2 and ddp["backbone_buffers"] == none["backbone_buffers"] == 2
         auto = runs("tune_auto", r)
-        assert auto["step"] == 0 and "BackboneFinetuning" in auto["error"] and "recipe='none'" in auto["error"]
+        assert auto["step"] == auto["epoch"] == 0 and "BackboneFinetuning" in auto["error"] and "recipe='none'" in auto["error"]
 
 
 def test_parameters_unfrozen_outside_the_buckets_are_refused_at_that_step(runs):
-    """A callback of the user's own unfreezes the backbone at epoch 1 (step 2) and adds it to the optimizer: refused at
-    that optimizer step, naming the parameters."""
+    """A callback of the user's own unfreezes the backbone at epoch 1 (the second step, one batch per epoch) and adds
+    it to the optimizer: refused in that step, naming the parameters (it stepped them without momentum: 0 buffers)."""
     for r in range(2):
         err = runs("unfreeze", r)
-        assert err["step"] == 1 and "backbone.0.weight" in err["error"] and "recipe='none'" in err["error"]
+        assert err["epoch"] == 1 and "backbone.0.weight" in err["error"] and "recipe='none'" in err["error"]

@@ -103,7 +103,8 @@ def dump(out, phase, trainer, model, **extra):
                 exchange_step=st.step if st is not None else None,
                 velocities={k: v.clone() for k, v in st.velocities().items()} if st is not None else {},
                 momentum_buffers=sum("momentum_buffer" in v for v in opt.state.values()),
-                wd_momentum=sum("topk_wd_momentum" in v for v in opt.state.values()), **extra)
+                wd_momentum=sum("topk_wd_momentum" in v for v in opt.state.values()),
+                trace=list(getattr(model, "trace", [])), **extra)
     torch.save(info, os.path.join(out, f"{phase}_rank{trainer.global_rank}.pt"))
 
 
@@ -137,7 +138,7 @@ def tune_phase(a, phase, rank):
     try:
         trainer.fit(model, loader)
     except ValueError as e:
-        torch.save(dict(error=str(e), step=trainer.global_step),
+        torch.save(dict(error=str(e), step=trainer.global_step, epoch=trainer.current_epoch),
                    os.path.join(a.out, f"{phase}_rank{rank}.pt"))
         return
     backbone = {id(p) for p in model.backbone.parameters()}
