@@ -17,7 +17,9 @@ density warm-up helps at 0.001, but its length depends on the run). So ``recipe=
 
   In a run it is :class:`LiveRecipe`: **dormant until the first step that sent a bucket sparse**, so
   while every bucket goes dense (density 1, an ``auto`` plan that sends all dense, ``dense_steps``) the
-  hook sends the raw gradient and the optimizer is DDP's, untouched. From the next step on the velocity
+  hook sends the raw gradient and the optimizer is DDP's, untouched. (Decided once per optimizer step, before its
+  backward, under automatic and manual optimization alike; a checkpoint keeps whether the last step sent sparse,
+  :meth:`TopKState.last_sent_sparse`.) From the next step on the velocity
   lives in the hook (seeded with the optimizer's momentum buffers; checkpointed per rank, rolled back by a
   skipped step); the optimizer's ``momentum`` and ``weight_decay`` are set to 0 only *during* its step and
   restored after it, so schedulers (``OneCycleLR(cycle_momentum=True)``), callbacks and checkpoints see the
