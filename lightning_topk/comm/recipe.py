@@ -17,7 +17,9 @@ density warm-up helps at 0.001, but its length depends on the run). So ``recipe=
 
   In a run it is :class:`LiveRecipe`: **dormant until the first step that sent a bucket sparse**, so
   while every bucket goes dense (density 1, an ``auto`` plan that sends all dense, ``dense_steps``) the
-  hook sends the raw gradient and the optimizer is DDP's, untouched. From the next step on the velocity
+  hook sends the raw gradient and the optimizer is DDP's, untouched. (Decided once per optimizer step, before its
+  backward, under automatic and manual optimization alike; a checkpoint keeps whether the last step sent sparse,
+  :meth:`TopKState.last_sent_sparse`.) From the next step on the velocity
   lives in the hook (seeded with the optimizer's momentum buffers; checkpointed per rank, rolled back by a
   skipped step); the optimizer's ``momentum`` and ``weight_decay`` are set to 0 only *during* its step and
   restored after it, so schedulers (``OneCycleLR(cycle_momentum=True)``), callbacks and checkpoints see the
@@ -33,7 +35,7 @@ Layer 1: torch only; the optimizer is duck-typed by its class and ``param_groups
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -138,6 +140,11 @@ class LiveRecipe:
         self.dormant = dormant
         self.engaged = False
         self._stepping: Optional[float] = None  # the user's momentum while before_step has zeroed the groups'
+        self._decided = False  # this optimizer step's engage decision is taken (at its first begin_step)
+        # ids of the parameters whose gradients go through the hook (topk_ddp: those in DDP's buckets; None: all),
+        # and every parameter's name by id (for messages): see check_hooked
+        self.hooked: Optional[Set[int]] = None
+        self.names: Dict[int, str] = {}
 
     def momentum(self) -> float:
         """The one momentum of the optimizer's groups now (a scheduler or callback may have written it); inside
@@ -153,14 +160,19 @@ class LiveRecipe:
         return moms[0]
 
     def engages(self, state: TopKState) -> bool:
-        """Whether the momentum is in the hook from the next step on: engaged, or the last step sent sparse."""
-        return self.engaged or state.last.numel_sent < state.last.numel
+        """Whether the momentum is in the hook from the next step on: engaged, or the last step sent sparse (right
+        after a resume: the checkpoint's last step)."""
+        return self.engaged or state.last_sent_sparse()
 
     def begin_step(self, state: TopKState) -> None:
-        """Before a backward: engage after a step that sent a bucket sparse; then follow the momentum."""
+        """Before a backward: engage after a step that sent a bucket sparse; then follow the momentum. The decision
+        is taken once per optimizer step, at its first call: before the closure's backward under automatic
+        optimization, before ``manual_backward`` under manual optimization (the optimizer step's own call then comes
+        after this step's exchange, and must not engage inside it)."""
         if not self.engaged:
-            if self.engages(state):
+            if not self._decided and self.engages(state):
                 self.engage(state)
+            self._decided = True
             return
         m = self.momentum()
         if m != state.config.momentum:
@@ -185,11 +197,31 @@ class LiveRecipe:
         by_id = {i: n for n, i in state.named_bound()}
         return {by_id[i]: b.detach().float() for i, b in bufs.items() if i in by_id}
 
+    def check_hooked(self) -> None:
+        """Refuse an engaged step while the optimizer holds a trainable parameter whose gradient does not go through
+        the hook (unfrozen or added to the optimizer after DDP built its buckets, e.g. by a fine-tuning callback): it
+        would step without momentum (no velocity in the hook, the optimizer's zeroed) while the optimizer shows the
+        user's. Checked before the step's backward under automatic optimization, so nothing has stepped yet."""
+        if self.hooked is None:
+            return
+        outside = [self.names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+                   for g in self.optimizer.param_groups for p in g["params"]
+                   if p.requires_grad and id(p) not in self.hooked]
+        if outside:
+            raise ValueError(
+                f"topk_ddp: recipe='auto' runs SGD's momentum in the comm hook, which gets only the gradients DDP "
+                f"reduces (the parameters that required gradients when DDP was set up); the optimizer also steps "
+                f"{len(outside)} parameter(s) outside them, unfrozen or added after setup ({outside[:5]}): they would "
+                f"step without momentum while the optimizer shows {self.momentum():g}, and DDP does not average their "
+                "gradients either. Unfreeze them before fit, or set recipe='none' to keep the momentum in the "
+                "optimizer (as under Lightning's 'ddp')")
+
     def before_step(self, optimizer: Any) -> Optional[List[Tuple[Dict[str, Any], float, float, List[Any]]]]:
         """Zero the optimizer's momentum and weight decay for its step; weight decay's share of the momentum
         for the parameters, computed from their values before the step. None while dormant."""
         if not self.engaged or optimizer is not self.optimizer:
             return None
+        self.check_hooked()
         m = self.momentum()
         saved = []
         for g in optimizer.param_groups:
@@ -212,6 +244,7 @@ class LiveRecipe:
     def after_step(self, optimizer: Any, saved: Optional[List[Any]], committed: bool) -> None:
         """Restore the groups' values; on a committed step, apply and keep weight decay's momentum share
         for the parameters that stepped (those with a gradient, as SGD does)."""
+        self._decided = False
         if saved is None:
             return
         self._stepping = None

@@ -5,7 +5,8 @@ inside the model's distributed checkpoint folder (Lightning's and Fabric's alike
   each replica's residual of a parameter as a ``DTensor`` sharded as the parameter is (each rank writes its shard:
   4 B per parameter / processes per node);
 * ``rank<r>.pt`` (the checkpoint writer saves plain tensors and objects from the coordinator only, so these are
-  files of their own, written atomically): rank r's layout (:func:`meta`), step counter and exchange sections
+  files of their own, written atomically): rank r's layout (:func:`meta`), step counter, whether that step sent
+  sparse (``recipe="auto"`` engages after one) and exchange sections
   (``exchange="auto"``'s plan, owner residuals) or its local SGD outer state (θ_outer, momentum, error feedback of
   its shard), with the save's key, so a stale file (a rank that died before overwriting it) is detected.
 
@@ -144,7 +145,8 @@ def save(top: Any, path: Any) -> None:
         dcp_save(dtensors, checkpoint_id=folder(path))
     if top.state is not None:
         sections = {n: ex.state_dict() for n, ex in top.state.exchanges.items()}
-        sd.update(step=top.state.step, exchanges={n: s for n, s in sections.items() if s})
+        sd.update(step=top.state.step, exchanges={n: s for n, s in sections.items() if s},
+                  last_sparse=top.state.last_sent_sparse())  # recipe="auto" engages after a step that sent sparse
     files.atomic_torch_save(sd, rank_path(path, dist.get_rank()))
     dist.barrier()  # every rank's file is written before anyone reads the checkpoint
 
@@ -227,6 +229,7 @@ def load(top: Any, path: Any) -> str:
     own = _read_rank(path, rank, key) if same else first
     st.step = int(own["step"])
     st.undo.step = st.step
+    st.loaded_sparse = bool(own.get("last_sparse", False))
     if same:
         for name, ex in st.exchanges.items():
             ex.load_state_dict(own["exchanges"].get(name))

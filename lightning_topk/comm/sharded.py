@@ -132,7 +132,10 @@ class ShardRecipe(LiveRecipe):
 
     def __init__(self, optimizer: Any, dormant: TopKConfig, module: nn.Module, numels: Dict[str, int]) -> None:
         super().__init__(optimizer, dormant)
-        self.module, self.numels = module, numels
+        # the sharded parameters (the optimizer's), named now: between a forward and its backward FSDP2 registers the
+        # unsharded ones in their place (the root's stay so), which is when manual optimization engages
+        self.sharded = list(module.named_parameters())
+        self.numels = numels
 
     def engage(self, state: TopKState, seed: bool = True) -> None:
         super().engage(state, seed)
@@ -140,7 +143,7 @@ class ShardRecipe(LiveRecipe):
 
     def seeds(self, state: TopKState, bufs: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
         out = {}
-        for name, p in self.module.named_parameters():
+        for name, p in self.sharded:
             b = bufs.get(id(p))
             if b is not None and name in self.numels:
                 t = local_tensor(b.detach()).float().reshape(-1)

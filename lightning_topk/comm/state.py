@@ -83,6 +83,7 @@ class TopKState(ParamBuffers):
         self.debug = DebugRecord()
         self.current = StepStats()
         self.last = StepStats()
+        self.loaded_sparse = False  # a loaded checkpoint's last_sent_sparse(), until this state's first step ends
         self.bucket_sizes: List[int] = []  # entries of each bucket of the last complete step, in launch order
         self._step_sizes: List[int] = []
         self.totals = StepStats()
@@ -171,6 +172,11 @@ class TopKState(ParamBuffers):
         self.current = StepStats(step=self.step)
         self.totals.resolve(ready_only=True)
 
+    def last_sent_sparse(self) -> bool:
+        """Whether the last complete step sent a bucket sparse (``recipe="auto"`` engages after one); before the first
+        step after a load, what the checkpoint says (:attr:`loaded_sparse`)."""
+        return self.last.numel_sent < self.last.numel if self.last.numel else self.loaded_sparse
+
     def add_stats(self, stats: StepStats, via: Optional[str] = None, /, **kw: int) -> None:
         """Add the counters ``kw`` to ``stats`` and the totals; ``via``: one bucket moved by that exchange."""
         for k, v in kw.items():
@@ -196,7 +202,8 @@ class TopKState(ParamBuffers):
     def state_dict(self) -> Dict[str, Any]:
         """This rank's compression state; residuals keyed by parameter name, on CPU."""
         pending = self._pending_load or {}
-        out: Dict[str, Any] = {"version": STATE_VERSION, "step": self.step, "config": asdict(self.config)}
+        out: Dict[str, Any] = {"version": STATE_VERSION, "step": self.step, "config": asdict(self.config),
+                               "last_sparse": self.last_sent_sparse()}
         for kind, live in (("residual", self.residuals()), ("velocity", self.velocities())):
             d = {n: t.clone() for (k, n), t in pending.items() if k == kind}
             d.update({n: t.detach().cpu().clone() for n, t in live.items()})
@@ -210,6 +217,7 @@ class TopKState(ParamBuffers):
         """Restore a state from :meth:`state_dict` (this version's or version 1's); residuals are applied as
         buckets appear, exchange sections as their exchanges exist (see :meth:`exchange_for`)."""
         self.step = int(sd["step"])
+        self.loaded_sparse = bool(sd.get("last_sparse", False))
         pending: Dict[Tuple[str, str], Tensor] = {}
         for kind in ("residual", "velocity"):
             for name, t in dict(sd.get(kind, {})).items():

@@ -4,7 +4,8 @@ Layout, beside the Lightning checkpoint ``<dir>/<name>`` (which rank 0 writes)::
 
     <dir>/<name>                           Lightning's file; ``checkpoint["lightning_topk"]`` holds what is
                                            the same on every rank: format version, save key, world size,
-                                           node layout, step, config, parameter name -> numel, and the
+                                           node layout, step, whether that step sent sparse (recipe="auto"
+                                           engages after one), config, parameter name -> numel, and the
                                            sections of exchanges whose state is rank-independent
                                            (``exchanges``: exchange="auto"'s plan and cost model), so every
                                            rank restores one plan whatever its shard holds
@@ -138,7 +139,7 @@ def save_rank_state(strategy, checkpoint: Dict[str, Any], filepath) -> None:
     key = save_key(checkpoint, int(sd["step"]))
     meta = dict(
         format=FORMAT, version=VERSION, save_key=key, name=os.path.basename(os.fspath(filepath)),
-        step=int(sd["step"]), global_step=int(checkpoint.get("global_step", -1)),
+        step=int(sd["step"]), global_step=int(checkpoint.get("global_step", -1)), last_sparse=bool(sd["last_sparse"]),
         config=asdict(state.config), numels=_param_numels(strategy.lightning_module),
         exchanges={n: v for n, v in sd["exchanges"].items() if _shared(n)}, **layout_of(strategy),
     )
@@ -258,7 +259,9 @@ def restore_rank_state(strategy, ckpt_path, checkpoint: Dict[str, Any]) -> Optio
         sections = dict((extra or {}).get("exchanges", {}))
         if not cfg.error_feedback:  # owner residuals are error feedback too
             sections = {n: v for n, v in sections.items() if "owner_residual" not in v}
-        return {"step": step, **tensors, "exchanges": sections}
+        # recipe="auto" engages after a step that sent sparse: a resume right after one engages as the run would have
+        last_sparse = isinstance(meta, dict) and meta.get("format") == FORMAT and bool(meta.get("last_sparse"))
+        return {"step": step, **tensors, "exchanges": sections, "last_sparse": last_sparse}
 
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         if not cfg.error_feedback:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Set
 
 import pytorch_lightning as pl
 import torch
@@ -99,6 +99,7 @@ class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMi
         live = self.topk_live_recipe
         if live is not None:  # dormant: the hooks send the raw gradient until a step sends sparse
             state.config = live.dormant
+            live.hooked, live.names = ddp_reduced(self.model), {id(p): n for n, p in self.lightning_module.named_parameters()}
             if (self._pending_topk_state or {}).get("velocity"):
                 live.engage(state, seed=False)  # the checkpoint's velocities (loaded below) are the momentum
         if self._pending_topk_state is not None:
@@ -241,6 +242,15 @@ def config_from(config: Optional[TopKConfig], kwargs: Dict[str, Any], strategy: 
         raise ValueError(f"{strategy}: config must be a lightning_topk.TopKConfig, got {type(config).__name__}")
     options = {k: kwargs.pop(k) for k in TopKConfig.option_names() if k in kwargs}
     return replace(config, **options) if config is not None else TopKConfig(**options)
+
+
+def ddp_reduced(ddp: Any) -> Optional[Set[int]]:
+    """``id`` of every parameter whose gradient DDP's reducer (so the comm hook) gets: those that required gradients
+    when DDP was built, less its ignored ones; None when ``ddp`` is not a DDP module."""
+    module, ignored = getattr(ddp, "module", None), getattr(ddp, "parameters_to_ignore", None)
+    if module is None or ignored is None:
+        return None
+    return {id(p) for n, p in module.named_parameters() if p.requires_grad and n not in ignored}
 
 
 def ddp_super(strategy: Any) -> Any:

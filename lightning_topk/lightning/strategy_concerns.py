@@ -108,6 +108,7 @@ class RecipeMixin:
                 self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(dormant, opts)
                 if self.topk_live_recipe is not None:
                     self._topk_base_config, self._topk_resolved = dormant, self.topk_config
+                    refuse_finetuning(getattr(self.lightning_module, "_trainer", None))
                 if self.global_rank == 0:
                     log.info("topk_ddp %s", self.topk_recipe)
         pending = self._pending_topk_state
@@ -116,6 +117,22 @@ class RecipeMixin:
             if self.global_rank == 0:
                 log.warning("topk_ddp: momentum_correction is off (%s): saved velocities were discarded",
                             self.topk_recipe)
+
+
+def refuse_finetuning(trainer: Any) -> None:
+    """``recipe="auto"`` with SGD's momentum in the hook and a Lightning fine-tuning callback (``BaseFinetuning``:
+    ``BackboneFinetuning``...) that unfreezes parameters after DDP built its buckets: refused at setup, on every rank
+    alike (the hook would never see those parameters, which would step without momentum; see
+    :meth:`~lightning_topk.comm.recipe.LiveRecipe.check_hooked`)."""
+    tuners = [type(c).__name__ for c in getattr(trainer, "callbacks", None) or []
+              if any(k.__name__ == "BaseFinetuning" for k in type(c).__mro__)]
+    if tuners:
+        raise ValueError(
+            f"topk_ddp: recipe='auto' runs SGD's momentum in the comm hook, which gets only the gradients of the "
+            f"parameters that required gradients when DDP was set up; {', '.join(tuners)} unfreezes parameters later, "
+            "outside DDP's buckets, so they would step without momentum (and, as under Lightning's 'ddp', with "
+            "gradients never averaged across ranks). Set recipe='none' to keep SGD's momentum in the optimizer for "
+            "every parameter (as under 'ddp'), or unfreeze before fit")
 
 
 class ReducerBypassMixin:

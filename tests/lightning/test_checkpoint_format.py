@@ -137,7 +137,7 @@ def test_config_and_model_changes_drop_state_with_one_warning(tmp_path):
 
 def test_checkpoint_without_topk_state(tmp_path):
     out, notes = restore(tmp_path / "x.ckpt", {"global_step": 12, "state_dict": {}}, 0, 2)
-    assert out == {"step": 12, "residual": {}, "velocity": {}, "exchanges": {}}
+    assert out == {"step": 12, "residual": {}, "velocity": {}, "exchanges": {}, "last_sparse": False}
     assert len(notes) == 1 and "no top-k state" in notes[0]
 
 
