@@ -8,7 +8,9 @@ inside the model's distributed checkpoint folder (Lightning's and Fabric's alike
   files of their own, written atomically): rank r's layout (:func:`meta`), step counter, whether that step sent
   sparse (``recipe="auto"`` engages after one) and exchange sections
   (``exchange="auto"``'s plan, owner residuals) or its local SGD outer state (θ_outer, momentum, error feedback of
-  its shard), with the save's key, so a stale file (a rank that died before overwriting it) is detected.
+  its shard, θ_local) and its inner optimizers' state (:func:`~lightning_topk.comm.sharded.local_optimizer_state`:
+  inside a round each replica's differ, and the model's checkpoint keeps one copy of each replicated shard, picked
+  per tensor), with the save's key, so a stale file (a rank that died before overwriting it) is detected.
 
 Loading at the saved layout restores every rank exactly. Per step, another number of nodes or of processes per node
 gives every new replica the average of the saved replicas' residuals, re-sharded by the checkpoint reader (the
@@ -20,7 +22,9 @@ Local SGD's outer state is in both places: the rank files (exact at the saved la
 by the rules of :func:`lightning_topk.comm.local.checkpoint.reshard` (:data:`OUTER_RULES`): θ_outer, momentum and a
 pending streamed update from replica 0 (they are the same on every replica), the error feedback averaged over the
 saved replicas (the pending update ``(1/R) Σ_r e_r`` is unchanged; owner error feedback is added to it), θ_local from
-saved replica ``new replica mod R``. The position, step and round counts and the module's buffers are rank 0's.
+saved replica ``new replica mod R``, and with it, when the processes per node are the saved ones, that replica's inner
+optimizer state (else the model checkpoint's). The position, step and round counts and the module's buffers are rank
+0's.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 import lightning_topk.files as files
+from lightning_topk.comm.sharded import load_local_optimizer_state, local_optimizer_state
 
 PREFIX = "_topk"
 # how a new replica's per-parameter outer tensor comes from the saved replicas' (local SGD, another layout)
@@ -140,6 +145,7 @@ def save(top: Any, path: Any) -> None:
     dtensors = tensors(top)
     if top.outer is not None:
         sd["outer"] = top.outer.state_dict()
+        sd["inner_optimizers"] = [local_optimizer_state(o) for o in top.optimizers]
         dtensors.update(outer_tensors(top, sd["outer"]))
     if dtensors:
         dcp_save(dtensors, checkpoint_id=folder(path))
@@ -175,9 +181,19 @@ def restoring(top: Any, path: Any) -> Any:
     return top.restoring(files.isdir(path) and saved_engaged(path))
 
 
-def load(top: Any, path: Any) -> str:
+def _load_inner(top: Any, sd: Dict[str, Any], optimizers: Any) -> None:
+    """Local SGD: the inner optimizers' state of the rank file ``sd`` into those of ``optimizers`` (default: every
+    one), over what the model's checkpoint loaded."""
+    wanted = top.optimizers if optimizers is None else optimizers
+    for o, saved in zip(top.optimizers, sd.get("inner_optimizers", [])):
+        if any(o is w for w in wanted):
+            load_local_optimizer_state(o, saved)
+
+
+def load(top: Any, path: Any, optimizers: Any = None) -> str:
     """Restore this rank's state from the checkpoint folder ``path`` (a collective). A checkpoint without top-k
-    state (plain FSDP) leaves the residuals at zero. Returns what was done, in words."""
+    state (plain FSDP) leaves the residuals at zero. ``optimizers``: those whose state the caller restores (local
+    SGD's own per rank; default: every one). Returns what was done, in words."""
     from torch.distributed.checkpoint import load as dcp_load
 
     rank = dist.get_rank()
@@ -193,13 +209,18 @@ def load(top: Any, path: Any) -> str:
                 f"local_steps={top.config.local_steps}: per-step residuals and local SGD's outer state do not convert "
                 "into each other; resume with the saved mode")
         if same:
-            top.outer.load_state_dict(_read_rank(path, rank, key)["outer"])
-            return "local SGD's outer state restored"
+            own = _read_rank(path, rank, key)
+            top.outer.load_state_dict(own["outer"])
+            _load_inner(top, own, optimizers)
+            return "local SGD's outer state and this rank's inner optimizer state restored"
         if not saved.get("outer_tensors"):
             raise ValueError(f"topk_fsdp: the checkpoint's local SGD state ({saved['replicas']} nodes x "
                              f"{saved['local']} processes) was saved without its per-parameter tensors; resume it "
                              "with the saved layout")
         top.outer.load_state_dict(_reshard_outer(top, path, first, saved["replicas"]))
+        if saved["local"] == top.local:  # θ_local's replica's inner optimizer state, shard for shard
+            src = (top.replica % saved["replicas"]) * top.local + top.mesh["shard"].get_local_rank()
+            _load_inner(top, _read_rank(path, src, key), optimizers)
         return (f"local SGD's outer state resharded from {saved['replicas']} nodes x {saved['local']} processes: "
                 "every replica's error feedback is the saved replicas' average (the pending update is unchanged)")
     if not saved.get("residuals"):

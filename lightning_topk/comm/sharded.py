@@ -193,7 +193,7 @@ class ShardedTopK:
         self.outer: Optional[OuterState] = None
         self.recipe: Optional[LiveRecipe] = None  # recipe="auto"'s, once the optimizers are known (use_optimizers)
         self.recipe_note = unresolved_note(config)
-        self._recipe_optimizers: List[Any] = []
+        self.optimizers: List[Any] = []  # every inner optimizer seen (recipe="auto", checkpoints), in setup order
         if config.local_steps > 0:
             self._attach_local(optimizers)
         elif self.replicas > 1 or elastic is not None:
@@ -243,7 +243,7 @@ class ShardedTopK:
         """Resolve ``recipe="auto"`` for every optimizer seen so far (:func:`~lightning_topk.comm.recipe.live_recipe`,
         topk_ddp's decision): a dormant :class:`ShardRecipe`, and ``exchange="auto"`` kept to the exchanges that
         support momentum correction (what topk_ddp builds it with)."""
-        self._recipe_optimizers += [o for o in optimizers if all(o is not x for x in self._recipe_optimizers)]
+        self.optimizers += [o for o in optimizers if all(o is not x for x in self.optimizers)]
         if self.config.recipe != "auto" or (self.recipe is not None and self.recipe.engaged):
             return
         st = self.state
@@ -252,7 +252,7 @@ class ShardedTopK:
             return
         numels = {n: k for names, ks in self.specs for n, k in zip(names, ks)}  # FSDP's padded slot of each
         make = functools.partial(ShardRecipe, module=self.module, numels=numels)
-        self.recipe, built, self.recipe_note = live_recipe(self.config, self._recipe_optimizers, make=make)
+        self.recipe, built, self.recipe_note = live_recipe(self.config, self.optimizers, make=make)
         if self.recipe is not None and isinstance(st.exchange, AutoExchange):  # type: ignore[union-attr]
             auto = st.exchange  # type: ignore[union-attr]
             auto.candidates = candidates_for(built, self.replicas, 1, False)
@@ -287,7 +287,7 @@ class ShardedTopK:
         with zero gradients, which would make buffers the checkpoint lacks; the optimizer's momentum is 0 meanwhile,
         and weight decay's momentum share is laid out in its place (:class:`ShardRecipe`)."""
         live = self.recipe
-        opts = [o for o in self._recipe_optimizers if not o.state]
+        opts = [o for o in self.optimizers if not o.state]
         if not engaged or (live is not None and live.engaged) or not opts:
             yield
             return

@@ -116,7 +116,8 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
         where = Path(self.broadcast(path))
         with shard_checkpoint.restoring(self.topk, where):
             out = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
-        shard_checkpoint.load(self.topk, where)
+        values = list((state or {}).values())  # local SGD: the optimizers in `state` get this rank's own state
+        shard_checkpoint.load(self.topk, where, [o for o in self.topk.optimizers if any(o is v for v in values)])
         return out
 
     def teardown(self) -> None:

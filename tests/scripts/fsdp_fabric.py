@@ -7,6 +7,8 @@ counter and residual sum.
   --steps N                                  optimizer steps
   --save-at S --save PATH                    fabric.save(PATH, ...) after step S
   --resume PATH                              fabric.load(PATH, ...) first (then steps from the saved step on)
+  --local-steps H                            local SGD (outer_value_bits=4, outer_density=0.1): OUT.rank<r> also has
+                                             "local_params" and "opt_state" (this rank's shards)
   --torchft R                                fault_tolerance="torchft" (lighthouse: $TORCHFT_LIGHTHOUSE, min_replicas=2):
                                              this run is replica group R of 2 (num_nodes=1), reading node R's batches;
                                              the loop's step is strategy.topk_elastic_position; OUT.rank<r> has "ft"
@@ -43,6 +45,7 @@ def main():
     p.add_argument("--save")
     p.add_argument("--resume")
     p.add_argument("--torchft", type=int, default=None)
+    p.add_argument("--local-steps", type=int, default=0)
     a = p.parse_args()
     torch.set_num_threads(1)
     from lightning_topk.lightning.fsdp_fabric import fabric_fsdp_class
@@ -50,7 +53,8 @@ def main():
     ft = {} if a.torchft is None else dict(fault_tolerance="torchft", min_replicas=2, ft_timeout=30.0,
                                            ft_quorum_timeout=60.0, ft_connect_timeout=5.0)
     strategy = fabric_fsdp_class("lightning.fabric")(density=a.density, value_dtype=a.value_dtype,
-                                                     exchange=a.exchange, min_sparse_numel=0, **ft)
+                                                     exchange=a.exchange, min_sparse_numel=0,
+                                                     local_steps=a.local_steps, outer_chunk=64, **ft)
     fabric = Fabric(accelerator="cpu", devices=2, num_nodes=2 if a.torchft is None else 1, strategy=strategy)
     fabric.launch()
     rank = fabric.global_rank if a.torchft is None else 2 * a.torchft + fabric.global_rank
@@ -83,6 +87,11 @@ def main():
     st = fabric.strategy.topk_state
     info = {"step": step, "exchange_step": st.step if st is not None else None,
             "residual_sum": float(sum(t.double().sum() for t in st.residuals().values())) if st is not None else 0.0}
+    if a.local_steps:
+        from lightning_topk.comm.sharded import local_optimizer_state, local_tensor
+
+        info.update(local_params={n: local_tensor(q).detach().clone() for n, q in model.named_parameters()},
+                    opt_state=local_optimizer_state(opt.optimizer)["state"])
     ft = fabric.strategy.topk_elastic
     if ft is not None:
         info.update(ft=ft.metrics(), quorum_sizes=list(ft.quorum_sizes))

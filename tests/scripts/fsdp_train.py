@@ -15,6 +15,9 @@ every rank its residual sum and step counters in OUT.rank<r>.
   --density D --value-dtype V --exchange E --local-steps H --outer-value-bits B  top-k options
   --user-shard                configure_model shards the blocks itself (fully_shard on device_mesh["shard"])
   --steps N                   max_steps; --save PATH saves a checkpoint at the end, --resume PATH resumes
+  --data-by-step              every step trains on the batch of its global step, not the loader's (Lightning's
+                              loop, resumed from a checkpoint saved at the end of fit, replays a batch: a resume
+                              can then be compared over more than one step)
   --inject-step S             rank 0's loss is inf at global step S (nonfinite="skip": skipped on every rank)
   --bad-mesh                  configure_model shards on the 2-D mesh under topk (must be refused)
   --precision P               Lightning's precision flag (bf16-mixed: FSDP2's MixedPrecisionPolicy)
@@ -72,6 +75,10 @@ class LM(pl.LightningModule):
 
     def training_step(self, batch, i):
         (x,) = batch
+        if self.args.data_by_step:  # the batch of the global step (Lightning's resumed loop replays a batch)
+            rows = self.trainer.train_dataloader.dataset.tensors[0]
+            start = (self.global_step * len(x)) % len(rows)
+            x = rows[start:start + len(x)]
         logits = self.net(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1))
         if self.args.inject_step == self.global_step and self.global_rank == 0:
@@ -129,6 +136,7 @@ def main():
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--data-by-step", action="store_true")
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--value-dtype", default="bf16")
     p.add_argument("--exchange", default="auto")
@@ -201,7 +209,7 @@ def main():
     st = getattr(trainer.strategy, "topk_state", None)
     info = {"step": trainer.global_step, "loss": float(trainer.callback_metrics.get("loss", float("nan"))),
             "recipe": getattr(trainer.strategy, "topk_recipe", None),
-            "momentum": [g["momentum"] for g in trainer.optimizers[0].param_groups],
+            "momentum": [g.get("momentum") for g in trainer.optimizers[0].param_groups],
             "momentum_buffers": sum("momentum_buffer" in s for s in trainer.optimizers[0].state.values()),
             "wd_momentum": sum("topk_wd_momentum" in s for s in trainer.optimizers[0].state.values()),
             "trace": model.trace}
@@ -220,6 +228,11 @@ def main():
     ft = getattr(trainer.strategy, "topk_elastic", None)
     if ft is not None:
         info.update(ft=ft.metrics(), quorum_sizes=list(ft.quorum_sizes))
+    if a.strategy != "ddp":  # this rank's own shards: parameters and the optimizer's state (differ per replica
+        from lightning_topk.comm.sharded import local_optimizer_state, local_tensor  # inside a local SGD round)
+
+        info.update(local_params={n: local_tensor(p).detach().clone() for n, p in model.named_parameters()},
+                    opt_state=local_optimizer_state(trainer.optimizers[0])["state"])
     top = getattr(trainer.strategy, "topk", None)
     if top is not None and top.outer is not None:
         from lightning_topk.comm.shard_checkpoint import outer_tensors
