@@ -90,6 +90,9 @@ class TopKState(ParamBuffers):
         # Selection thresholds reused between steps (a speed hint; results do not depend on it, so it is
         # never saved or rolled back), by what was selected from: see kit.select.
         self.select_hints: Dict[Tuple[str, ...], ThresholdHint] = {}
+        # Whether each parameter of the bucket in the hook has a gradient on some rank that shares this result
+        # (set per bucket by exchanges.elastic_exchange_hook; None: this rank's own ``.grad``, kit.unused_spans).
+        self.bucket_used: Optional[List[bool]] = None
 
     @property
     def flat_group(self) -> Any:

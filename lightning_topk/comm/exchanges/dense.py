@@ -47,7 +47,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     # Momentum correction keeps a velocity for every bucket (the optimizer has no momentum of its own).
     mc = state.config.momentum_correction
     b = state.buffers(params, device) if state.config.error_feedback and (mc or state.holds_state(params)) else None
-    hold = hold_unused(params, b)  # parameters unused in this backward keep their residual and velocity
+    hold = hold_unused(params, b, state.bucket_used)  # parameters unused in this backward keep their residual and velocity
     acc, _ = accumulate(state, b, grad)
     acc = acc[:n]
     if hold is not None:

@@ -93,16 +93,18 @@ def sparse_k(state: TopKState, params: Sequence[Tensor], n: int) -> Tuple[int, O
     return bucket_k(state, n), None, None
 
 
-def unused_spans(params: Sequence[Tensor]) -> List[Tuple[int, int]]:
+def unused_spans(params: Sequence[Tensor], used: Optional[Sequence[bool]] = None) -> List[Tuple[int, int]]:
     """(offset, numel) in the bucket of each parameter without a gradient: one DDP marked unused in this
     backward (``find_unused_parameters=True``, ``static_graph``; Lightning's ``toggle_optimizer`` makes the
     other optimizers' parameters unused). DDP hands the exchange zeros for it and, when no rank used it,
     never writes the result into its ``.grad`` (None: the optimizer skips it), so an entry sent from its
-    residual would be lost. Reads no tensor (the hook runs after DDP has set the used parameters' ``.grad``)."""
+    residual would be lost. Reads no tensor (the hook runs after DDP has set the used parameters' ``.grad``).
+    ``used``: per parameter, whether a rank that shares this bucket's result used it (several processes per
+    torchft replica group: the group's agreed mask, so that its ranks hold back the same spans)."""
     spans, off = [], 0
-    for p in params:
+    for i, p in enumerate(params):
         n = p.numel()
-        if p.grad is None:
+        if (p.grad is None) if used is None else not used[i]:
             spans.append((off, n))
         off += n
     return spans
@@ -130,12 +132,14 @@ class Hold:
                 t[o:o + n].copy_(c)
 
 
-def hold_unused(params: Sequence[Tensor], b: Optional[BucketBuffers]) -> Optional[Hold]:
-    """A :class:`Hold` of the residual (and velocity) spans of the bucket's unused parameters; None where there
-    is no residual or every parameter has a gradient (the usual step: no tensor work)."""
+def hold_unused(params: Sequence[Tensor], b: Optional[BucketBuffers],
+                used: Optional[Sequence[bool]] = None) -> Optional[Hold]:
+    """A :class:`Hold` of the residual (and velocity) spans of the bucket's unused parameters (``used``: see
+    :func:`unused_spans`); None where there is no residual or every parameter has a gradient (the usual step: no
+    tensor work)."""
     if b is None:
         return None
-    spans = unused_spans(params)
+    spans = unused_spans(params, used)
     return Hold(spans, b.residual, b.velocity) if spans else None
 
 
@@ -159,7 +163,7 @@ def take_bucket(state: TopKState, params: Sequence[Tensor], names: Tuple[str, ..
     if state.debug.enabled:
         record_grads(state, names, [p.numel() for p in params], grad)
     b = state.buffers(params, grad.device) if state.config.error_feedback else None
-    hold = hold_unused(params, b)
+    hold = hold_unused(params, b, state.bucket_used)
     acc, vel, bad = accumulate_checked(state, b, grad, lookahead)
     acc = acc[:grad.numel()]
     state.flags.note_input(names, acc, bad=bad)
