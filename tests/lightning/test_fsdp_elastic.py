@@ -53,6 +53,24 @@ def test_two_groups_at_density_one_equal_torch_hsdp(tmp_path, script, extra, quo
     print("FSDP_FT_HSDP", script.name, diff)
 
 
+def test_two_groups_with_the_scale_free_exchange_equal_topk_fsdp_without_torchft(tmp_path):
+    """exchange="scatter" under torchft at density 0.05, every FSDP group sparse (min_sparse_numel=0), so the blocks'
+    groups are reduced before the last one: each completes in its own hook (the first backward hung), and the 4 steps
+    are those of the same exchange on 2 nodes x 2 without torchft (torch's process groups, not torchft's)."""
+    pytest.importorskip("torchft")
+    from tests.lightning.test_fsdp import train
+
+    opts = ("--density", "0.05", "--exchange", "scatter", "--steps", "4")
+    ref, plain = train(tmp_path, "plain", *opts)
+    groups, ranks = two_groups(tmp_path, FSDP_SCRIPT, *opts, "--nodes", "1")
+    assert all(r["exchange_step"] == 4 and r["ft"]["ft/step"] == 4 and r["residual_abs"] > 0 for r in ranks), ranks
+    assert max_diff(groups[0], groups[1]) == 0.0
+    diff = max_diff(ref, groups[0])
+    assert diff == 0.0, diff
+    assert [r["residual_sum"] for r in ranks] == [r["residual_sum"] for r in plain]
+    print("FSDP_FT_SCATTER", diff)
+
+
 RANKS = (".rank0", ".rank1")
 
 
