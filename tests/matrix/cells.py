@@ -206,3 +206,39 @@ def dense_reference(c):
     """Cells whose every step is dense under topk_ddp with the Trainer: Lightning ddp's, bit for bit."""
     return (c["strategy"] == "topk_ddp" and c["api"] == "trainer" and c["mode"] == "per_step"
             and c["exchange"] == "dense")
+
+
+def ft(test, **kw):
+    return cell(fault_tolerance="torchft", exchange=kw.pop("exchange", "allgather"), **kw), test
+
+
+E, F = "tests/lightning/test_elastic.py::", "tests/lightning/test_fsdp_elastic.py::"
+# The torchft cells and the test of its own harness (lighthouse, replica groups started, killed, stopped) that runs
+# each; tests/matrix/test_ft_cells.py checks that every test named here exists and that the matrix supports the cell.
+FT_CELLS = [
+    ft(E + "test_kill_one_of_three_replica_groups_heal_and_rejoin", layout="3x1", end="kill"),
+    ft(E + "test_kill_one_of_three_replica_groups_heal_and_rejoin", layout="3x1", end="kill", exchange="scatter"),
+    ft(E + "test_kill_mid_step_survivors_roll_back_and_go_on", layout="3x1", end="kill"),
+    ft(E + "test_two_groups_of_two_processes_kill_heal_rejoin", layout="2x2", end="kill"),
+    ft(E + "test_local_sgd_kill_one_of_three_heal_and_rejoin", layout="3x1", mode="local_sgd", exchange="auto",
+       end="kill"),
+    ft(E + "test_local_sgd_kill_inside_a_round_rolls_back_on_survivors", layout="3x1", mode="local_sgd",
+       exchange="auto", end="kill"),
+    ft(E + "test_local_sgd_dense_matches_torch_averaging", layout="2x1", mode="local_sgd", exchange="auto"),
+    ft(E + "test_fabric_kill_one_of_three_heal_and_rejoin", api="fabric", layout="3x1", end="kill"),
+    ft(E + "test_fabric_two_groups_of_two_processes_heal_and_agree", api="fabric", layout="2x2", end="kill"),
+    ft(E + "test_fabric_local_sgd_kill_one_of_three_heal_and_rejoin", api="fabric", layout="3x1", mode="local_sgd",
+       exchange="auto", end="kill"),
+    ft(E + "test_fabric_dense_matches_fabric_ddp", api="fabric", layout="2x1", exchange="dense"),
+    ft(F + "test_two_groups_at_density_one_equal_torch_hsdp", strategy="topk_fsdp", layout="2x2"),
+    ft(F + "test_two_groups_at_density_one_equal_torch_hsdp", strategy="topk_fsdp", api="fabric", layout="2x2"),
+    ft(F + "test_kill_a_group_heal_its_shards_and_rejoin", strategy="topk_fsdp", layout="2x2", end="kill"),
+    ft(F + "test_fabric_kill_a_group_heal_its_shards_and_rejoin", strategy="topk_fsdp", api="fabric", layout="2x2",
+       end="kill"),
+    ft(F + "test_local_sgd_dense_equals_per_shard_averaging", strategy="topk_fsdp", layout="2x2", mode="local_sgd",
+       exchange="auto"),
+    ft(F + "test_local_sgd_kill_a_group_heal_its_shards_and_rejoin", strategy="topk_fsdp", layout="2x2",
+       mode="local_sgd", exchange="auto", end="kill"),
+    ft(F + "test_fabric_local_sgd_kill_a_group_heal_its_shards_and_rejoin", strategy="topk_fsdp", api="fabric",
+       layout="2x2", mode="local_sgd", exchange="auto", end="kill"),
+]
