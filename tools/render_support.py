@@ -71,6 +71,12 @@ def markdown() -> str:
         out.append(f"| {c['strategy']} | {c['api']} | {c['mode']} | {c['exchange']} | {c['layout']} "
                    f"({c['fault_tolerance']}) | {c['optimization']} | {c['feature']} | {c['end']} | refused: "
                    f"`{rule.name}` |")
+    out += ["", "The torchft cells CI runs, each in the torchft harness (a lighthouse, replica groups started, "
+            "killed with SIGKILL and restarted; `tests/matrix/test_ft_cells.py` checks each test exists):", "",
+            "| strategy | api | mode | exchange | groups x processes | end | test |", "|---|---|---|---|---|---|---|"]
+    for c, test in cells.FT_CELLS:
+        out.append(f"| {c['strategy']} | {c['api']} | {c['mode']} | {c['exchange']} | {c['layout']} | {c['end']} | "
+                   f"`{test.split('::')[1]}` |")
     return "\n".join(out)
 
 
