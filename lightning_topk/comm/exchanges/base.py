@@ -41,6 +41,8 @@ class Exchange:
     * ``min_local``: processes per node it needs;
     * ``momentum_correction`` / ``parameter_scope``: whether it supports those options;
     * ``shared_state``: its checkpoint section is the same on every rank (saved once, in the main file);
+    * ``bucket_layout``: its state sits at positions in the bucket (shards or owners' ranges), so DDP's bucket
+      layout must be the same at every step, straight or resumed (the strategy fixes it at setup);
     * ``local_sgd``: the hook does not hand DDP the average over all ranks; the exchange between nodes
       happens in ``after_optimizer_step`` (sparse local SGD, ``local_steps`` > 0). The per-bucket contract
       (``tests/comm/test_contract.py``) does not apply, and ``auto`` never considers it.
@@ -53,6 +55,7 @@ class Exchange:
     parameter_scope: ClassVar[bool] = True
     shared_state: ClassVar[bool] = False
     local_sgd: ClassVar[bool] = False
+    bucket_layout: ClassVar[bool] = False
 
     def __init__(self, state: Any, layout: Optional[Layout] = None, **kwargs: Any) -> None:
         self.layout = layout

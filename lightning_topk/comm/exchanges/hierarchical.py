@@ -317,6 +317,7 @@ class HierarchicalExchange(Exchange):
 
     min_local = 2
     needs_groups = True
+    bucket_layout = True
     momentum_correction = False
     parameter_scope = False
 

@@ -551,6 +551,8 @@ class ScatterExchange(OwnerResidualsMixin, Exchange):
     step, and its owner residuals (checkpoint section ``owner_residual``). Not with
     ``momentum_correction`` or ``selection_scope="parameter"``."""
 
+    bucket_layout = True
+
     momentum_correction = False
     parameter_scope = False
     min_world = 2  # auto considers it only with several ranks
