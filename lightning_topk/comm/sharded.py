@@ -111,9 +111,21 @@ def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[s
 
 
 def check_sharding(module: nn.Module, mesh: Any) -> None:
-    """Refuse groups sharded on another mesh than the node's (e.g. the 2-D mesh: native HSDP)."""
+    """Refuse groups sharded on another mesh than the node's (e.g. the 2-D mesh: native HSDP), and parameters that
+    no ``fully_shard`` holds (FSDP reduces nothing of theirs: they would drift apart within and across nodes). No
+    collective: the glue calls it right after the model is sharded."""
+    groups = fsdp_groups(module)
+    held = {id(fp.sharded_param) for _, g in groups for fp in g.fsdp_params}
+    loose = [n for n, p in module.named_parameters() if id(p) not in held]
+    if loose:
+        more = f" and {len(loose) - 8} more" if len(loose) > 8 else ""
+        raise ValueError(
+            f"topk_fsdp: the model was sharded in part: no fully_shard holds the parameters {loose[:8]}{more}, so "
+            "their gradients would never be reduced within or across nodes. fully_shard the modules that hold them "
+            "on self.device_mesh['shard'] (or, last, the module that contains them all), or shard nothing in "
+            "configure_model and let topk_fsdp shard the model (shard_modules=...)")
     node = mesh["shard"]
-    for _, g in fsdp_groups(module):
+    for _, g in groups:
         m = g.mesh_info.mesh
         if m.ndim != 1 or m.mesh.flatten().tolist() != node.mesh.flatten().tolist():
             raise ValueError(
