@@ -39,9 +39,12 @@ from lightning_topk.comm.exchanges import exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import AutoExchange, build_auto, candidates_for
 from lightning_topk.comm.exchanges.base import Layout
 from lightning_topk.comm.local import OuterState
+from lightning_topk.comm.local.exchanges import replica_count
 from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe, unresolved_note
 from lightning_topk.comm.shard import ShardHooks, fsdp_groups
 from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.telemetry import StepStats
+from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +208,9 @@ class ShardedTopK:
         self.recipe: Optional[LiveRecipe] = None  # recipe="auto"'s, once the optimizers are known (use_optimizers)
         self.recipe_note = unresolved_note(config)
         self.optimizers: List[Any] = []  # every inner optimizer seen (recipe="auto", checkpoints), in setup order
+        # what crosses nodes without the per-step state (local SGD, one node): counted by after_optimizer_step
+        self._totals = StepStats()
+        self._shard_numel = sum(fp.sharded_size.numel() for _, g in self.groups for fp in g.fsdp_params)
         if config.local_steps > 0:
             self._attach_local(optimizers)
         elif self.replicas > 1 or elastic is not None:
@@ -351,7 +357,37 @@ class ShardedTopK:
     def after_optimizer_step(self) -> bool:
         """After an optimizer-step attempt: local SGD counts it and runs the outer round at the H-th. Returns
         whether a round ran."""
-        return self.outer.step() if self.outer is not None else False
+        synchronous = self.outer is not None and self.outer.synchronous and self.replicas > 1
+        ran = self.outer.step() if self.outer is not None else False
+        if self.state is None:
+            self._count(synchronous, ran)
+        return ran
+
+    def _count(self, synchronous: bool, ran: bool) -> None:
+        """One step's bytes across nodes without the per-step exchange: the reference is HSDP's, a dense fp32 ring
+        all-reduce of this rank's shard over the replicas; sent are the synchronous steps' all-reduce (local SGD's
+        ``dense_steps``) and the outer rounds' packets (nothing on one node). FSDP's traffic within the node is
+        HSDP's too, and not counted."""
+        t, n = self._totals, self._shard_numel
+        dense_wire = ring_allreduce_wire(4 * n, replica_count(self.inter)) if self.replicas > 1 or self.elastic is not None else 0
+        t.numel += n
+        t.bytes_dense += 4 * n
+        t.bytes_dense_wire += dense_wire
+        sent = wire = 0
+        if synchronous:
+            sent, wire = 4 * n, dense_wire
+            t.numel_sent += n
+        if ran and self.outer is not None and dense_wire:  # one node: the round sends nothing
+            sent, wire = sent + self.outer.payload_bytes, wire + self.outer.stats.bytes
+            t.numel_sent += round(self.outer.stats.density * n)
+            t.comm_time_s += self.outer.stats.time_s
+        t.bytes_sent += sent
+        t.bytes_wire += wire
+        t.bytes_inter += wire
+
+    def totals(self) -> StepStats:
+        """Telemetry summed over the run on this rank: the per-step exchange's, else what :meth:`_count` counted."""
+        return self.state.totals.resolve() if self.state is not None else self._totals
 
     def start_training(self) -> None:
         """A fit after :meth:`end_training` in this process goes on from the state before it (local SGD streaming)."""

@@ -105,6 +105,15 @@ class ShardedTopKMixin(ElasticMixin):
         return self.topk.state if self.topk is not None else None
 
     @property
+    def topk_totals(self) -> Any:
+        """This rank's bytes across nodes over the run (per step, local SGD, one node: :meth:`ShardedTopK.totals`)."""
+        from lightning_topk.comm.telemetry import StepStats
+
+        return self.topk.totals() if self.topk is not None else StepStats()
+
+    topk_bytes_scope = "counted across nodes; FSDP's traffic within the node (as HSDP's) is not"
+
+    @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
         # every process reads its own batches: FSDP shards parameters, not data
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
