@@ -123,9 +123,10 @@ RULES: Tuple[Rule, ...] = (
          {"strategy": ("topk_ddp",), "fault_tolerance": ("torchft",), "mode": ("local_sgd",)},
          lambda c: procs(c) > 1),
     Rule("partial_shard", "refused",
-         "topk_fsdp: configure_model sharded some modules and left parameters unsharded, which no exchange would "
-         "average across nodes; fully_shard every module that owns parameters, or the root, on "
-         "device_mesh['shard'] (or shard nothing: topk_fsdp shards the model itself)",
+         "topk_fsdp: the model was sharded in part: no fully_shard holds some parameters, so their gradients would "
+         "never be reduced within or across nodes; fully_shard the modules that hold them on "
+         "self.device_mesh['shard'] (or, last, the module that contains them all), or shard nothing in "
+         "configure_model and let topk_fsdp shard the model (shard_modules=...)",
          {"strategy": ("topk_fsdp",), "feature": ("partial_shard",)}),
     Rule("fsdp_missing_grad", "refused",
          "topk_fsdp: a sharded module's parameters got no gradient in this backward (FSDP leaves them out of its "

@@ -143,6 +143,9 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
                         "sent": sent, "dense": dense, "payload_ratio": round(dense / max(1, sent), 2),
                         "density": round(stats["numel_sent"] / max(1.0, stats["numel"]), 6),
                         "inter_node": int(stats["bytes_inter"]), "intra_node": int(stats["bytes_intra"])}
+        scope = getattr(trainer.strategy, "topk_bytes_scope", None)  # topk_fsdp: what crosses nodes
+        if scope:
+            out["bytes"]["scope"] = scope
         out["exchange_seconds"] = {"select": round(stats.get("select_seconds", 0.0), 3),
                                    "comm": round(stats.get("comm_seconds", 0.0), 3)}
         steps = max(1, out["global_step"])
@@ -231,9 +234,14 @@ def render(summary: Mapping[str, Any], console=None) -> None:
                                     f"{summary['global_step']} steps)")
     b = summary.get("bytes")
     if b:
-        table.add_row("wire bytes / dense", f"{_fmt_bytes(b['wire'])} / {_fmt_bytes(b['dense_wire'])} per rank "
-                                            f"({b['ratio']:.1f}x less than a dense fp32 all-reduce, "
-                                            f"{b['ratio_bf16']:.1f}x less than bf16; density {b['density']:.4g})")
+        scope = f"; {b['scope']}" if b.get("scope") else ""
+        if b["dense_wire"] == 0 and b["wire"] == 0:
+            table.add_row("wire bytes / dense", f"0 B / 0 B per rank (one replica: nothing to exchange{scope})")
+        else:
+            table.add_row("wire bytes / dense", f"{_fmt_bytes(b['wire'])} / {_fmt_bytes(b['dense_wire'])} per rank "
+                                                f"({b['ratio']:.1f}x less than a dense fp32 all-reduce, "
+                                                f"{b['ratio_bf16']:.1f}x less than bf16; density {b['density']:.4g}"
+                                                f"{scope})")
         table.add_row("payload sent / dense", f"{_fmt_bytes(b['sent'])} / {_fmt_bytes(b['dense'])} per rank "
                                               "(handed to the collectives)")
         ex = summary.get("exchange")

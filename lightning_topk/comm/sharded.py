@@ -39,9 +39,12 @@ from lightning_topk.comm.exchanges import exchange_hook, registry
 from lightning_topk.comm.exchanges.auto import AutoExchange, build_auto, candidates_for
 from lightning_topk.comm.exchanges.base import Layout
 from lightning_topk.comm.local import OuterState
+from lightning_topk.comm.local.exchanges import replica_count
 from lightning_topk.comm.recipe import WD_MOMENTUM, LiveRecipe, live_recipe, unresolved_note
 from lightning_topk.comm.shard import ShardHooks, fsdp_groups
 from lightning_topk.comm.state import TopKState
+from lightning_topk.comm.telemetry import StepStats
+from lightning_topk.comm.wire import ring_allreduce_wire
 from lightning_topk.support import NODE_TIER, message
 
 log = logging.getLogger(__name__)
@@ -111,9 +114,17 @@ def shard_model(module: nn.Module, mesh: Any, shard_modules: Optional[Sequence[s
 
 
 def check_sharding(module: nn.Module, mesh: Any) -> None:
-    """Refuse groups sharded on another mesh than the node's (e.g. the 2-D mesh: native HSDP)."""
+    """Refuse groups sharded on another mesh than the node's (e.g. the 2-D mesh: native HSDP), and parameters that
+    no ``fully_shard`` holds (FSDP reduces nothing of theirs: they would drift apart within and across nodes). No
+    collective: the glue calls it right after the model is sharded."""
+    groups = fsdp_groups(module)
+    held = {id(fp.sharded_param) for _, g in groups for fp in g.fsdp_params}
+    loose = [n for n, p in module.named_parameters() if id(p) not in held]
+    if loose:
+        more = f" and {len(loose) - 8} more" if len(loose) > 8 else ""
+        raise ValueError(f"{message('partial_shard')} (the parameters no fully_shard holds: {loose[:8]}{more})")
     node = mesh["shard"]
-    for _, g in fsdp_groups(module):
+    for _, g in groups:
         m = g.mesh_info.mesh
         if m.ndim != 1 or m.mesh.flatten().tolist() != node.mesh.flatten().tolist():
             raise ValueError(
@@ -194,6 +205,9 @@ class ShardedTopK:
         self.recipe: Optional[LiveRecipe] = None  # recipe="auto"'s, once the optimizers are known (use_optimizers)
         self.recipe_note = unresolved_note(config)
         self.optimizers: List[Any] = []  # every inner optimizer seen (recipe="auto", checkpoints), in setup order
+        # what crosses nodes without the per-step state (local SGD, one node): counted by after_optimizer_step
+        self._totals = StepStats()
+        self._shard_numel = sum(fp.sharded_size.numel() for _, g in self.groups for fp in g.fsdp_params)
         if config.local_steps > 0:
             self._attach_local(optimizers)
         elif self.replicas > 1 or elastic is not None:
@@ -340,7 +354,37 @@ class ShardedTopK:
     def after_optimizer_step(self) -> bool:
         """After an optimizer-step attempt: local SGD counts it and runs the outer round at the H-th. Returns
         whether a round ran."""
-        return self.outer.step() if self.outer is not None else False
+        synchronous = self.outer is not None and self.outer.synchronous and self.replicas > 1
+        ran = self.outer.step() if self.outer is not None else False
+        if self.state is None:
+            self._count(synchronous, ran)
+        return ran
+
+    def _count(self, synchronous: bool, ran: bool) -> None:
+        """One step's bytes across nodes without the per-step exchange: the reference is HSDP's, a dense fp32 ring
+        all-reduce of this rank's shard over the replicas; sent are the synchronous steps' all-reduce (local SGD's
+        ``dense_steps``) and the outer rounds' packets (nothing on one node). FSDP's traffic within the node is
+        HSDP's too, and not counted."""
+        t, n = self._totals, self._shard_numel
+        dense_wire = ring_allreduce_wire(4 * n, replica_count(self.inter)) if self.replicas > 1 or self.elastic is not None else 0
+        t.numel += n
+        t.bytes_dense += 4 * n
+        t.bytes_dense_wire += dense_wire
+        sent = wire = 0
+        if synchronous:
+            sent, wire = 4 * n, dense_wire
+            t.numel_sent += n
+        if ran and self.outer is not None and dense_wire:  # one node: the round sends nothing
+            sent, wire = sent + self.outer.payload_bytes, wire + self.outer.stats.bytes
+            t.numel_sent += round(self.outer.stats.density * n)
+            t.comm_time_s += self.outer.stats.time_s
+        t.bytes_sent += sent
+        t.bytes_wire += wire
+        t.bytes_inter += wire
+
+    def totals(self) -> StepStats:
+        """Telemetry summed over the run on this rank: the per-step exchange's, else what :meth:`_count` counted."""
+        return self.state.totals.resolve() if self.state is not None else self._totals
 
     def start_training(self) -> None:
         """A fit after :meth:`end_training` in this process goes on from the state before it (local SGD streaming)."""

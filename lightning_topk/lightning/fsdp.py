@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.recipe import unresolved_note
-from lightning_topk.comm.sharded import ShardedTopK, is_sharded, make_mesh, shard_model
+from lightning_topk.comm.sharded import ShardedTopK, check_sharding, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning import faults, support_cell
 from lightning_topk.lightning.elastic import ElasticMixin
 from lightning_topk.lightning.precision import TopKPrecisionMixin
@@ -106,6 +106,15 @@ class ShardedTopKMixin(ElasticMixin):
         return self.topk.state if self.topk is not None else None
 
     @property
+    def topk_totals(self) -> Any:
+        """This rank's bytes across nodes over the run (per step, local SGD, one node: :meth:`ShardedTopK.totals`)."""
+        from lightning_topk.comm.telemetry import StepStats
+
+        return self.topk.totals() if self.topk is not None else StepStats()
+
+    topk_bytes_scope = "counted across nodes; FSDP's traffic within the node (as HSDP's) is not"
+
+    @property
     def distributed_sampler_kwargs(self) -> Dict[str, Any]:
         # every process reads its own batches: FSDP shards parameters, not data
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
@@ -159,6 +168,7 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
         if not is_sharded(self.model):
             policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", None))
             shard_model(self.model, self.device_mesh, self.topk_shard_modules, policy)
+        check_sharding(self.model, self.device_mesh)  # before any collective of the setup
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

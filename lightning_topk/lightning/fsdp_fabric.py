@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 
 from lightning_topk.comm import shard_checkpoint
 from lightning_topk.comm.config import TopKConfig
-from lightning_topk.comm.sharded import is_sharded, make_mesh, shard_model
+from lightning_topk.comm.sharded import check_sharding, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning.fabric import FABRIC_PACKAGES, FabricElasticMixin
 from lightning_topk.lightning.fsdp import ShardedTopKMixin, mixed_precision_policy
 
@@ -55,6 +55,7 @@ class _FabricTopKFSDPMixin(FabricElasticMixin, ShardedTopKMixin):
         if not is_sharded(module):
             policy = mixed_precision_policy(getattr(self.precision, "precision", None))
             shard_model(module, mesh, self.topk_shard_modules, policy, root=True)
+        check_sharding(module, mesh)
         return module
 
     def setup_module_and_optimizers(self, module: Any, optimizers: Any, scheduler: Any = None) -> Any:

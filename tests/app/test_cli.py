@@ -111,3 +111,35 @@ def test_missing_optional_dependency_is_one_line_naming_the_extra(tmp_path):
         assert "Traceback" not in p.stderr and "Error executing job" not in p.stderr, p.stderr
         lines = [ln for ln in p.stderr.splitlines() if ln.startswith("lightning-topk-train:")]
         assert len(lines) == 1 and extra in lines[0], p.stderr
+
+
+def test_topk_fsdp_summary_shows_what_crosses_nodes(tmp_path):
+    """experiment=transformer_lm_fsdp (topk_fsdp, local SGD with dense_steps) at 2 nodes x 1 process, 4 steps: the
+    summary counts what crosses nodes (2 synchronous all-reduces of the shard, 2 outer rounds at 1%) against HSDP's
+    dense all-reduce of it every step (before: "not measured (strategy has no top-k telemetry)")."""
+    from tests.helpers.dist import free_port
+
+    args = ["experiment=transformer_lm_fsdp", "trainer.num_nodes=2", "trainer.devices=1", "trainer.accelerator=cpu",
+            "trainer.max_steps=4", "strategy.dense_steps=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+            "model.net.d_model=32", "callbacks.progress_bar=null", *FAST]
+    port, procs = str(free_port()), []
+    for node in range(2):
+        env = dict(os.environ, LIGHTNING_TOPK_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", NODE_RANK=str(node),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        for k in [k for k in env if k.startswith("SLURM_") or k in ("LOCAL_RANK", "WORLD_SIZE", "RANK")]:
+            env.pop(k)
+        exe, env = python_for(env)
+        procs.append(subprocess.Popen([exe, "-m", "lightning_topk", *args, f"hydra.run.dir={tmp_path / f'n{node}'}"],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        out = [p.communicate(timeout=300)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), out[0][-3000:] + out[1][-3000:]
+    s = json.loads((tmp_path / "n0" / "summary.json").read_text())
+    b, n = s["bytes"], s["bytes"]["dense_wire"] // 4  # HSDP at 2 nodes: 4 bytes per shard entry and step
+    assert s["strategy"] == "topk_fsdp" and n > 0 and b["dense_wire"] == 4 * n
+    assert 2 * n < b["wire"] < 3 * n  # 2 dense steps and 2 rounds of 1% (8 bytes an entry)
+    assert "counted across nodes" in b["scope"] and "wire bytes / dense" in out[0] and "not measured" not in out[0]

@@ -20,6 +20,7 @@ every rank its residual sum and step counters in OUT.rank<r>.
                               can then be compared over more than one step)
   --inject-step S             rank 0's loss is inf at global step S (nonfinite="skip": skipped on every rank)
   --bad-mesh                  configure_model shards on the 2-D mesh under topk (must be refused)
+  --partial-shard             configure_model shards the blocks only (embeddings and head left whole: refused)
   --precision P               Lightning's precision flag (bf16-mixed: FSDP2's MixedPrecisionPolicy)
   --accumulate K              accumulate_grad_batches
   --outer-recipe R            local SGD's outer_recipe (default "average")
@@ -65,13 +66,14 @@ class LM(pl.LightningModule):
             mesh = self.device_mesh
         elif a.strategy == "avg":
             mesh = self.device_mesh["tensor_parallel"]  # ModelParallelStrategy's inner dimension: the node
-        elif a.user_shard:
+        elif a.user_shard or a.partial_shard:
             mesh = self.device_mesh["shard"]
         else:
             return  # topk_fsdp shards the blocks, then the root
         for block in self.net.blocks.layers:
             fully_shard(block, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        if not a.partial_shard:
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch, i):
         (x,) = batch
@@ -147,6 +149,7 @@ def main():
     p.add_argument("--optimizer", default="sgd")
     p.add_argument("--user-shard", action="store_true")
     p.add_argument("--bad-mesh", action="store_true")
+    p.add_argument("--partial-shard", action="store_true")
     p.add_argument("--save")
     p.add_argument("--resume")
     p.add_argument("--inject-step", type=int, default=-1)
