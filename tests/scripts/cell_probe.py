@@ -199,7 +199,13 @@ def run_fabric(cell, phase, resume, out):
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
     if fsdp:
-        model = fabric.setup_module(Net(unused))
+        net = Net(unused)
+        if cell["feature"] == "partial_shard":
+            from torch.distributed.fsdp import fully_shard
+
+            for b in net.blocks:
+                fully_shard(b, mesh=fabric.strategy.device_mesh["shard"])
+        model = fabric.setup_module(net)
         opt = fabric.setup_optimizers(make_optimizer(model.parameters(), cell))
     else:
         model, opt = fabric.setup(Net(unused), make_optimizer(Net(unused).parameters(), cell))
