@@ -63,7 +63,9 @@ def procs(cell: Cell) -> int:
 class Rule:
     """A set of cells (every dimension in ``when`` takes one of the values listed, and ``test`` holds, if given)
     and what they are: ``"refused"`` (``message`` is the error, formatted with the cell's values) or ``"n/a"``
-    (the combination has no meaning; ``message`` says why). ``at`` says when a refusal fires."""
+    (the combination has no meaning; ``message`` says why). ``at`` says when a refusal fires: ``"setup"`` (before
+    the process group), ``"configure_model"`` (right after the user's ``configure_model``, which needs the device
+    mesh, before any collective), ``"first backward"``."""
 
     name: str
     status: str
@@ -127,7 +129,7 @@ RULES: Tuple[Rule, ...] = (
          "never be reduced within or across nodes; fully_shard the modules that hold them on "
          "self.device_mesh['shard'] (or, last, the module that contains them all), or shard nothing in "
          "configure_model and let topk_fsdp shard the model (shard_modules=...)",
-         {"strategy": ("topk_fsdp",), "feature": ("partial_shard",)}),
+         {"strategy": ("topk_fsdp",), "feature": ("partial_shard",)}, at="configure_model"),
     Rule("fsdp_missing_grad", "refused",
          "topk_fsdp: a sharded module's parameters got no gradient in this backward (FSDP leaves them out of its "
          "reduce-scatter), which the sparse exchange does not support; use every parameter of a sharded module in "
