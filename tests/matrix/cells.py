@@ -247,3 +247,30 @@ FT_CELLS = [
     ft(F + "test_fabric_local_sgd_kill_a_group_heal_its_shards_and_rejoin", strategy="topk_fsdp", api="fabric",
        layout="2x2", mode="local_sgd", exchange="auto", end="kill"),
 ]
+
+
+def module_tests(strategy):
+    """The fixture and the two tests of one strategy's module (one module per strategy, so that pytest-xdist's
+    loadscope runs the two on different workers): ``launches, test_supported_cell, test_refused_cell``."""
+    import pytest
+
+    ours = [c for c in SUPPORTED if c["strategy"] == strategy]
+    refused = [c for c in REFUSED if c["strategy"] == strategy]
+
+    @pytest.fixture(scope="module")
+    def launches(tmp_path_factory):
+        base = tmp_path_factory.mktemp(f"matrix_{strategy}")
+        return Launches(ours + refused, base), Launches([c for c in ours if c["api"] == "trainer"], base, "ddp")
+
+    @pytest.mark.timeout(900)
+    @pytest.mark.parametrize("c", ours, ids=[c["id"] for c in ours])
+    def test_supported_cell(c, launches):
+        mine, ddp = launches
+        check_supported(c, mine, ddp if c["api"] == "trainer" and c["strategy"] == "topk_ddp" else None)
+
+    @pytest.mark.timeout(900)
+    @pytest.mark.parametrize("c", refused, ids=[c["id"] for c in refused])
+    def test_refused_cell(c, launches):
+        check_refused(c, launches[0])
+
+    return launches, test_supported_cell, test_refused_cell
