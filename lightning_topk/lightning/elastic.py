@@ -54,7 +54,7 @@ from lightning_topk.comm.sharded import (
     local_optimizer_state,
     local_tensor,
 )
-from lightning_topk.lightning.elastic_end import Farewell, RunEnded, owed_batches, skip_batches, steps_left
+from lightning_topk.lightning.elastic_end import Farewell, owed_batches
 from lightning_topk.lightning.elastic_lighthouse import MIN_REPLICAS_ENV, check_lighthouse, lighthouse_address
 from lightning_topk.lightning.elastic_position import data_position, loop_position, set_global_step
 from lightning_topk.optional import require
@@ -411,23 +411,11 @@ class ElasticMixin:
         try:
             healed = ft.begin_step() if first is None else first
         except RuntimeError as e:
-            if trainer is not None and steps_left(trainer) <= 1:  # the peers finished the run without this group
-                trainer.should_stop = True
-                ft.farewell.end_behind(e)
+            ft.farewell.quorum_failed(trainer, e)  # on the run's last step: ends the fit (elastic_end)
             raise
-        group = ft.group
-        if group is not None and group.intra is not None:
-            self._elastic_group_sync(healed, group.intra)
-        if trainer is None:
-            return
-        self._elastic_owed = skip_batches(trainer, getattr(self, "_elastic_owed", 0))
-        if healed and steps_left(trainer) <= 0:  # healed in the peers' farewell quorum: the run is over
-            ft.farewell.barrier()
-            ft.farewell.done = True
-            trainer.should_stop = True
-            note = f"healed to the final step {ft.step} in the peers' farewell quorum: the run ends here"
-            log.warning("%s: %s", ft.name, note)
-            raise RunEnded(note)
+        if ft.group is not None and ft.group.intra is not None:
+            self._elastic_group_sync(healed, ft.group.intra)
+        ft.farewell.after_quorum(trainer, healed)  # the batches owed after a heal; the end after the peers'
 
     def _elastic_group_sync(self, healed: bool, intra: Any) -> None:
         """Several processes per group: after a heal on any of its ranks, the group's rank 0 state is the group's.
@@ -455,12 +443,9 @@ class ElasticMixin:
             o.load_state_dict(osd)
 
     def on_train_end(self) -> None:
-        parent = getattr(super(), "on_train_end", None)
-        if parent is not None:
-            parent()
-        ft = self.topk_elastic
-        if ft is not None and self._elastic_outer() is None and getattr(self.lightning_module, "_trainer", None):  # type: ignore[attr-defined]
-            ft.farewell.leave()  # per step, Trainer: a group late for the last quorum heals to the final step here
+        getattr(super(), "on_train_end", lambda: None)()
+        if self.topk_elastic is not None and self._elastic_outer() is None:  # per step: the farewell quorum
+            self.topk_elastic.farewell.leave(getattr(self.lightning_module, "_trainer", None))  # type: ignore[attr-defined]
 
     def teardown(self) -> None:
         try:
@@ -575,8 +560,8 @@ class ElasticMixin:
             elif not joining:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
                 round_end = getattr(self, "_elastic_round_end", False)
                 set_global_step(trainer, int(sd.get("global_step", 0)) - int(round_end))
-                if not round_end:  # per step: the batches the peers ran while this group was late (elastic_end)
-                    self._elastic_owed = owed_batches(trainer, sd.get("loop"))
+                # per step: the batches the peers ran while this group was late (elastic_end)
+                self.topk_elastic.farewell.owed = 0 if round_end else owed_batches(trainer, sd.get("loop"))  # type: ignore[union-attr]
 
 
 class _RoundGate:

@@ -49,26 +49,59 @@ def owed_batches(trainer: Any, peer_loop: Optional[Dict[str, Any]]) -> int:
 
 
 def skip_batches(trainer: Any, owed: int) -> int:
-    """Count up to ``owed`` batches of the current epoch as run (from the batch starting now; the epoch then ends
-    when the peers' does); returns the batches still owed, which the next epoch's first batch takes."""
+    """Skip up to ``owed`` batches of the current epoch after the one starting now: the loader's (fetched and
+    dropped, so a loader that follows the position stays on it) and the loop's count (the epoch then ends when the
+    peers' does). Returns the batches still owed, which the next epoch's first batch takes."""
     if owed <= 0:
         return 0
-    bp = trainer.fit_loop.epoch_loop.batch_progress
+    loop = trainer.fit_loop.epoch_loop
+    bp = loop.batch_progress
     k = max(0, min(owed, trainer.num_training_batches - bp.current.ready))
+    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
+    for _ in range(k if fetcher is not None else 0):
+        try:
+            next(fetcher)
+        except StopIteration:
+            break
     for c in (bp.current, bp.total):
         for f in ("ready", "started", "processed", "completed"):
             setattr(c, f, getattr(c, f) + k)
+    if fetcher is not None:
+        bp.is_last_batch = bool(getattr(fetcher, "done", False))
     return owed - k
 
 
 class Farewell:
-    """The last quorum of a finished run (see the module docstring) for one replica (a ``TorchFTReplica``)."""
+    """How one replica (a ``TorchFTReplica``) ends its run (see the module docstring): the batches it owes after a
+    heal, the farewell quorum, the last step without a quorum. ``trainer``: None under Fabric (nothing to do)."""
 
     def __init__(self, replica: Any) -> None:
         self.replica = replica
         self.ended: Optional[str] = None  # why this group ended before its last step, if it did
         self.done = False  # this group took part in a farewell quorum already
         self.heals = False  # a member of the last quorum was behind (it heals in it): set by the quorum's tap
+        self.owed = 0  # batches the peers ran while this group was late (set by a heal mid-run)
+
+    def after_quorum(self, trainer: Any, healed: bool) -> None:
+        """After the step's quorum: count the owed batches as run; healed to the run's end (in the peers' farewell
+        quorum), take part in its barrier and end the fit without this batch."""
+        if trainer is None:
+            return
+        self.owed = skip_batches(trainer, self.owed)
+        if healed and steps_left(trainer) <= 0:
+            self.barrier()
+            self.done = True
+            trainer.should_stop = True
+            note = f"healed to the final step {self.replica.step} in the peers' farewell quorum: the run ends here"
+            log.warning("%s: %s", self.replica.name, note)
+            raise RunEnded(note)
+
+    def quorum_failed(self, trainer: Any, e: BaseException) -> None:
+        """The step's quorum failed: on the run's last step, end without it (:meth:`end_behind`); else return (the
+        caller raises)."""
+        if trainer is not None and steps_left(trainer) <= 1:  # the peers finished the run without this group
+            trainer.should_stop = True
+            self.end_behind(e)
 
     def barrier(self) -> None:
         """One flag summed over the farewell quorum just formed, when a member of it healed there (every member sees
@@ -79,11 +112,11 @@ class Farewell:
         if group is not None and self.heals and self.replica.manager.num_participants() > 1:
             group.all_reduce(torch.ones(1)).wait()
 
-    def leave(self) -> None:
+    def leave(self, trainer: Any) -> None:
         """After this group's last step: one more quorum (a laggard heals in it), then the barrier. Bounded by
         ``ft_timeout``; no quorum (fewer than ``min_replicas`` groups left) is not an error here."""
         r = self.replica
-        if r.manager is None or self.ended is not None or self.done:
+        if trainer is None or r.manager is None or self.ended is not None or self.done:
             return
         self.done = True
         try:
