@@ -557,10 +557,9 @@ class ElasticMixin:
                 # A peer at the very start (every group's heal at step 0) has no position to give.
                 trainer.fit_loop.load_state_dict(sd["loop"])
                 self.topk_elastic.data_position = position  # type: ignore[union-attr]
-            elif not joining:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
+            elif not joining:  # a heal mid-run: the step count (at its own round end, Lightning counts the step in flight after) and, per step, the batches owed (elastic_end)
                 round_end = getattr(self, "_elastic_round_end", False)
                 set_global_step(trainer, int(sd.get("global_step", 0)) - int(round_end))
-                # per step: the batches the peers ran while this group was late (elastic_end)
                 self.topk_elastic.farewell.owed = 0 if round_end else owed_batches(trainer, sd.get("loop"))  # type: ignore[union-attr]
 
 
