@@ -240,9 +240,10 @@ def test_heal_that_does_not_fit_names_the_mismatch(tmp_path):
     does not fit; its error names the entries and their shapes (before: 'fewer than min_replicas joined ... or the
     lighthouse is gone')."""
     pytest.importorskip("torchft")
-    c = Cluster(tmp_path)
+    c = Cluster(tmp_path, min_replicas=2)  # both in the first quorum: one of them heals from the other at step 0
     try:
-        procs = [c.start(r, "--steps", 3, "--width", 256 if r == 0 else 128, "--quorum-timeout", 10) for r in (0, 1)]
+        procs = [c.start(r, "--steps", 3, "--width", 256 if r == 0 else 128, "--min-replicas", 2,
+                         "--quorum-timeout", 10) for r in (0, 1)]
         codes = [p.wait(timeout=180) for p in procs]
     finally:
         c.close()
