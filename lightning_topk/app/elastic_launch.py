@@ -8,11 +8,13 @@ replica groups that are restarted when they die.
 The lighthouse (torchft's ``torchft_lighthouse``, Rust) binds only to ``--bind``; the launcher waits until it
 accepts connections (or fails, naming the address, within ``--start_timeout``) and prints
 ``TORCHFT_LIGHTHOUSE=http://HOST:PORT``. With a command after ``--``, it starts ``--replicas`` copies of it, each
-with ``TORCHFT_LIGHTHOUSE`` and ``REPLICA_GROUP_ID=replica<i>`` in its environment, restarts one that exits
-non-zero (up to ``--max_restarts`` times in all; a restarted group heals from a live peer), and exits when every
-replica has exited with 0 (or with the first failure past the restarts). Without a command it runs the
-lighthouse until interrupted; SIGTERM then stops it and exits 0 (``examples/slurm/elastic.sbatch`` stops its
-lighthouse step so).
+with ``TORCHFT_LIGHTHOUSE``, ``TORCHFT_LIGHTHOUSE_MIN_REPLICAS`` and ``REPLICA_GROUP_ID=replica<i>`` in its
+environment, restarts one that exits non-zero (up to ``--max_restarts`` times in all; a restarted group heals from a
+live peer), and exits when every replica has exited with 0 (or with the first failure past the restarts).
+``--replicas`` below ``--min_replicas`` is refused at once (no quorum could form). SIGTERM is passed on to the
+replicas; once they have exited (``--term_timeout`` seconds, then they are killed) the lighthouse stops and the
+launcher exits 0. Without a command it runs the lighthouse until interrupted; SIGTERM then stops it and exits 0
+(``examples/slurm/elastic.sbatch`` stops its lighthouse step so).
 """
 from __future__ import annotations
 
@@ -26,6 +28,8 @@ import sys
 import sysconfig
 import time
 from typing import Dict, List, Optional
+
+from lightning_topk.lightning.elastic_lighthouse import MIN_REPLICAS_ENV  # the replicas' quorum errors name it
 
 
 def lighthouse_binary() -> str:
@@ -85,13 +89,30 @@ def start_lighthouse(args: argparse.Namespace) -> subprocess.Popen:
     return proc
 
 
-def run_replicas(command: List[str], args: argparse.Namespace, lighthouse: str) -> int:
-    """Start ``--replicas`` copies of ``command``; restart failed ones up to ``--max_restarts`` in all."""
+def stop_replicas(live: Dict[int, subprocess.Popen], timeout: float) -> None:
+    """SIGTERM to every running replica, then wait up to ``timeout`` seconds in all; kill what is left."""
+    for p in live.values():
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in live.values():
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_replicas(command: List[str], args: argparse.Namespace, lighthouse: str,
+                 live: Dict[int, subprocess.Popen]) -> int:
+    """Start ``--replicas`` copies of ``command`` (into ``live``, which the SIGTERM handler stops); restart failed
+    ones up to ``--max_restarts`` in all."""
     def start(i: int) -> subprocess.Popen:
-        env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=f"replica{i}")
+        env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, REPLICA_GROUP_ID=f"replica{i}",
+                   **{MIN_REPLICAS_ENV: str(args.min_replicas)})
         return subprocess.Popen(command, env=env)
 
-    live: Dict[int, subprocess.Popen] = {i: start(i) for i in range(args.replicas)}
+    live.update({i: start(i) for i in range(args.replicas)})
     restarts = 0
     while live:
         for i, p in list(live.items()):
@@ -129,18 +150,29 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--start_timeout", type=float, default=30.0, help="seconds for the lighthouse to listen")
     ap.add_argument("--replicas", type=int, default=1, help="copies of the command after --")
     ap.add_argument("--max_restarts", type=int, default=3, help="restarts of failed replicas, in all")
+    ap.add_argument("--term_timeout", type=float, default=30.0,
+                    help="on SIGTERM, seconds the replicas have to exit before they are killed")
     args = ap.parse_args(argv)
+    if args.min_replicas < 1:
+        ap.error(f"--min_replicas must be at least 1, got {args.min_replicas}")
+    if command and args.replicas < args.min_replicas:
+        ap.error(f"--replicas {args.replicas} is fewer than --min_replicas {args.min_replicas}: no quorum could form "
+                 f"(the replicas would wait for ft_quorum_timeout, then fail). Start --replicas {args.min_replicas} "
+                 f"or more, or lower --min_replicas to {args.replicas}")
     lh = start_lighthouse(args)
+    live: Dict[int, subprocess.Popen] = {}
 
     def stop(signum: int, _frame: object) -> None:
+        # SIGTERM is how a run is stopped (a scheduler's cancel, the SLURM example's lighthouse step), not a
+        # failure: the replicas get it too, and the lighthouse outlives them
+        stop_replicas(live, args.term_timeout)
         lh.terminate()
-        # lighthouse only: SIGTERM is how it is stopped (the SLURM example's last step), not a failure
-        raise SystemExit(128 + signum if command else 0)
+        raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
     try:
         if command:
-            return run_replicas(command, args, f"http://{args.bind}")
+            return run_replicas(command, args, f"http://{args.bind}", live)
         return lh.wait()
     except KeyboardInterrupt:
         return 130

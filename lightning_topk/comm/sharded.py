@@ -414,8 +414,12 @@ def load_local_module_state(module: nn.Module, sd: Dict[str, torch.Tensor]) -> N
     ``module`` in place (the optimizers and FSDP keep their tensors)."""
     own = module.state_dict()
     if own.keys() != sd.keys():
-        raise RuntimeError(f"topk_fsdp: a heal's module state has other keys than this model's "
+        raise RuntimeError(f"the peer's module state has other entries than this model's "
                            f"({sorted(set(own) ^ set(sd))[:8]})")
+    bad = [f"{k}: {tuple(sd[k].shape)} there, {tuple(local_tensor(v).shape)} here" for k, v in own.items()
+           if tuple(sd[k].shape) != tuple(local_tensor(v).shape)]
+    if bad:  # before any copy: the module is left as it was
+        raise RuntimeError(f"the peer's module state does not fit this model ({'; '.join(bad[:4])})")
     with torch.no_grad():
         for k, v in own.items():
             local_tensor(v).copy_(sd[k])

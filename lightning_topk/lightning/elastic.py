@@ -40,7 +40,6 @@ import time
 import uuid
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
-from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -56,55 +55,16 @@ from lightning_topk.comm.sharded import (
     local_tensor,
 )
 from lightning_topk.lightning import support_cell
+from lightning_topk.lightning.elastic_end import Farewell, owed_batches
+from lightning_topk.lightning.elastic_lighthouse import MIN_REPLICAS_ENV, check_lighthouse, lighthouse_address
 from lightning_topk.lightning.elastic_position import data_position, loop_position, set_global_step
 from lightning_topk.optional import require
 from lightning_topk.support import message
 
 log = logging.getLogger(__name__)
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 #: the replica group's name (torchft appends a unique suffix to each start); default: host and process id
 REPLICA_ID_ENV = "REPLICA_GROUP_ID"
-
-
-def lighthouse_address(config: TopKConfig) -> str:
-    """The lighthouse's address: ``config.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``; a missing one is an error."""
-    addr = config.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "").strip()
-    if not addr:
-        raise ValueError("topk_ddp: fault_tolerance='torchft' needs a torchft lighthouse: set lighthouse='http://HOST:PORT' "
-                         f"or the environment variable {LIGHTHOUSE_ENV} (start one with `python -m "
-                         "lightning_topk.app.elastic_launch --bind HOST:PORT --min_replicas N`, docs/elastic.md)")
-    return addr if "://" in addr else f"http://{addr}"
-
-
-# HTTP/2's client preface and an empty SETTINGS frame: the lighthouse speaks gRPC, so it answers with a SETTINGS
-# frame (frame type 4 in the 4th byte of its 9-byte header) and nothing else happens on its side.
-_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
-
-
-def check_lighthouse(addr: str, timeout: float) -> None:
-    """Raise ``ConnectionError`` naming ``addr`` unless an HTTP/2 (gRPC) server answers there within ``timeout``
-    seconds: refused, unroutable, or a listener that never answers all fail within the timeout (torchft's own
-    client would fail deep inside the first quorum call, after its connect timeout). No side effect on the
-    lighthouse (no heartbeat, no quorum request)."""
-    url = urlparse(addr)
-    host, port = url.hostname, url.port
-    if not host or not port:
-        raise ValueError(f"topk_ddp: lighthouse={addr!r} is not an address such as 'http://host:29510'")
-    t0 = time.monotonic()
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(max(0.05, timeout - (time.monotonic() - t0)))
-            sock.sendall(_H2_PREFACE)
-            head = sock.recv(9)
-        if len(head) < 4 or head[3] != 4:
-            raise ConnectionError(f"it answered {head[:16]!r}, not an HTTP/2 SETTINGS frame")
-    except OSError as e:  # ConnectionError, socket.timeout and the others
-        raise ConnectionError(
-            f"topk_ddp: fault_tolerance='torchft': no torchft lighthouse answers at {addr} ({e.__class__.__name__}: "
-            f"{e}; gave up after {time.monotonic() - t0:.1f} s, ft_connect_timeout={timeout:g} s). Start one with "
-            "`python -m lightning_topk.app.elastic_launch --bind HOST:PORT --min_replicas N` (or torchft_lighthouse) "
-            f"and pass its address as lighthouse= or {LIGHTHOUSE_ENV}") from None
 
 
 class TorchFTReplica:
@@ -149,6 +109,7 @@ class TorchFTReplica:
         self.residual_mass_at_loss = 0.0
         self.data_position: Dict[str, int] = {}  # where a join's heal put the fit loop (epoch, batch, steps)
         self._final_step = 0
+        self.farewell = Farewell(self)  # how the run ends (elastic_end)
 
     # ---- life ------------------------------------------------------------------------------------
     def check(self) -> None:
@@ -214,12 +175,18 @@ class TorchFTReplica:
         t0 = time.monotonic()
         try:
             m.start_quorum()
+        except HealError:
+            raise
         except Exception as e:
+            theirs = os.environ.get(MIN_REPLICAS_ENV)
+            lh = (f"the lighthouse's --min_replicas={theirs}" if theirs else "the lighthouse's own --min_replicas "
+                  "(python -m lightning_topk.app.elastic_launch --min_replicas N; its log says 'need min_replicas N')")
             raise RuntimeError(
                 f"{self.name}: torchft quorum failed for replica group {self.replica_id!r} at step {m.current_step()} "
-                f"({e}): fewer than min_replicas={self.config.min_replicas} replica groups joined the lighthouse "
-                f"{self.lighthouse} within ft_quorum_timeout={self.config.ft_quorum_timeout:g} s (the last quorum had "
-                f"{self.quorum_size}), or the lighthouse is gone (docs/elastic.md)") from e
+                f"({e}): fewer replica groups joined the lighthouse {self.lighthouse} within ft_quorum_timeout="
+                f"{self.config.ft_quorum_timeout:g} s than a quorum needs, the larger of the strategy's min_replicas="
+                f"{self.config.min_replicas} and {lh} (the last quorum had {self.quorum_size}), or the lighthouse is "
+                "gone (docs/elastic.md)") from e
         healed = self._healing_t0 is not None  # set by _load during this quorum
         if healed:
             self.heal_time_s = time.monotonic() - t0
@@ -288,8 +255,9 @@ class TorchFTReplica:
                 # the lost ones' own mass is not measured by anyone)
                 "ft/residual_mass_at_loss": float(self.residual_mass_at_loss)}
 
-    def _tap(self, members: List[str]) -> None:
+    def _tap(self, members: List[str], behind: bool) -> None:
         self._new_members = members  # torchft's quorum thread; read in begin_step once the quorum is done
+        self.farewell.heals = behind  # a member of this quorum heals in it (elastic_end.Farewell.barrier)
 
     def _note_members(self) -> None:
         """Count the replica groups that left the quorum since the last one (their error feedback died with
@@ -313,20 +281,32 @@ class TorchFTReplica:
 
     def _load(self, sd: Dict[str, Any]) -> None:
         self._healing_t0 = time.monotonic()
-        self._load_state_dict(sd)
+        try:
+            self._load_state_dict(sd)
+        except Exception as e:  # the peer's state does not fit this group: not a quorum failure
+            raise HealError(
+                f"{self.name}: replica group {self.replica_id!r} received a peer's state in its heal at step "
+                f"{self.manager.current_step()} but could not apply it: {e}. Every replica group must train the same "
+                "model with the same optimizer and options (was this one started with another model width or "
+                "configuration?)") from e
+
+
+class HealError(RuntimeError):
+    """A heal whose state (a live peer's) does not fit this replica group: another model or configuration."""
 
 
 class _QuorumTap:
-    """torchft's manager client, with each quorum's member ids handed to ``sink`` (torchft's ``Manager`` keeps
-    only their count); every other attribute is the client's."""
+    """torchft's manager client, with each quorum's member ids, and whether any member is behind (heals in it),
+    handed to ``sink`` (torchft's ``Manager`` keeps neither); every other attribute is the client's."""
 
-    def __init__(self, client: Any, sink: Callable[[List[str]], None]) -> None:
+    def __init__(self, client: Any, sink: Callable[[List[str], bool], None]) -> None:
         self._client = client
         self._sink = sink
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
         q = self._client._quorum(*args, **kwargs)
-        self._sink([str(r) for r in getattr(q, "replica_ids", [])])
+        behind = int(getattr(q, "max_world_size", 0)) < int(getattr(q, "replica_world_size", 0))
+        self._sink([str(r) for r in getattr(q, "replica_ids", [])], behind)
         return q
 
     def __getattr__(self, name: str) -> Any:
@@ -426,10 +406,15 @@ class ElasticMixin:
         ft = self.topk_elastic
         assert ft is not None
         first, self._elastic_first_quorum = getattr(self, "_elastic_first_quorum", None), None
-        healed = ft.begin_step() if first is None else first
-        group = ft.group
-        if group is not None and group.intra is not None:
-            self._elastic_group_sync(healed, group.intra)
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        try:
+            healed = ft.begin_step() if first is None else first
+        except RuntimeError as e:
+            ft.farewell.quorum_failed(trainer, e)  # on the run's last step: ends the fit (elastic_end)
+            raise
+        if ft.group is not None and ft.group.intra is not None:
+            self._elastic_group_sync(healed, ft.group.intra)
+        ft.farewell.after_quorum(trainer, healed)  # the batches owed after a heal; the end after the peers'
 
     def _elastic_group_sync(self, healed: bool, intra: Any) -> None:
         """Several processes per group: after a heal on any of its ranks, the group's rank 0 state is the group's.
@@ -455,6 +440,11 @@ class ElasticMixin:
         dist.broadcast_object_list(shared, src=0, group=intra)
         for o, osd in zip(opts, shared[0]):
             o.load_state_dict(osd)
+
+    def on_train_end(self) -> None:
+        getattr(super(), "on_train_end", lambda: None)()
+        if self.topk_elastic is not None and self._elastic_outer() is None:  # per step: the farewell quorum
+            self.topk_elastic.farewell.leave(getattr(self.lightning_module, "_trainer", None))  # type: ignore[attr-defined]
 
     def teardown(self) -> None:
         try:
@@ -566,8 +556,10 @@ class ElasticMixin:
                 # A peer at the very start (every group's heal at step 0) has no position to give.
                 trainer.fit_loop.load_state_dict(sd["loop"])
                 self.topk_elastic.data_position = position  # type: ignore[union-attr]
-            elif not joining:  # at its own round end, this replica's optimizer step is still in flight: Lightning counts it after
-                set_global_step(trainer, int(sd.get("global_step", 0)) - int(getattr(self, "_elastic_round_end", False)))
+            elif not joining:  # a heal mid-run: the step count (at its own round end, Lightning counts the step in flight after) and, per step, the batches owed (elastic_end)
+                round_end = getattr(self, "_elastic_round_end", False)
+                set_global_step(trainer, int(sd.get("global_step", 0)) - int(round_end))
+                self.topk_elastic.farewell.owed = 0 if round_end else owed_batches(trainer, sd.get("loop"))  # type: ignore[union-attr]
 
 
 class _RoundGate:

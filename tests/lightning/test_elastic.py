@@ -221,16 +221,38 @@ def test_uncommitted_step_changes_nothing(tmp_path):
 def test_quorum_below_min_replicas_waits_then_fails_clearly(tmp_path):
     pytest.importorskip("torchft")
     c = Cluster(tmp_path, min_replicas=2)
-    try:
-        p = c.start(0, "--steps", "3", "--min-replicas", "2", "--quorum-timeout", "5")
+    try:  # the strategy's min_replicas is the default 1: the lighthouse's 2 is what the quorum waits for
+        p = c.start(0, "--steps", "3", "--quorum-timeout", "5")
         assert p.wait(timeout=180) != 0
     finally:
         c.close()
     log = (tmp_path / "replica0.0.log").read_text()
     assert ("torchft quorum failed for replica group 'replica0' at step 0" in log
-            and "fewer than min_replicas=2 replica groups joined the lighthouse http://127.0.0.1:" in log
-            and "within ft_quorum_timeout=5 s" in log), log[-3000:]
+            and "fewer replica groups joined the lighthouse http://127.0.0.1:" in log
+            and "within ft_quorum_timeout=5 s" in log
+            and "the strategy's min_replicas=1 and the lighthouse's own --min_replicas" in log), log[-3000:]
     assert not c.rows(0)  # no step ran
+
+
+@pytest.mark.timeout(240)
+def test_heal_that_does_not_fit_names_the_mismatch(tmp_path):
+    """Two replica groups started with different model widths: the group that heals at step 0 receives a state that
+    does not fit; its error names the entries and their shapes (before: 'fewer than min_replicas joined ... or the
+    lighthouse is gone')."""
+    pytest.importorskip("torchft")
+    c = Cluster(tmp_path, min_replicas=2)  # both in the first quorum: one of them heals from the other at step 0
+    try:
+        procs = [c.start(r, "--steps", 3, "--width", 256 if r == 0 else 128, "--min-replicas", 2,
+                         "--quorum-timeout", 10) for r in (0, 1)]
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        c.close()
+    logs = [(tmp_path / f"replica{r}.0.log").read_text() for r in (0, 1)]
+    healed = [r for r in (0, 1) if "could not apply it" in logs[r]]
+    assert len(healed) == 1 and codes[healed[0]] != 0, (codes, _logs(tmp_path))
+    log = logs[healed[0]]
+    assert "the peer's module state does not fit this model (net.0.weight: (" in log, log[-3000:]
+    assert "another model width or configuration" in log and "fewer replica groups joined" not in log
 
 
 @pytest.mark.timeout(300)
@@ -582,6 +604,44 @@ def test_launcher_refuses_a_busy_address_and_stops_on_sigterm(tmp_path):
     assert not _listening(port)
 
 
+@pytest.mark.timeout(120)
+def test_launcher_passes_sigterm_to_its_replicas_and_refuses_fewer_replicas_than_min(tmp_path):
+    """elastic_launch with a command: SIGTERM reaches every replica, the launcher waits for them and exits 0 (before:
+    143, the replicas left running); --replicas below --min_replicas is refused before anything starts, naming
+    both; each replica's environment names the lighthouse's --min_replicas."""
+    pytest.importorskip("torchft")
+    port = free_port()
+    child = tmp_path / "child.py"
+    child.write_text(
+        "import os, pathlib, signal, sys, time\n"
+        f"d = pathlib.Path({str(tmp_path)!r})\n"
+        "rid = os.environ['REPLICA_GROUP_ID']\n"
+        "def term(*_):\n"
+        "    (d / f'{rid}.term').write_text('')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, term)\n"
+        "(d / f'{rid}.up').write_text(os.environ['TORCHFT_LIGHTHOUSE_MIN_REPLICAS'])\n"
+        "time.sleep(600)\n")
+    cmd = [sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}"]
+    bad = subprocess.run([*cmd, "--min_replicas", "2", "--replicas", "1", "--", sys.executable, str(child)],
+                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--replicas 1 is fewer than --min_replicas 2" in bad.stderr, bad.stderr[-2000:]
+    assert not list(tmp_path.glob("*.up")) and not _listening(port)
+    launcher = subprocess.Popen([*cmd, "--min_replicas", "2", "--replicas", "2", "--", sys.executable, str(child)],
+                                cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: len(list(tmp_path.glob("*.up"))) == 2, 60, "both replicas")
+        assert {f.read_text() for f in tmp_path.glob("*.up")} == {"2"}
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert sorted(f.name for f in tmp_path.glob("*.term")) == ["replica0.term", "replica1.term"]
+    assert not _listening(port)
+
+
 def _local_args(stop, *extra):
     return ("--steps", 100000, "--delay", 0.05, "--init-differs", "--stop-file", stop, "--local-steps", 4,
             "--min-replicas", 2, "--positioned-data", *extra)
@@ -796,3 +856,76 @@ def test_local_sgd_kill_inside_a_round_rolls_back_on_survivors(tmp_path):
         assert torch.equal(finals[0]["outer"][k], finals[1]["outer"][k]), k
     print("ELASTIC_LOCAL_MID", json.dumps({"failed_collectives": [f["metrics"]["ft/failed_collectives"] for f in finals],
                                            "uncommitted": [c.rows(r)[-1]["round_uncommitted"] for r in (0, 2)]}))
+
+
+def _end_together(tmp_path, stall_at, stall_s, quorum_timeout=10, slow=()):
+    """3 replica groups of 1 process, lighthouse and strategy at min_replicas=2, 2 epochs of the digits (Lightning's
+    max_epochs ends the run); group 2 sleeps ``stall_s`` before its quorum at committed step ``stall_at`` (late for
+    the quorums of that time, alive); ``slow``: extra arguments of groups 0 and 1. Returns each group's final file
+    and its exit code."""
+    torch = pytest.importorskip("torch")
+    c = Cluster(tmp_path, min_replicas=2)
+    args = ("--steps", 100000, "--max-epochs", 2, "--delay", 0.02, "--min-replicas", 2,
+            "--quorum-timeout", quorum_timeout)
+    try:
+        procs = [c.start(r, *args, *(("--stall-at", stall_at, "--stall-s", stall_s) if r == 2 else slow))
+                 for r in range(3)]
+        codes = [p.wait(timeout=150) for p in procs]
+    finally:
+        c.close()
+    finals = [torch.load(tmp_path / f"replica{r}.pt") if (tmp_path / f"replica{r}.pt").exists() else None
+              for r in range(3)]
+    return c, finals, codes
+
+
+@pytest.mark.timeout(240)
+def test_max_epochs_groups_end_together_after_a_late_group_heals(tmp_path):
+    """Under max_epochs (the documented Hydra job's way to end), a group late for the quorums mid-run heals from a
+    peer and takes its place in the epoch: every group ends at the same committed and Lightning step, in the same
+    epoch, bit-identical (before: the late group's epochs ended after its peers', it ran on alone and failed after
+    ft_quorum_timeout with 'fewer than min_replicas=2')."""
+    import torch
+
+    pytest.importorskip("torchft")
+    c, finals, codes = _end_together(tmp_path, stall_at=15, stall_s=3.0)
+    assert codes == [0, 0, 0], _logs(tmp_path)
+    late = c.rows(2)
+    assert late[-1]["heals"] >= 1 and max(r["ft_step"] for r in late) > 15, late[-1]
+    ends = {(f["metrics"]["ft/step"], f["global_step"], f["epoch"]) for f in finals}
+    assert len(ends) == 1 and all(f["ended_behind"] is None for f in finals), [
+        (f["metrics"]["ft/step"], f["global_step"], f["epoch"], f["ended_behind"]) for f in finals]
+    for f in finals[1:]:
+        assert all(torch.equal(v, f["params"][k]) for k, v in finals[0]["params"].items())
+    print("ELASTIC_END", json.dumps({"end": sorted(ends), "late_heals": late[-1]["heals"]}))
+
+
+@pytest.mark.timeout(240)
+def test_max_epochs_group_late_for_the_last_quorum_ends_cleanly_one_step_behind(tmp_path):
+    """The last survivor: group 2 sleeps 3 s before the quorum of the run's last step (90 of 2 epochs); its peers
+    finish without it (their farewell quorum does not wait that long) and leave. Its quorum then fails after
+    ft_quorum_timeout, and it ends without that step, one committed step behind, with a warning and exit 0 (before:
+    'fewer than min_replicas=2', exit 1, no final file)."""
+    pytest.importorskip("torchft")
+    c, finals, codes = _end_together(tmp_path, stall_at=89, stall_s=3.0, quorum_timeout=5)
+    assert codes == [0, 0, 0], _logs(tmp_path)
+    assert [f["metrics"]["ft/step"] for f in finals] == [90, 90, 89], [f["metrics"] for f in finals]
+    assert finals[2]["ended_behind"] and "one committed step behind" in finals[2]["ended_behind"]
+    assert "ends one committed step behind" in (tmp_path / "replica2.0.log").read_text()
+
+
+@pytest.mark.timeout(240)
+def test_max_epochs_group_just_late_for_the_last_quorum_heals_in_the_farewell(tmp_path):
+    """Group 2 sleeps 1.5 s before the quorum of the last step: its peers' last quorum forms without it (join
+    timeout 0.5 s) and their last step takes 3 s, so its quorum request waits at the lighthouse; their farewell
+    quorum (after their last step) takes it in: it heals there to the final step and all three end at step 90,
+    bit-identical (before: it ran the step alone and failed, 'fewer than min_replicas=2')."""
+    import torch
+
+    pytest.importorskip("torchft")
+    c, finals, codes = _end_together(tmp_path, stall_at=89, stall_s=1.5, slow=("--slow-at", 89, "--slow-s", 3.0))
+    assert codes == [0, 0, 0], _logs(tmp_path)
+    assert [f["metrics"]["ft/step"] for f in finals] == [90, 90, 90], [f["metrics"] for f in finals]
+    assert finals[2]["ended_behind"] is None
+    assert "healed to the final step 90 in the peers' farewell quorum" in (tmp_path / "replica2.0.log").read_text()
+    for f in finals[1:]:
+        assert all(torch.equal(v, f["params"][k]) for k, v in finals[0]["params"].items())

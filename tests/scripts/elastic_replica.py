@@ -69,7 +69,7 @@ class Net(pl.LightningModule):
     def __init__(self, args):
         super().__init__()
         torch.manual_seed(100 + args.replica if args.init_differs else 0)  # init_sync makes them equal
-        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+        self.net = nn.Sequential(nn.Linear(64, args.width), nn.ReLU(), nn.Linear(args.width, 10))
         self.args = args
         self.log_path = Path(args.out) / f"replica{args.replica}{_rank_suffix()}.jsonl"
         self._before = None
@@ -120,11 +120,17 @@ class Net(pl.LightningModule):
     def on_train_batch_start(self, batch, batch_idx):
         if self.args.delay:
             time.sleep(self.args.delay)
+        ft = self.trainer.strategy.topk_elastic
+        if self.args.stall_at is not None and ft.step == self.args.stall_at and not getattr(self, "_stalled", False):
+            self._stalled = True  # late for the quorums of the next seconds (alive: its heartbeats go on)
+            time.sleep(self.args.stall_s)
 
     def on_after_backward(self):
         ft = self.trainer.strategy.topk_elastic
         if self.args.local_steps:
             return
+        if self.args.slow_at is not None and ft.step == self.args.slow_at:
+            time.sleep(self.args.slow_s)  # a long step (after its quorum)
         if self.args.refuse_at is not None and ft.step == self.args.refuse_at and not self._refused:
             self._refused = True
             ft.manager.report_error(RuntimeError("injected by the test"))
@@ -143,6 +149,7 @@ class Net(pl.LightningModule):
                                  if p.grad is not None))}
         row["data_pos"] = self._pos
         row["batch_idx"] = batch_idx
+        row["epoch"] = self.trainer.current_epoch
         row["replicas_lost"] = ft.replicas_lost
         row["residual_mass_at_loss"] = ft.residual_mass_at_loss
         row["data_position"] = ft.data_position
@@ -181,7 +188,8 @@ class Net(pl.LightningModule):
         torch.save({"params": {k: _loc(v).detach().clone() for k, v in self.net.state_dict().items()}, "outer": out,
                     "opt": {i: {k: _loc(v).clone() for k, v in st.items()}
                             for i, st in opt.state_dict()["state"].items()},
-                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes,
+                    "metrics": ft.metrics(), "quorum_sizes": ft.quorum_sizes, "global_step": self.trainer.global_step,
+                    "epoch": self.trainer.current_epoch, "ended_behind": getattr(getattr(ft, "farewell", None), "ended", None),
                     "accuracy": None if self.args.fsdp else accuracy(self)},
                    Path(self.args.out) / f"replica{self.args.replica}{_rank_suffix()}.pt")
 
@@ -246,6 +254,12 @@ def main():
     ap.add_argument("--outer-recipe", default="diloco")
     ap.add_argument("--fsdp", action="store_true", help="topk_fsdp: the model sharded over the group's processes")
     ap.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    ap.add_argument("--width", type=int, default=256, help="the hidden layer's width")
+    ap.add_argument("--max-epochs", type=int, default=10_000, help="Lightning's max_epochs (with a large --steps)")
+    ap.add_argument("--stall-at", type=int, default=None, help="at this committed step, sleep --stall-s before the quorum")
+    ap.add_argument("--stall-s", type=float, default=0.0)
+    ap.add_argument("--slow-at", type=int, default=None, help="at this committed step, sleep --slow-s after the backward")
+    ap.add_argument("--slow-s", type=float, default=0.0)
     args = ap.parse_args()
     os.environ["ELASTIC_DEVICES"] = str(args.devices)  # the launched local ranks inherit it
     (Path(args.out) / f"replica{args.replica}{_rank_suffix()}.pid").write_text(str(os.getpid()))
@@ -257,7 +271,7 @@ def main():
                     **(local or dict(exchange=args.exchange)), **extra,
                     min_replicas=args.min_replicas, ft_timeout=min(20.0, args.quorum_timeout),
                     ft_quorum_timeout=args.quorum_timeout, ft_connect_timeout=5.0, log_telemetry=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=10_000, max_steps=-1,
+    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy, max_epochs=args.max_epochs, max_steps=-1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, num_sanity_val_steps=0,
                          use_distributed_sampler=not args.positioned_data)
