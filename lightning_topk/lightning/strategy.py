@@ -116,8 +116,6 @@ class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMi
         state.release_orphans()  # sections of exchanges this run does not use (e.g. owner residuals: folded)
         several = elastic is not None and elastic.group is not None and elastic.group.intra is not None
         self.model.register_comm_hook(state, elastic_exchange_hook if several else exchange_hook)
-        if getattr(state.exchange, "bucket_layout", False):
-            fix_bucket_layout(self.model)
         if getattr(state.exchange, "local_sgd", False) and self.num_processes == 1:
             # Local SGD, one process per node: an inner step has nothing to reduce, so it does not go through
             # DDP's reducer (see training_step); the exchange flags the gradients before the step's decision
@@ -236,16 +234,6 @@ class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMi
     def _topk_exchange(self) -> Any:
         """The exchange of the hooks' state (None before the hooks exist)."""
         return self.topk_state.exchange if self.topk_state is not None else None
-
-
-def fix_bucket_layout(ddp: Any) -> None:
-    """Build DDP's buckets now, in parameter order, for good: DDP otherwise rebuilds them after a process's first
-    iteration (in gradient-ready order), so a run resumed at step k would take step k with the initial layout while
-    the straight run took it with the rebuilt one. Exchanges whose state sits at positions in the bucket (shards,
-    owners' ranges) then resume off by the entries that moved (2.5e-3 to 7.6e-3 here). A collective: every rank."""
-    ddp.reducer._push_all_rebuilt_params()
-    ddp.reducer._rebuild_buckets()
-    ddp._has_rebuilt_buckets = True
 
 
 def config_from(config: Optional[TopKConfig], kwargs: Dict[str, Any], strategy: str) -> TopKConfig:

@@ -42,7 +42,7 @@ class Exchange:
     * ``momentum_correction`` / ``parameter_scope``: whether it supports those options;
     * ``shared_state``: its checkpoint section is the same on every rank (saved once, in the main file);
     * ``bucket_layout``: its state sits at positions in the bucket (shards or owners' ranges), so DDP's bucket
-      layout must be the same at every step, straight or resumed (the strategy fixes it at setup);
+      layout must be the same at every step, straight or resumed (the strategy keeps DDP from rebuilding it);
     * ``local_sgd``: the hook does not hand DDP the average over all ranks; the exchange between nodes
       happens in ``after_optimizer_step`` (sparse local SGD, ``local_steps`` > 0). The per-bucket contract
       (``tests/comm/test_contract.py``) does not apply, and ``auto`` never considers it.
