@@ -98,9 +98,9 @@ def test_every_packaged_file_is_package_data():
     """A file under lightning_topk/data/packaged that pyproject.toml does not list is missing from the wheel."""
     tomllib = pytest.importorskip("tomllib")
     listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    shipped = {f"packaged/{p.name}" for p in (ROOT / "lightning_topk" / "data" / "packaged").iterdir() if p.is_file()}
-    assert {"packaged/stdlib_docs.txt.gz", "packaged/stdlib_docs.LICENSE.txt"} <= shipped
-    assert shipped <= set(listed["lightning_topk.data"])
+    shipped = {p.name for p in (ROOT / "lightning_topk" / "data" / "packaged").iterdir() if p.is_file()}
+    assert {"stdlib_docs.txt.gz", "stdlib_docs.LICENSE.txt"} <= shipped
+    assert shipped <= set(listed["lightning_topk.data.packaged"])
 
 
 def test_packaged_datamodule_text_options_fail_fast(tmp_path):
