@@ -417,7 +417,7 @@ def test_hierarchical_scatter_options_fail_fast_naming_the_option():
 def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(two_nodes):
     """Through Lightning's launcher (the strategy picks the hook): digits, 2 nodes x 2, 3 epochs. The margin comes
     from the spread over seeds: hierarchical_scatter minus hierarchical was -0.033, +0.068, +0.028, -0.083 at seeds
-    0-3 (hierarchical alone 0.77-0.94; 2026-11-28, with the bucket layout fixed at setup), so one run is within 0.12
+    0-3 (hierarchical alone 0.77-0.94; 2026-11-28), so one run is within 0.12
     of the other, and a broken exchange (chance: 0.1) is far below 0.8."""
     hs, hsranks = two_nodes("hierarchical_scatter")
     hier, _ = two_nodes("hierarchical")
