@@ -35,7 +35,6 @@ from lightning_topk.comm.local.exchanges import (
 from lightning_topk.comm.local.flat import BufferSet, ShardView, decide, decide_counted, world
 from lightning_topk.comm.local.outer_step import AmplifyGuard, outer_sgd_, outer_step_for
 from lightning_topk.comm.local.streaming import Flight
-from lightning_topk.comm.teardown import destroy_gloo_at_exit
 from lightning_topk.comm.wire import ring_allreduce_wire
 
 log = logging.getLogger(__name__)
@@ -87,7 +86,6 @@ class OuterState:
                  buffers: Sequence[Tuple[str, Tensor]] = (), optimizers: Optional[Sequence[Any]] = None,
                  view: Optional[ShardView] = None) -> None:
         self.config = config
-        destroy_gloo_at_exit()  # a plain spawn harness then ends without an abort at exit (.teardown)
         self.view = v = view if view is not None else ShardView(config, named, local, local_rank)
         self.bufs = BufferSet(buffers)
         self.inter, self.intra, self.local, self.local_rank = inter, intra, local, local_rank
