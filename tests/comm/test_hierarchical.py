@@ -125,7 +125,9 @@ def test_two_nodes_hierarchical_converges_like_flat(two_nodes):
     assert franks[0]["hier"] is None
     for k in hranks[0]["params"]:
         assert torch.equal(hranks[0]["params"][k], hranks[1]["params"][k])
-    assert hier["val_acc"] > 0.8 and hier["val_acc"] >= flat["val_acc"] - 0.03, (hier, flat)
+    # 3 epochs at density 0.01 are far from converged: over seeds 0-1 (native and ATEN_CPU_CAPABILITY=default) hier
+    # reached 304..353 of the 398 samples, flat 299..346, hier - flat +5..+7 (issue 41)
+    assert hier["val_acc"] > 0.7 and hier["val_acc"] >= flat["val_acc"] - 0.03, (hier, flat)
     # the slow link carries ~L = 2 times fewer bytes
     ratio = franks[0]["last"]["bytes_inter"] / hranks[0]["last"]["bytes_inter"]
     assert 1.7 < ratio < 2.3, ratio
@@ -417,10 +419,10 @@ def test_hierarchical_scatter_options_fail_fast_naming_the_option():
 def test_two_nodes_hierarchical_scatter_trains_like_hierarchical(two_nodes):
     """Through Lightning's launcher (the strategy picks the hook): digits, 2 nodes x 2, 3 epochs. The margin comes
     from the spread over seeds: hierarchical_scatter minus hierarchical was -0.033, +0.068, +0.028, -0.083 at seeds
-    0-3 (hierarchical alone 0.77-0.94; 2026-11-28), so one run is within 0.12
-    of the other, and a broken exchange (chance: 0.1) is far below 0.8."""
+    0-3 here and +1..+21 samples of 398 at seeds 0-1 in another run (hierarchical alone 0.76-0.94; 2026-11-28), so
+    one run is within 0.12 of the other; a broken exchange (chance: 0.1) is far below 0.7."""
     hs, hsranks = two_nodes("hierarchical_scatter")
     hier, _ = two_nodes("hierarchical")
     assert hsranks[0]["hier"] == [[0, 1], [0, 2]] and hsranks[1]["hier"] == [[0, 1], [1, 3]]
     assert hsranks[0]["last"]["buckets_by"].get("hierarchical_scatter", 0) > 0
-    assert hs["val_acc"] > 0.8 and abs(hs["val_acc"] - hier["val_acc"]) <= 0.12, (hs, hier)
+    assert hs["val_acc"] > 0.7 and abs(hs["val_acc"] - hier["val_acc"]) <= 0.12, (hs, hier)

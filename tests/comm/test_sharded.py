@@ -48,14 +48,14 @@ def test_a_layout_that_does_not_make_the_world_is_refused():
     assert run_distributed(_bad_layout, 2) == [True, True]
 
 
-def _train(rank, world, mode, density):
+def _train(rank, world, mode, density, nodes=2):
     from torch.distributed.fsdp import fully_shard
 
     from lightning_topk.comm.config import TopKConfig
     from lightning_topk.comm.sharded import ShardedTopK, make_mesh, shard_model
 
     h = Holder()
-    mesh = make_mesh("cpu", 2, 2)
+    mesh = make_mesh("cpu", nodes, world // nodes)
     if mode == "hsdp":
         for b in h.net.blocks:
             fully_shard(b, mesh=mesh)
@@ -191,3 +191,9 @@ def test_auto_planning_the_scale_free_exchange_for_shards_trains():
     for k in out[0][1]:
         assert all(torch.equal(out[0][1][k], o[1][k]) for o in out[1:]), k
     print("SHARD_AUTO", plan, "conserved", worst)
+def test_density_one_equals_torch_hsdp_at_three_replicas():
+    """3 nodes x 1: torch's HSDP on gloo sums the replicas' shards, then divides (ReduceOp.AVG); a DDP bucket is
+    divided before the sum (torch's reducer). The sharded dense exchange follows HSDP (comm/shard.py)."""
+    ref = run_distributed(_train, 3, ("hsdp", 1.0, 3))
+    dense = run_distributed(_train, 3, ("topk", 1.0, 3))
+    assert all(torch.equal(ref[0][0][k], dense[0][0][k]) for k in ref[0][0])

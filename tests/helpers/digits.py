@@ -25,9 +25,10 @@ class DigitsNet(pl.LightningModule):
     """MLP with a LayerNorm on the digits; optional overflow injection on one rank at one step."""
 
     def __init__(self, opt="adamw", lr=3e-3, impl="fused", param_dtype=None, inject_step=None, inject_rank=0,
-                 inject="loss", out_dir=None, batch_size=64):
+                 inject="loss", out_dir=None, batch_size=64, seed=0):
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)  # the initialisation; the loader's shuffling is seeded with seed + 1
+        self.seed = seed
         self.net = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.ReLU(), nn.Linear(128, 10))
         if param_dtype is not None:
             self.net.to(param_dtype)
@@ -86,7 +87,7 @@ class DigitsNet(pl.LightningModule):
     def train_dataloader(self):
         train, _ = digits()
         return DataLoader(train, batch_size=self.batch_size, shuffle=True,
-                          generator=torch.Generator().manual_seed(1))
+                          generator=torch.Generator().manual_seed(1 + self.seed))
 
 
 @torch.no_grad()

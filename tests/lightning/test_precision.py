@@ -6,6 +6,10 @@ from pytorch_lightning.plugins.precision import MixedPrecision
 from lightning_topk.lightning.precision import STATE_KEY, TopKPrecision
 from tests.helpers.digits import DigitsNet, accuracy, trainer
 
+# |accuracy - fp32's| over seeds 0-4, here and under ATEN_CPU_CAPABILITY=default: at most 3 of the 360 test
+# samples (16-mixed 0-2, bf16 0-3, fp16 master weights 0-2; issue 41). 0.03 = 10 samples.
+CLOSE = 0.03
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -17,12 +21,12 @@ def fp32_accuracy():
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_mixed_precision_accuracy_within_one_point_of_fp32(precision, fp32_accuracy):
+def test_mixed_precision_accuracy_close_to_fp32(precision, fp32_accuracy):
     m = DigitsNet()
     plugin = TopKPrecision(precision, device="cpu")
     trainer(plugin, epochs=5).fit(m)
     assert fp32_accuracy > 0.9
-    assert abs(accuracy(m) - fp32_accuracy) <= 0.01
+    assert abs(accuracy(m) - fp32_accuracy) <= CLOSE
     assert (plugin.scaler is not None) == (precision == "16-mixed")
 
 
@@ -38,7 +42,7 @@ def test_fp16_params_with_master_weights(fp32_accuracy):
     pairs = [pair for pairs in plugin._masters.values() for pair in pairs]
     assert len(pairs) == len(masters) == 6
     assert all(torch.equal(p, q.half()) for p, q in pairs)
-    assert abs(accuracy(m) - fp32_accuracy) <= 0.01
+    assert abs(accuracy(m) - fp32_accuracy) <= CLOSE
     assert len(plugin.state_dict()["master_weights"]) == len(masters)
 
 

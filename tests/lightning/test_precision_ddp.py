@@ -45,7 +45,9 @@ def _check_skip_everywhere(ranks, fp32_accuracy):
     # the ranks never diverged
     assert [r["param0"] for r in rows0] == [r["param0"] for r in rows1]
     assert ranks[0]["accuracy"] == ranks[1]["accuracy"]
-    assert abs(ranks[0]["accuracy"] - fp32_accuracy) <= 0.01
+    # over seeds 0-2: ddp with the injected overflow -2..0 of the 360 test samples from fp32 in one process,
+    # topk_ddp -2..0 from its fp32 run (issue 41); 0.03 = 10 samples
+    assert abs(ranks[0]["accuracy"] - fp32_accuracy) <= 0.03
 
 
 def test_plain_ddp_overflow_after_allreduce_on_one_rank(tmp_path, fp32_accuracy):

@@ -133,8 +133,11 @@ def test_topk_reaches_dense_accuracy_on_digits(digits_runs):
     ddp = digits_runs["ddp"]["result"]["val_acc"]
     topk = digits_runs["topk"]["result"]["val_acc"]
     assert digits_runs["topk"]["result"]["strategy"] == "TopKDDPStrategy"
+    # Float reductions differ between CPUs (kernel sets), and 6 epochs amplify them: topk - ddp over seeds 0-4,
+    # here and under ATEN_CPU_CAPABILITY=default, spans -8..+1 of the 398 samples (an Intel Xeon: -8); ddp itself
+    # 389..394 (issue 41). The margin, 20 samples, leaves 12 beyond the worst gap seen.
     assert ddp > 0.9
-    assert topk >= ddp - 0.02, (topk, ddp)
+    assert topk >= ddp - 0.05, (topk, ddp)
     totals = digits_runs["topk"]["ranks"][0]["totals"]
     assert totals["numel_sent"] < 0.05 * totals["numel"]  # it really was sparse
     assert totals["bytes_sent"] < 0.1 * totals["bytes_dense"]
@@ -143,7 +146,8 @@ def test_topk_reaches_dense_accuracy_on_digits(digits_runs):
 def test_sync_free_path_trains_like_the_cpu_fast_path(digits_runs):
     fast = digits_runs["topk"]["result"]["val_acc"]
     sync_free = digits_runs["topk_sync_free"]["result"]["val_acc"]
-    assert abs(sync_free - fast) <= 0.01, (sync_free, fast)
+    # over seeds 0-2, native and ATEN_CPU_CAPABILITY=default: sync_free - fast 0..+3 of the 398 samples (issue 41)
+    assert abs(sync_free - fast) <= 0.03, (sync_free, fast)
     assert digits_runs["topk_sync_free"]["ranks"][0]["totals"]["numel_sent"] < 0.05 * \
         digits_runs["topk_sync_free"]["ranks"][0]["totals"]["numel"]
 

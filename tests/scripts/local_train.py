@@ -89,10 +89,11 @@ def watch_collectives(per_node: int) -> None:
 
 
 class Net(pl.LightningModule):
-    def __init__(self, opt: str, lr: float, inject_step=None, bn: bool = False, cnn: bool = False) -> None:
+    def __init__(self, opt: str, lr: float, inject_step=None, bn: bool = False, cnn: bool = False,
+                 seed: int = 0) -> None:
         super().__init__()
         self.inject_step = inject_step
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         norm = [nn.BatchNorm1d(128)] if bn else []
         self.net = nn.Sequential(nn.Linear(64, 128), *norm, nn.ReLU(), nn.Linear(128, 10))
         if cnn:  # issue 31's small CNN (benchmarks/outer_recipe.py's)
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--bn", action="store_true")
     ap.add_argument("--save")
     ap.add_argument("--resume")
+    ap.add_argument("--seed", type=int, default=0, help="initialisation and shuffling")
     a = ap.parse_args()
 
     train, test = digits()
@@ -192,8 +194,8 @@ def main() -> None:
                                    process_group_backend="gloo")
     if a.fabric:
         return fabric_main(a, train, test)
-    pl.seed_everything(0, workers=True)
-    model = Net(a.opt, a.lr, a.inject_step, bn=a.bn, cnn=a.cnn)
+    pl.seed_everything(a.seed, workers=True)
+    model = Net(a.opt, a.lr, a.inject_step, bn=a.bn, cnn=a.cnn, seed=a.seed)
     WATCH["model"] = model
     trainer = pl.Trainer(accelerator="cpu", devices=a.devices, num_nodes=a.nodes, strategy=strategy, max_epochs=a.epochs,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,

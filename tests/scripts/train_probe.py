@@ -81,10 +81,11 @@ def main():
     ap.add_argument("--recipe", default="auto", choices=("auto", "none"))
     ap.add_argument("--value-dtype", default=None, choices=("fp32", "fp16", "bf16"))
     ap.add_argument("--dump-epoch", type=int, default=0, help="also save the parameters after this many epochs")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and shuffling (the split stays)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.set_num_threads(1)
-    pl.seed_everything(0, workers=True)
+    pl.seed_everything(a.seed, workers=True)
     train, val = digits()
     cls = Manual if a.manual else WithUnused if a.unused else ImageClassifier
     model = cls(SmallCNN(width=16), lr=a.lr)

@@ -83,7 +83,7 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
     after = not low and getattr(bucket, "average_after", False)
     if not low and not after and world > 1:
         wire.mul_(1.0 / world)
-    f = factor(state.grad_scale, world if after else 1)
+    f = factor(state.grad_scale, 1)
     t_launch = clock(device)
     fut = elastic.all_reduce(wire, group, async_op=True).get_future()
 
@@ -96,6 +96,8 @@ def dense_hook(state: TopKState, bucket: dist.GradBucket, wire_dtype: torch.dtyp
             if isinstance(f, torch.Tensor) or f != 1.0:
                 grad.mul_(f)
             return grad
+        if after and world > 1:
+            wire.div_(world)  # the sum divided by the replicas, as gloo's ReduceOp.AVG
         return deliver(state, grad, wire if not isinstance(f, torch.Tensor) and f == 1.0 else wire.mul_(f))
 
     if bucket.is_last():

@@ -23,6 +23,7 @@ from lightning_topk.comm import elastic
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.local.codec import PacketLayout, compress, decode_into, sum_packets
 from lightning_topk.comm.local.flat import world
+from lightning_topk.comm.teardown import destroy_gloo_at_exit
 
 # torch's all-gather, or an :class:`~lightning_topk.comm.elastic.ElasticGroup`'s (fault_tolerance="torchft": the
 # replicas of the round's quorum; a failed collective is reported to torchft, not raised)
@@ -235,5 +236,7 @@ OUTER_EXCHANGES: Dict[str, Type[OuterExchange]] = {"allgather": AllgatherOuter, 
 
 def build_outer_exchange(name: str, layout: PacketLayout, group: Any, device: torch.device,
                          registry: Optional[Dict[str, Type[OuterExchange]]] = None) -> OuterExchange:
-    """The outer exchange ``name`` (a key of :data:`OUTER_EXCHANGES`) for a shard of layout ``layout``."""
+    """The outer exchange ``name`` (a key of :data:`OUTER_EXCHANGES`) for a shard of layout ``layout``. Registers
+    :func:`~lightning_topk.comm.teardown.destroy_gloo_at_exit`: a plain spawn harness then ends without an abort."""
+    destroy_gloo_at_exit()
     return (registry or OUTER_EXCHANGES)[name](layout, group, device)

@@ -1,0 +1,58 @@
+"""The torch-only core in a plain ``torch.multiprocessing.spawn`` harness (issue 41, defect 11): 2 processes on
+gloo, an ``OuterState`` each, one outer round, then the processes end as a user's script would.
+
+    python tests/scripts/spawn_exit.py PORT [--plain] [--destroy] [--report DIR]
+
+``--plain``: the same harness without the project (an all-reduce of the weights instead of the round);
+``--destroy``: ``dist.destroy_process_group()`` before returning. Spawned children end through the interpreter's
+own finalization (not ``os._exit``), which is where an abort at exit shows. ``--report``: each rank writes
+``DIR/RANK.txt`` from an exit handler registered first (so it runs last): whether the default group was still
+there at the end.
+"""
+import argparse
+import atexit
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+
+def _report(path: str) -> None:
+    with open(path, "w") as f:
+        f.write("alive" if dist.is_initialized() else "destroyed")
+
+
+def worker(rank: int, world: int, port: int, plain: bool, destroy: bool, report: str) -> None:
+    if report:
+        atexit.register(_report, os.path.join(report, f"{rank}.txt"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 5))
+    if plain:
+        for p in m.parameters():
+            dist.all_reduce(p.data)
+    else:
+        from lightning_topk.comm import TopKConfig
+        from lightning_topk.comm.local import OuterState
+
+        st = OuterState(TopKConfig(local_steps=1), list(m.named_parameters()))
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.01 * torch.randn(p.shape))
+        assert st.step()  # the round ran
+    if destroy:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("port", type=int)
+    ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--destroy", action="store_true")
+    ap.add_argument("--report", default="")
+    a = ap.parse_args()
+    mp.spawn(worker, args=(2, a.port, a.plain, a.destroy, a.report), nprocs=2)
