@@ -15,6 +15,9 @@ from tests.helpers.procs import ROOT
 LONG_FIRST = (
     "tests/app/test_slurm_real.py",  # ~243 s: one real SLURM, three sbatch jobs in a row
     "tests/app/test_cli.py",  # ~130 s
+    "tests/matrix/test_matrix_topk_ddp.py",  # ~110 s: 10 launches of the support matrix's cells
+    "tests/lightning/test_elastic.py",  # ~300 s in all, many short tests
+    "tests/matrix/test_matrix_topk_fsdp.py",  # ~80 s
     "tests/app/test_plain_install.py",  # ~87 s: pip into a fresh venv
     "tests/lightning/test_faults.py",  # ~90 s
     "tests/comm/test_scatter.py",  # ~70 s: a 4-process training fixture

@@ -13,7 +13,8 @@ def _tool():
 
 def test_benchmarks_tables_are_the_rendering_of_the_results():
     tool = _tool()
-    assert set(tool.files()) == {"README.md", "BENCHMARKS.md", "docs/local_sgd.md", "docs/convergence.md"}
+    assert set(tool.files()) == {"README.md", "BENCHMARKS.md", "docs/local_sgd.md", "docs/convergence.md",
+                                 "docs/compatibility.md"}
     for name, (rel, _, _) in tool.BLOCKS.items():
         assert tool.block(name) in (ROOT / rel).read_text(), f"{rel}'s {name!r} block is not what its data renders"
     assert tool.main(["--check"]) == 0

@@ -249,6 +249,12 @@ FT_CELLS = [
 ]
 
 
+def needs_ddp_run(c):
+    """Lightning's own ddp runs beside a topk_ddp Trainer cell where it is the reference (``exchange="dense"``) or
+    where its own resume may be inexact (3 or more ranks); with 2 ranks every resume must be bit for bit anyway."""
+    return c["api"] == "trainer" and c["strategy"] == "topk_ddp" and (dense_reference(c) or ranks(c) >= 3)
+
+
 def module_tests(strategy):
     """The fixture and the two tests of one strategy's module (one module per strategy, so that pytest-xdist's
     loadscope runs the two on different workers): ``launches, test_supported_cell, test_refused_cell``."""
@@ -260,13 +266,13 @@ def module_tests(strategy):
     @pytest.fixture(scope="module")
     def launches(tmp_path_factory):
         base = tmp_path_factory.mktemp(f"matrix_{strategy}")
-        return Launches(ours + refused, base), Launches([c for c in ours if c["api"] == "trainer"], base, "ddp")
+        return Launches(ours + refused, base), Launches([c for c in ours if needs_ddp_run(c)], base, "ddp")
 
     @pytest.mark.timeout(900)
     @pytest.mark.parametrize("c", ours, ids=[c["id"] for c in ours])
     def test_supported_cell(c, launches):
         mine, ddp = launches
-        check_supported(c, mine, ddp if c["api"] == "trainer" and c["strategy"] == "topk_ddp" else None)
+        check_supported(c, mine, ddp if needs_ddp_run(c) else None)
 
     @pytest.mark.timeout(900)
     @pytest.mark.parametrize("c", refused, ids=[c["id"] for c in refused])
