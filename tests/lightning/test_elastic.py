@@ -595,12 +595,9 @@ def test_launcher_refuses_a_busy_address_and_stops_on_sigterm(tmp_path):
         second = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
         assert second.returncode != 0 and f"127.0.0.1:{port} is in use" in second.stderr, second.stderr[-2000:]
         assert first.poll() is None and _listening(port)
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=30) == 0
+        assert _terminate(first, 30) == 0
     finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
+        _terminate(first, 5)  # (exited already, unless an assertion above failed)
     assert not _listening(port)
 
 
@@ -632,14 +629,23 @@ def test_launcher_passes_sigterm_to_its_replicas_and_refuses_fewer_replicas_than
     try:
         _wait(lambda: len(list(tmp_path.glob("*.up"))) == 2, 60, "both replicas")
         assert {f.read_text() for f in tmp_path.glob("*.up")} == {"2"}
-        launcher.send_signal(signal.SIGTERM)
-        assert launcher.wait(timeout=60) == 0
+        assert _terminate(launcher, 60) == 0
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        _terminate(launcher, 5)
     assert sorted(f.name for f in tmp_path.glob("*.term")) == ["replica0.term", "replica1.term"]
     assert not _listening(port)
+
+
+def _terminate(proc, timeout):
+    """SIGTERM ``proc`` and wait up to ``timeout`` s for its exit status; killed (None) if it does not exit."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
 
 
 def _local_args(stop, *extra):
