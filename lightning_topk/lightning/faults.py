@@ -300,10 +300,14 @@ class RequeueSync(pl.Callback):
                 log.info("lightning_topk: requeue signal again after the requeue checkpoint of this run; ignored")
                 return
             self._handled = True
+            # SLURM may deliver the signal again while Lightning's handler runs `scontrol requeue`, whose process
+            # would die of it ("Requeuing SLURM job 1 failed with error code -10", seen under load). An ignored
+            # signal stays ignored across exec; this process has nothing left to do with it.
+            signal.signal(self._signum, signal.SIG_IGN)
             self._handler(self._signum, None)
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._handler is not None and signal.getsignal(self._signum) == self._on_signal:
+        if self._handler is not None and signal.getsignal(self._signum) in (self._on_signal, signal.SIG_IGN):
             signal.signal(self._signum, self._handler)
         self._handler = None
 
