@@ -39,7 +39,8 @@ STEPS = 3
 
 
 def lm_args():
-    return Namespace(strategy="topk", bad_mesh=False, user_shard=False, inject_step=-1, optimizer="sgd",
+    return Namespace(strategy="topk", bad_mesh=False, user_shard=False, partial_shard=False, data_by_step=False,
+                     inject_step=-1, optimizer="sgd",
                      weight_decay=0.01, nesterov=False, onecycle=False, engage=False, steps=STEPS, local_steps=0)
 
 
