@@ -72,6 +72,7 @@ class Rule:
     message: str
     when: Mapping[str, Sequence[str]] = field(default_factory=dict)
     test: Optional[Callable[[Cell], bool]] = None
+    condition: str = ""  # ``test`` in words, for the docs
     at: str = "setup"
 
     def matches(self, cell: Cell) -> bool:
@@ -98,13 +99,15 @@ RULES: Tuple[Rule, ...] = (
     Rule("fault_without_ft", "n/a", "without fault_tolerance a lost process ends the job (a SLURM requeue resumes it)",
          {"fault_tolerance": ("none",), "end": ("kill", "stall")}),
     Rule("local_exchange", "n/a", "local SGD's exchange value is its outer_exchange: one of auto, allgather, scatter",
-         {"mode": ("local_sgd",)}, lambda c: c["exchange"] not in OUTER_EXCHANGES),
-    Rule("one_process", "n/a", "one process: nothing to exchange", test=lambda c: nodes(c) * procs(c) == 1),
+         {"mode": ("local_sgd",)}, lambda c: c["exchange"] not in OUTER_EXCHANGES,
+         "exchange not an outer exchange"),
+    Rule("one_process", "n/a", "one process: nothing to exchange", test=lambda c: nodes(c) * procs(c) == 1,
+         condition="1 process in all"),
     # ---- refused, at setup, before any collective ----
     Rule("node_tier_one_process", "refused",
          "topk_ddp: exchange={exchange!r} needs more than one process per node (devices={procs}); use "
          "exchange='auto' or 'scatter'",
-         {"strategy": ("topk_ddp",), "exchange": NODE_TIER}, lambda c: procs(c) == 1),
+         {"strategy": ("topk_ddp",), "exchange": NODE_TIER}, lambda c: procs(c) == 1, "1 process per node"),
     Rule("fsdp_node_tier", "refused",
          "topk_fsdp: exchange={exchange!r} is what topk_fsdp does already (FSDP's reduce-scatter is the node tier); "
          "choose the cross-node exchange: 'auto', 'allgather', 'scatter', 'dense' or 'dense_bf16'",
@@ -112,7 +115,8 @@ RULES: Tuple[Rule, ...] = (
     Rule("ft_exchange", "refused",
          "topk_ddp: fault_tolerance='torchft' runs over a replica count that changes between steps, which "
          "exchange={exchange!r} does not; use one of ['auto', 'allgather', 'scatter', 'dense']",
-         {"fault_tolerance": ("torchft",)}, lambda c: c["exchange"] not in ELASTIC_EXCHANGES),
+         {"fault_tolerance": ("torchft",)}, lambda c: c["exchange"] not in ELASTIC_EXCHANGES,
+         "exchange not elastic"),
     Rule("ft_outer_scatter", "refused",
          "topk_ddp: fault_tolerance='torchft' with local_steps > 0 runs the outer all-gather (the scale-free "
          "owners' ranges assume a fixed replica count); set outer_exchange='allgather' or 'auto'",
@@ -123,7 +127,7 @@ RULES: Tuple[Rule, ...] = (
          "(docs/elastic.md): set devices=1, or local_steps=0, or shard the model over the group's processes with "
          "topk_fsdp (local SGD under torchft runs there)",
          {"strategy": ("topk_ddp",), "fault_tolerance": ("torchft",), "mode": ("local_sgd",)},
-         lambda c: procs(c) > 1),
+         lambda c: procs(c) > 1, "several processes per group"),
     Rule("partial_shard", "refused",
          "topk_fsdp: the model was sharded in part: no fully_shard holds some parameters, so their gradients would "
          "never be reduced within or across nodes; fully_shard the modules that hold them on "

@@ -21,11 +21,8 @@ def _cells():
 
 def _when(rule) -> str:
     parts = [f"{d} ∈ {{{', '.join(v)}}}" if len(v) > 1 else f"{d} = {v[0]}" for d, v in rule.when.items()]
-    if rule.test is not None:
-        parts.append(rule.test.__doc__ or {
-            "node_tier_one_process": "1 process per node", "ft_exchange": "exchange not elastic",
-            "ft_ddp_local_procs": "several processes per group", "local_exchange": "exchange not an outer exchange",
-            "one_process": "1 process in all"}.get(rule.name, "(condition)"))
+    if rule.condition:
+        parts.append(rule.condition)
     return "; ".join(parts) or "—"
 
 
