@@ -31,6 +31,14 @@ OUTER_BITS = (32, 16, 8, 4, 2)  # outer_value_bits (sparse local SGD)
 OUTER_RECIPES = ("auto", "diloco", "average")
 # Where exchange="auto" gets its cost model (see comm/exchanges/auto.py).
 AUTO_MODEL_CHOICES = ("auto", "probe", "constants")
+# mode: per-step top-k or sparse local SGD ("auto": chosen from the link, lightning_topk/comm/mode.py).
+MODE_CHOICES = ("auto", "per_step", "local")
+# The mode options: set to anything but its default, any of these is an explicit choice of mode and its settings,
+# so mode="auto" decides nothing (the options run as given). A registered preset (topk_local, topk_local_wan,
+# topk_fsdp_local) sets local_steps.
+MODE_OPTIONS = ("mode", "local_steps", "density", "exchange", "hierarchical", "momentum_correction", "selection_scope",
+                "outer_density", "outer_value_bits", "outer_chunk", "outer_exchange", "outer_streaming", "outer_recipe",
+                "outer_lr", "outer_momentum", "outer_nesterov", "outer_ef_decay")
 # recipe="auto": the convergence recipe for the user's optimizer (lightning_topk/comm/recipe.py).
 RECIPE_CHOICES = ("auto", "none")
 # fault_tolerance: "torchft" runs the cross-replica exchange on torchft's reconfigurable process group
@@ -245,11 +253,19 @@ class AutoOptions:
             the plan is the same in every run) or ``"auto"``: ``"constants"`` under deterministic
             algorithms (``Trainer(deterministic=True)``), else ``"probe"``.
         auto_link_gbps: inter-node bandwidth in Gbit/s that the ``"constants"`` model assumes (a number > 0).
+        mode: what crosses the inter-node link: ``"per_step"`` (the per-step top-k exchange), ``"local"`` (sparse
+            local SGD; with ``local_steps=0`` the link picks the settings among the registered presets') or
+            ``"auto"`` (default): with none of the other mode options set (:data:`MODE_OPTIONS`) and more than
+            one node, per-step or local SGD and its settings are chosen at setup from the inter-node link and a
+            step's compute (measured, or ``auto_link_gbps`` and the constants under ``auto_model``'s rule), by the
+            cost model and the measured convergence penalty of each mode (:func:`lightning_topk.comm.mode.choose_mode`,
+            ``docs/modes.md``); otherwise the options run as given.
     """
 
     auto_sparse_penalty: Optional[float] = None
     auto_model: str = "auto"
     auto_link_gbps: float = 10.0
+    mode: str = "auto"
 
     def __post_init__(self) -> None:
         self._check_auto()
@@ -264,6 +280,8 @@ class AutoOptions:
         if not _is_number(self.auto_link_gbps) or self.auto_link_gbps <= 0:
             raise _bad(self, "auto_link_gbps", "a number > 0 (Gbit/s)")
         self.auto_link_gbps = float(self.auto_link_gbps)
+        if self.mode not in MODE_CHOICES:
+            raise _bad(self, "mode", f"one of {list(MODE_CHOICES)}")
 
 
 @dataclass
@@ -446,6 +464,13 @@ class TopKConfig(FaultOptions, OuterOptions, AutoOptions, StepOptions):
         self._check_auto()
         self._check_outer()
         self._check_fault()
+        if self.mode == "per_step" and self.local_steps > 0:
+            raise ValueError(f"topk_ddp: mode='per_step' contradicts local_steps={self.local_steps} (sparse local SGD); "
+                             "set mode='local' (or 'auto') or local_steps=0")
+        if self.mode == "local" and self.local_steps == 0:
+            if self.exchange not in ("auto", "local") or self.momentum_correction or self.hierarchical is True:
+                raise ValueError("topk_ddp: mode='local' runs sparse local SGD; exchange, momentum_correction and "
+                                 "hierarchical must stay at their defaults (or set mode='per_step')")
         if self.local_steps > 0:
             if self.exchange not in ("auto", "local"):
                 raise ValueError(f"topk_ddp: local_steps={self.local_steps} runs the 'local' exchange; "
@@ -488,6 +513,12 @@ class TopKConfig(FaultOptions, OuterOptions, AutoOptions, StepOptions):
     @classmethod
     def option_names(cls) -> Tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
+
+    def mode_options_set(self) -> Tuple[str, ...]:
+        """The mode options (:data:`MODE_OPTIONS`) set to anything but their defaults: with any, ``mode="auto"``
+        decides nothing."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return tuple(n for n in MODE_OPTIONS if getattr(self, n) != defaults[n])
 
     @property
     def sparse_penalty(self) -> float:

@@ -247,6 +247,20 @@ def _link_times(group, device: torch.device) -> Tuple[float, float, int, float]:
     return small, large, size, timed(size, torch.bfloat16) / large
 
 
+def measure_link(device: torch.device, group=None) -> Link:
+    """This rank's fit of the link tier of ``group`` (default: the world; a ring across nodes is limited by the
+    inter-node link) from timed all-reduces of two sizes (a collective: every rank of the group calls it)."""
+    small, large, size, _ = _link_times(group, device)
+    return Link.fit((small, large), (_PROBE_BYTES[0], size), dist.get_world_size(group))
+
+
+def measure_pass(device: torch.device) -> float:
+    """Seconds per entry of one dense pass (``y = x + 0.5 x``) on ``device``, timed on this rank alone."""
+    x = torch.randn(_PROBE_NUMELS[1], generator=torch.Generator(device="cpu").manual_seed(0)).to(device)
+    y = torch.empty_like(x)
+    return _timed(lambda: torch.add(x, x, alpha=0.5, out=y), device) / _PROBE_NUMELS[1]
+
+
 def _select_time(x: torch.Tensor, scale: torch.Tensor, k: int, selector: str, device: torch.device,
                  g: torch.Generator, reps: int = 2) -> float:
     """Seconds of one selection of ``k`` from ``x`` as a training step pays it. The exact selector on the host

@@ -21,6 +21,7 @@ from lightning_topk.comm.recipe import unresolved_note
 from lightning_topk.comm.sharded import ShardedTopK, check_sharding, is_sharded, make_mesh, shard_model
 from lightning_topk.lightning import faults, support_cell
 from lightning_topk.lightning.elastic import ElasticMixin
+from lightning_topk.lightning.mode import ModeMixin
 from lightning_topk.lightning.precision import TopKPrecisionMixin
 from lightning_topk.lightning.strategy import TopKStrategyMixin, config_from
 from lightning_topk.lightning.telemetry import TelemetryMixin
@@ -120,7 +121,7 @@ class ShardedTopKMixin(ElasticMixin):
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
 
-class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
+class TopKFSDPMixin(ModeMixin, ShardedTopKMixin, TelemetryMixin):
     """FSDP2 inside the node, the top-k exchange across nodes (see the module docstring).
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (``config=`` as
@@ -160,6 +161,7 @@ class TopKFSDPMixin(ShardedTopKMixin, TelemetryMixin):
         from lightning_fabric.utilities.init import _materialize_distributed_module
         from lightning_fabric.utilities.optimizer import _optimizers_to_device
 
+        self._decide_mode(self.model)  # mode="auto" (lightning_topk.lightning.mode): the parameters exist now
         plugin = self.precision_plugin
         if isinstance(plugin, TopKPrecisionMixin) and (plugin.finishes_topk_step or plugin.master_weights):
             raise ValueError("topk_fsdp: TopKPrecision with fp16 loss scaling or master_weights is not supported; use "

@@ -25,6 +25,7 @@ from lightning_topk.comm.recipe import unresolved_note
 from lightning_topk.comm.state import TopKState
 from lightning_topk.lightning.elastic import ElasticMixin
 from lightning_topk.lightning.faults import Heartbeat
+from lightning_topk.lightning.mode import ModeMixin
 from lightning_topk.lightning.strategy_concerns import (
     BucketsMixin,
     CheckpointMixin,
@@ -37,8 +38,8 @@ from lightning_topk.lightning.telemetry import TelemetryMixin
 log = logging.getLogger(__name__)
 
 
-class TopKStrategyMixin(ElasticMixin, BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin, RunEventsMixin,
-                        TelemetryMixin):
+class TopKStrategyMixin(ElasticMixin, ModeMixin, BucketsMixin, RecipeMixin, ReducerBypassMixin, CheckpointMixin,
+                        RunEventsMixin, TelemetryMixin):
     """Adds the top-k exchange to a DDPStrategy subclass.
 
     Keywords named like a :class:`~lightning_topk.comm.config.TopKConfig` field are top-k options (documented

@@ -212,6 +212,7 @@ class RunEventsMixin:
         super().setup_distributed()
         faults.stop(self._topk_heartbeat)
         self._topk_heartbeat = faults.start(self)
+        self._decide_mode(self.lightning_module)  # mode="auto" (lightning_topk.lightning.mode)
 
     def _exchange_event(self, name: str) -> None:
         """Call the exchange's ``name`` hook, if it has one (local SGD's streaming: ``start_training``,

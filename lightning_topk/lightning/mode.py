@@ -1,0 +1,134 @@
+"""``mode="auto"`` at setup: the inter-node link and a step's compute, measured (or from the constants), agreed on
+by every rank, then :func:`lightning_topk.comm.mode.choose_mode`'s choice applied to the strategy's options.
+
+Every rank computes the same choice: the measured figures are all-reduced first (the slowest link, the slowest
+compute), and the rest is a pure function of the options, the layout and the parameter count. Under
+``auto_model="constants"`` (``"auto"`` under ``Trainer(deterministic=True)``) nothing is timed: the link is
+``auto_link_gbps`` and the compute comes from :data:`~lightning_topk.comm.cost.CONSTANTS`, so the choice is the
+same in every run.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+from dataclasses import replace
+from typing import Any, Callable, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from lightning_topk.comm import cost
+from lightning_topk.comm.config import TopKConfig
+from lightning_topk.comm.exchanges.auto import candidates_for
+from lightning_topk.comm.mode import LOCAL_CANDIDATES, ModeChoice, choose_mode, estimate_compute
+from lightning_topk.comm.wire import packed_nbytes
+from lightning_topk.lightning import support_cell
+
+log = logging.getLogger("lightning_topk.lightning.strategy")  # the strategy's log
+
+#: This rank's (inter-node link in Gbit/s, seconds per entry of a dense pass); a collective (every rank calls it).
+Measure = Callable[[torch.device], Tuple[float, float]]
+
+
+def on_loopback() -> bool:
+    """Whether the rendezvous address (``MASTER_ADDR``) is a loopback address: every rank on one host."""
+    addr = os.environ.get("MASTER_ADDR")
+    if not addr:
+        return False
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def measure(device: torch.device) -> Tuple[float, float]:
+    """This rank's timed figures: all-reduces of two sizes over the world (:func:`~lightning_topk.comm.cost.measure_link`)
+    and one dense pass (:func:`~lightning_topk.comm.cost.measure_pass`)."""
+    link = cost.measure_link(device)
+    return link.beta * 8 / 1e9, cost.measure_pass(device)
+
+
+def agree(link_gbps: float, pass_per_elem: float, device: torch.device) -> Tuple[float, float]:
+    """The slowest link and the slowest pass over every rank (one all-reduce): the same figures everywhere."""
+    t = torch.tensor([-link_gbps, pass_per_elem], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return -float(t[0]), float(t[1])
+
+
+def _explicit(config: TopKConfig, why: str) -> ModeChoice:
+    mode = "local" if config.local_steps > 0 else "per_step"
+    return ModeChoice(mode, reason=why, inputs={})
+
+
+def decide(config: TopKConfig, nodes: int, local: int, numel: int, device: torch.device, *,
+           measure_fn: Measure = measure, loopback: Optional[bool] = None) -> ModeChoice:
+    """The mode for these options on ``nodes`` x ``local`` processes and ``numel`` trainable parameters (see the
+    module docstring; ``loopback`` None: :func:`on_loopback`). Collective only where it measures."""
+    given = config.mode_options_set()
+    if config.mode == "per_step":
+        return _explicit(config, "set by mode='per_step'")
+    if config.mode == "auto" and given:
+        return _explicit(config, f"mode options set ({', '.join(given)}): they run as given")
+    if config.local_steps > 0:  # mode="local" with local_steps
+        return _explicit(config, f"set by mode='local', local_steps={config.local_steps}")
+    only_local = config.mode == "local"
+    if nodes < 2 and not only_local:
+        return ModeChoice("per_step", reason="one node: nothing to choose (no inter-node link)")
+    if numel < 1:
+        return ModeChoice("per_step", reason="no trainable parameters at setup: nothing to choose")
+    if not only_local and (on_loopback() if loopback is None else loopback):
+        return ModeChoice("per_step", reason=f"every rank on one host (MASTER_ADDR {os.environ.get('MASTER_ADDR')} is "
+                                             "loopback): no slow link between nodes")
+    if nodes < 2:  # mode="local" on one node: the outer round is the identity (docs/local_sgd.md)
+        name = "topk_local"
+        return ModeChoice("local", name, dict(LOCAL_CANDIDATES[name]), reason="mode='local' on one node")
+    timed = cost.timed_model(config)
+    if timed:
+        link_gbps, pass_per_elem = agree(*measure_fn(device), device)
+        source = "measured at setup"
+    else:
+        link_gbps = config.auto_link_gbps
+        pass_per_elem = cost.CONSTANTS.get(device.type, cost.CONSTANTS["cpu"])["pass_per_elem"]
+        source = "auto_link_gbps and the constants (no timing)"
+    model = replace(cost.constant_model(nodes, local, device.type, link_gbps), pass_per_elem=pass_per_elem)
+    hier = nodes > 1 and local > 1 and config.hierarchical is not False
+    choice = choose_mode(model, numel, estimate_compute(numel, pass_per_elem), density=config.density,
+                         candidates=candidates_for(config, nodes, local, hier),
+                         value_bytes=packed_nbytes(1, config.wire_dtype) - 4, sparse_penalty=config.sparse_penalty,
+                         min_sparse_numel=config.min_sparse_numel, allowed=("local",) if only_local else
+                         ("per_step", "local"))
+    return replace(choice, reason=f"{choice.reason}; link and compute {source}")
+
+
+def resolve(config: TopKConfig, choice: ModeChoice) -> TopKConfig:
+    """``config`` with the chosen local SGD settings (the options the user set keep their values)."""
+    if choice.mode != "local" or config.local_steps > 0:
+        return config
+    given = set(config.mode_options_set())
+    return replace(config, **{k: (int(v) if k in ("local_steps", "outer_value_bits") else v)
+                              for k, v in choice.options.items() if k not in given})
+
+
+class ModeMixin:
+    """``mode="auto"``: :meth:`_decide_mode` runs at setup, after the process group exists and before anything reads
+    the mode (``topk_ddp``: in ``setup_distributed``, before checkpoints, buckets and hooks; ``topk_fsdp``: first in
+    ``setup``, after ``configure_model``); the choice is ``topk_mode``, the options ``topk_config``."""
+
+    topk_mode: Optional[ModeChoice] = None
+
+    def _decide_mode(self, module: Any) -> None:
+        base = getattr(self, "_topk_mode_base", None)
+        derived = (getattr(self, "_topk_mode_resolved", None), getattr(self, "_topk_resolved", None))
+        if base is None or not any(self.topk_config is c for c in derived):
+            base = self._topk_mode_base = self.topk_config  # each fit decides from the options as given
+        params = module.parameters() if module is not None else ()
+        numel = sum(p.numel() for p in params if p.requires_grad)
+        choice = decide(base, self.num_nodes, self.num_processes, numel, self.root_device)  # type: ignore[attr-defined]
+        self.topk_mode = choice
+        self.topk_config = self._topk_mode_resolved = resolve(base, choice)
+        if self.topk_config is not base:
+            support_cell.check(self)  # the cell of the mode that runs
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            log.info("%s: %s", getattr(self, "strategy_name", "topk_ddp"), choice.describe())
