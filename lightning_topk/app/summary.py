@@ -63,6 +63,10 @@ class ThroughputMonitor(pl.Callback):
                         dense_steps=cfg.dense_steps)
             exchange = getattr(getattr(trainer.strategy, "topk_state", None), "exchange", None)
             vals["outer_scatter"] = float(getattr(getattr(exchange, "outer", None), "exchange", "") == "scatter")
+        choice = getattr(trainer.strategy, "topk_mode", None)
+        if choice is not None and choice.inputs:  # mode="auto" decided from the link: its inputs
+            vals.update(mode_auto=1.0, mode_link_gbps=choice.inputs["link_gbps"],
+                        mode_compute_ms=choice.inputs["compute_ms"])
         for k, v in vals.items():
             trainer.callback_metrics[f"{PREFIX}{k}"] = torch.tensor(float(v), dtype=torch.float64)
 
@@ -129,6 +133,9 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
     mode = exchange_mode(stats)
     if mode:
         out["mode"] = mode
+    choice = getattr(trainer.strategy, "topk_mode", None)
+    if choice is not None:  # what mode="auto" did and why (rank 0's, the same on every rank)
+        out["mode_choice"] = choice.describe()
     if "samples" in stats:
         secs = stats["train_seconds"]
         out.update(samples=int(stats["samples"]), train_seconds=round(secs, 3),
@@ -170,17 +177,20 @@ def collect(trainer: pl.Trainer, test_metrics: Mapping[str, float], stats: Mappi
 
 
 def exchange_mode(stats: Mapping[str, float]) -> Optional[str]:
-    """How gradients travelled: sparse local SGD (with its settings) or the per-step exchange; None
-    without top-k telemetry."""
+    """How gradients travelled: sparse local SGD (with its settings) or the per-step exchange, and whether
+    ``mode="auto"`` chose it from the link; None without top-k telemetry."""
     if "local_steps" not in stats:
         return None
     h = int(stats["local_steps"])
+    chosen = (f" (chosen by mode='auto' from {stats['mode_link_gbps']:.3g} Gbit/s between nodes and "
+              f"{stats['mode_compute_ms']:.1f} ms compute per step; set mode, local_steps or a preset to override)"
+              if stats.get("mode_auto") else "")
     if h <= 0:
-        return "per-step exchange"
+        return "per-step exchange" + chosen
     return (f"sparse local SGD: {h} local steps per outer round, outer density {stats['outer_density']:g}, "
             f"{int(stats['outer_value_bits'])}-bit values" + (", streaming" if stats.get("outer_streaming") else "")
             + (", scale-free outer exchange" if stats.get("outer_scatter") else "")
-            + (f", first {int(stats['dense_steps'])} steps synchronous" if stats.get("dense_steps") else ""))
+            + (f", first {int(stats['dense_steps'])} steps synchronous" if stats.get("dense_steps") else "") + chosen)
 
 
 def save(summary: Mapping[str, Any], path: str) -> None:
@@ -226,6 +236,8 @@ def render(summary: Mapping[str, Any], console=None) -> None:
                               f"{summary['num_nodes']} node{'s' if summary['num_nodes'] > 1 else ''})")
     if summary.get("mode"):
         table.add_row("mode", summary["mode"])
+    if summary.get("mode_choice"):
+        table.add_row("mode choice", summary["mode_choice"])
     for k, v in summary.get("metrics", {}).items():
         table.add_row(k, f"{v:.4f}")
     if "samples_per_second" in summary:

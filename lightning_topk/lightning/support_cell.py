@@ -13,7 +13,7 @@ def cell_of(strategy: Any) -> Dict[str, str]:
     """What the matrix knows of ``strategy`` at set-up: its options, layout, and (under the Trainer) the loop's
     optimization, end and callbacks. What shows only later (unused parameters) reads as ``plain``."""
     cfg = strategy.topk_config
-    local = cfg.local_steps > 0
+    local = cfg.local_steps > 0 or cfg.mode == "local"
     fabric = hasattr(strategy, "_topk_fabric_setup")
     cell = {
         "strategy": "topk_fsdp" if getattr(strategy, "_elastic_sharded", False) else "topk_ddp",
