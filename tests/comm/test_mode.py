@@ -1,0 +1,128 @@
+"""mode="auto" (issue 42): the decision function by link rate, its purity, and the options' checks."""
+import pytest
+import torch
+
+from lightning_topk.comm.config import MODE_OPTIONS, TopKConfig
+from lightning_topk.comm.cost import CONSTANTS, constant_model
+from lightning_topk.comm.exchanges.auto import candidates_for
+from lightning_topk.comm.mode import LOCAL_CANDIDATES, LOCAL_MAX_GBPS, MODE_PENALTY, choose_mode, estimate_compute
+from lightning_topk.comm.wire import packed_nbytes
+from lightning_topk.lightning.mode import decide, resolve
+
+CLUSTER_NUMEL = 11_326_410  # the namespace cluster's model (benchmarks/cluster_worker.py --hidden 2560)
+
+
+def _choose(gbps, nodes=4, local=1, numel=CLUSTER_NUMEL, device="cpu", allowed=("per_step", "local")):
+    cfg = TopKConfig()
+    model = constant_model(nodes, local, device, gbps)
+    return choose_mode(model, numel, estimate_compute(numel, CONSTANTS[device]["pass_per_elem"]), density=cfg.density,
+                       candidates=candidates_for(cfg, nodes, local, nodes > 1 and local > 1),
+                       value_bytes=packed_nbytes(1, cfg.wire_dtype) - 4, sparse_penalty=cfg.sparse_penalty,
+                       min_sparse_numel=cfg.min_sparse_numel, allowed=allowed)
+
+
+# The measured crossover (4 nodes x 1, the 11.3M-parameter cluster model, time to 80% on MNIST-5k; BENCHMARKS.md
+# "Sparse local SGD", docs/local_sgd.md "When to use which mode"): at 10 Mbit/s topk_local_wan first (6.9-8.1 s; the
+# per-step exchange never reached the target), at 100 Mbit/s topk_local first (8.7 s against per-step's 10.1 s,
+# cluster_local_2026-11-27_100mbit_rounds.md), at 1 Gbit/s and above the per-step exchange (first to the target
+# among the per-step modes, cluster_defaults_2026-11-27.md; local SGD not measured there).
+@pytest.mark.parametrize("gbps,expected", [(0.01, "topk_local_wan"), (0.1, "topk_local"), (1.0, "per_step"),
+                                           (10.0, "per_step")])
+def test_choice_by_link_rate_matches_the_measured_crossover(gbps, expected):
+    c = _choose(gbps)
+    assert (c.preset or c.mode) == expected, c.describe()
+    if expected != "per_step":
+        assert c.mode == "local" and c.options == LOCAL_CANDIDATES[expected]
+    assert set(c.scores) == {"per_step", *LOCAL_CANDIDATES}
+    assert c.inputs["link_gbps"] == pytest.approx(gbps)
+
+
+def test_small_models_and_fast_links_stay_per_step():
+    # what the existing tests run: small models, the constants model at its default 10 Gbit/s
+    for nodes, local in ((2, 1), (2, 2), (4, 1), (3, 1)):
+        for numel in (1_000, 100_000, 5_000_000):
+            assert _choose(10.0, nodes, local, numel).mode == "per_step"
+    assert TopKConfig().auto_link_gbps >= LOCAL_MAX_GBPS
+
+
+def test_pure_function_and_penalties_cited():
+    assert _choose(0.1) == _choose(0.1)
+    assert MODE_PENALTY["per_step"] == 1.0
+    assert MODE_PENALTY["topk_local"] == pytest.approx(32 / 24)
+    assert MODE_PENALTY["topk_local_wan"] == pytest.approx(56 / 24)
+    # a penalty large enough makes local SGD lose where it won
+    c = choose_mode(constant_model(4, 1, "cpu", 0.1), CLUSTER_NUMEL, 0.113, density=0.01,
+                    candidates=["dense", "allgather", "scatter"], value_bytes=2, sparse_penalty=1.09,
+                    penalties={"topk_local": 10.0, "topk_local_wan": 10.0})
+    assert c.mode == "per_step"
+
+
+def test_local_only_picks_settings_at_any_rate():
+    assert _choose(10.0, allowed=("local",)).mode == "local"
+    assert _choose(0.01, allowed=("local",)).preset == "topk_local_wan"
+
+
+def test_local_candidates_are_the_registered_presets():
+    from lightning_topk.lightning.registry import PRESETS
+
+    for name, opts in LOCAL_CANDIDATES.items():
+        assert {k: PRESETS[name][k] for k in opts} == opts
+
+
+def test_bad_mode_names_the_option_and_the_allowed_values():
+    with pytest.raises(ValueError, match=r"mode must be one of \['auto', 'per_step', 'local'\], got 'fast'"):
+        TopKConfig(mode="fast")
+    with pytest.raises(ValueError, match="mode='per_step' contradicts local_steps=4"):
+        TopKConfig(mode="per_step", local_steps=4)
+    with pytest.raises(ValueError, match="mode='local' runs sparse local SGD"):
+        TopKConfig(mode="local", exchange="scatter")
+
+
+def test_mode_options_are_options_and_count_when_changed():
+    assert set(MODE_OPTIONS) <= set(TopKConfig.option_names())
+    assert TopKConfig().mode_options_set() == ()
+    assert TopKConfig(density=0.01).mode_options_set() == ()  # the default value does not count
+    assert TopKConfig(density=0.05, outer_value_bits=8).mode_options_set() == ("density", "outer_value_bits")
+
+
+CPU = torch.device("cpu")
+
+
+def _no_timing(device):
+    raise AssertionError("the constants model times nothing")
+
+
+@pytest.mark.parametrize("kw,mode,why", [
+    (dict(local_steps=16, outer_density=0.1, outer_value_bits=4), "local", "mode options set (local_steps"),  # topk_local
+    (dict(density=0.05), "per_step", "mode options set (density)"),
+    (dict(exchange="allgather"), "per_step", "mode options set (exchange)"),
+    (dict(mode="per_step"), "per_step", "mode='per_step'"),
+    (dict(mode="local", local_steps=8), "local", "mode='local', local_steps=8"),
+])
+def test_an_explicit_option_wins(kw, mode, why):
+    cfg = TopKConfig(auto_model="constants", auto_link_gbps=0.01, **kw)
+    c = decide(cfg, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=False)
+    assert c.mode == mode and why in c.reason and not c.inputs
+    assert resolve(cfg, c) is cfg
+
+
+def test_one_node_loopback_and_default_rate_stay_per_step():
+    cfg = TopKConfig(auto_model="constants")
+    assert "one node" in decide(cfg, 1, 2, CLUSTER_NUMEL, CPU, measure_fn=_no_timing).reason
+    slow = TopKConfig(auto_model="constants", auto_link_gbps=0.01)
+    assert "loopback" in decide(slow, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=True).reason
+    assert decide(cfg, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=False).mode == "per_step"
+    assert decide(slow, 4, 1, 0, CPU, measure_fn=_no_timing, loopback=False).mode == "per_step"
+
+
+def test_constants_decide_without_timing_and_resolve_keeps_what_the_user_set():
+    cfg = TopKConfig(auto_model="constants", auto_link_gbps=0.1)
+    c = decide(cfg, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=False)
+    assert (c.mode, c.preset) == ("local", "topk_local") and "constants" in c.reason
+    r = resolve(cfg, c)
+    assert (r.local_steps, r.outer_density, r.outer_value_bits, r.mode) == (16, 0.1, 4, "auto")
+    # mode="local": the link picks the settings, the ones set stay
+    mine = TopKConfig(auto_model="constants", auto_link_gbps=0.01, mode="local", outer_value_bits=8)
+    c = decide(mine, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=True)
+    r = resolve(mine, c)
+    assert c.preset == "topk_local_wan" and (r.local_steps, r.outer_density, r.outer_value_bits) == (64, 0.02, 8)
