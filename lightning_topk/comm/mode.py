@@ -79,7 +79,7 @@ class ModeChoice:
         """One line for the log and the run summary."""
         if self.mode == "local":
             o = self.options
-            what = (f"sparse local SGD ({self.preset}: {int(o['local_steps'])} local steps, outer density "
+            what = (f"sparse local SGD ({self.preset or 'as set'}: {int(o['local_steps'])} local steps, outer density "
                     f"{o['outer_density']:g}, {int(o['outer_value_bits'])}-bit values)")
         else:
             what = "per-step top-k exchange"

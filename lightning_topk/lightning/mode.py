@@ -58,8 +58,11 @@ def agree(link_gbps: float, pass_per_elem: float, device: torch.device) -> Tuple
 
 
 def _explicit(config: TopKConfig, why: str) -> ModeChoice:
-    mode = "local" if config.local_steps > 0 else "per_step"
-    return ModeChoice(mode, reason=why, inputs={})
+    if config.local_steps > 0:
+        opts = dict(local_steps=config.local_steps, outer_density=config.outer_density,
+                    outer_value_bits=config.outer_value_bits)
+        return ModeChoice("local", None, opts, reason=why)
+    return ModeChoice("per_step", reason=why)
 
 
 def decide(config: TopKConfig, nodes: int, local: int, numel: int, device: torch.device, *,

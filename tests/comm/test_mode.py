@@ -102,8 +102,8 @@ def _no_timing(device):
 def test_an_explicit_option_wins(kw, mode, why):
     cfg = TopKConfig(auto_model="constants", auto_link_gbps=0.01, **kw)
     c = decide(cfg, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=False)
-    assert c.mode == mode and why in c.reason and not c.inputs
-    assert resolve(cfg, c) is cfg
+    assert c.mode == mode and why in c.reason and not c.inputs and c.preset is None
+    assert resolve(cfg, c) is cfg and mode in c.describe()
 
 
 def test_one_node_loopback_and_default_rate_stay_per_step():

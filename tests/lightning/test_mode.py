@@ -1,0 +1,102 @@
+"""mode="auto" (issue 42) on real gloo processes: one decision on every rank, reproducible under deterministic
+algorithms, explicit options win, and a Trainer run says what it chose."""
+import logging
+
+import pytest
+import torch
+
+from lightning_topk.comm.config import TopKConfig
+from tests.helpers.dist import run_distributed
+
+NUMEL = 11_326_410  # the namespace cluster's model
+
+
+def _decide_with(rank, world, per_rank, cfg_kw, deterministic=False):
+    from lightning_topk.lightning.mode import decide
+
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    calls = []
+
+    def measure_fn(device):  # each rank measures something else (a slower host, a busier link)
+        calls.append(rank)
+        return per_rank[rank]
+
+    c = decide(TopKConfig(**cfg_kw), world, 1, NUMEL, torch.device("cpu"), measure_fn=measure_fn, loopback=False)
+    return c.mode, c.preset, c.inputs, bool(calls)
+
+
+def test_one_decision_on_every_rank_when_their_measurements_differ():
+    # rank 0 sees 0.05 Gbit/s and a slow pass, rank 1 5 Gbit/s, rank 2 0.5: the slowest link and pass decide
+    per_rank = {0: (0.05, 1e-9), 1: (5.0, 0.4e-9), 2: (0.5, 0.6e-9)}
+    out = run_distributed(_decide_with, 3, (per_rank, dict(auto_model="probe")))
+    assert all(o[3] for o in out)  # every rank measured
+    assert len({(o[0], o[1]) for o in out}) == 1 and len({tuple(sorted(o[2].items())) for o in out}) == 1
+    assert out[0][2]["link_gbps"] == pytest.approx(0.05) and out[0][0] == "local"
+    # the same figures everywhere, but the fast ones: per step on every rank
+    fast = {r: (5.0, 0.5e-9) for r in range(3)}
+    assert {o[:2] for o in run_distributed(_decide_with, 3, (fast, dict(auto_model="probe")))} == {("per_step", None)}
+
+
+def test_reproducible_under_deterministic_algorithms():
+    # auto_model="auto" under deterministic algorithms: the constants and auto_link_gbps, nothing timed, so two runs
+    # (with ranks that would measure differently) choose alike
+    per_rank = {0: (0.01, 1e-9), 1: (9.0, 1e-10)}
+    runs = [run_distributed(_decide_with, 2, (per_rank, dict(auto_link_gbps=0.1), True)) for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert {o[:2] for o in runs[0]} == {("local", "topk_local")} and not any(o[3] for o in runs[0])
+
+
+def test_explicit_options_win_on_every_rank():
+    per_rank = {0: (0.01, 1e-9), 1: (0.01, 1e-9)}
+    out = run_distributed(_decide_with, 2, (per_rank, dict(auto_model="probe", density=0.05)))
+    assert [o[:2] for o in out] == [("per_step", None)] * 2 and not any(o[3] for o in out)  # nothing measured
+    out = run_distributed(_decide_with, 2, (per_rank, dict(auto_model="probe", local_steps=4)))
+    assert [o[:2] for o in out] == [("local", None)] * 2
+
+
+def _measured(rank, world):
+    from lightning_topk.lightning.mode import decide
+
+    c = decide(TopKConfig(auto_model="probe"), world, 1, NUMEL, torch.device("cpu"), loopback=False)
+    return c.mode, c.preset, c.inputs
+
+
+def test_real_measurement_agrees_on_every_rank():
+    out = run_distributed(_measured, 2)
+    assert out[0] == out[1]
+    assert out[0][2]["link_gbps"] > 0 and out[0][2]["compute_ms"] > 0
+
+
+def test_trainer_one_node_says_why_and_explicit_local_steps_win(tmp_path, caplog):
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_topk import TopKDDPStrategy
+    from lightning_topk.app.summary import ThroughputMonitor, collect, exchange_mode, fit_stats
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 2)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,))), batch_size=4)
+    for kw, mode, why in ((dict(), "per_step", "one node"), (dict(local_steps=2), "local", "local_steps")):
+        strategy = TopKDDPStrategy(process_group_backend="gloo", **kw)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[ThroughputMonitor()], default_root_dir=str(tmp_path))
+        with caplog.at_level(logging.INFO, logger="lightning_topk.lightning.strategy"):
+            trainer.fit(Tiny(), data)
+        assert trainer.strategy.topk_mode.mode == mode and why in trainer.strategy.topk_mode.reason
+        assert f"mode={mode!r}" in caplog.text
+        summary = collect(trainer, {}, fit_stats(trainer), str(tmp_path), "topk_ddp")
+        assert why in summary["mode_choice"]
+        assert "chosen by mode='auto'" not in (exchange_mode(fit_stats(trainer)) or "")
