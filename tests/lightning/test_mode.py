@@ -100,3 +100,42 @@ def test_trainer_one_node_says_why_and_explicit_local_steps_win(tmp_path, caplog
         summary = collect(trainer, {}, fit_stats(trainer), str(tmp_path), "topk_ddp")
         assert why in summary["mode_choice"]
         assert "chosen by mode='auto'" not in (exchange_mode(fit_stats(trainer)) or "")
+
+
+def _host_address():
+    """A non-loopback IPv4 address of this host (no packet is sent), or None."""
+    import ipaddress
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+            addr = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if ipaddress.ip_address(addr).is_loopback else addr
+
+
+@pytest.mark.parametrize("link,options,expected", [
+    (0.01, [], ("local", "topk_local")),  # chosen from the link: local SGD runs, the same on both nodes
+    (0.01, ["density=0.05"], ("per_step", None)),  # an explicit option wins
+    (10.0, [], ("per_step", None)),  # the constants' default rate
+])
+def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, expected):
+    import json
+
+    from tests.helpers.procs import run_nodes
+
+    addr = _host_address()
+    if addr is None:
+        pytest.skip("no non-loopback address on this host (the rule keeps loopback runs per step)")
+    args = ["tests/scripts/mode_train.py", "--out", tmp_path, "--link-gbps", link]
+    for o in options:
+        args += ["--option", o]
+    run_nodes(args, env={"MASTER_ADDR": addr})
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1], ranks  # one decision; local SGD's replicas identical after the outer round
+    r = ranks[0]
+    assert (r["mode"], r["preset"]) == expected and r["local_sgd"] == (expected[0] == "local")
+    if expected[0] == "local":
+        assert (r["local_steps"], r["outer_density"], r["outer_value_bits"]) == (16, 0.1, 4)

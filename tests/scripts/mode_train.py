@@ -1,0 +1,56 @@
+"""mode="auto" through a Trainer across 2 simulated nodes (issue 42): rank r writes rank{r}.json with what the
+strategy chose and ran.
+
+    python tests/scripts/mode_train.py --out DIR --link-gbps 0.01 [--option name=value]   (once per node)
+"""
+import argparse
+import json
+import os
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_topk import TopKDDPStrategy
+
+
+class Module(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                       torch.nn.ReLU(), torch.nn.Linear(1024, 10))  # 1.1M parameters
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def on_train_end(self):
+        s = self.trainer.strategy
+        ex = s.topk_state.exchange
+        out = {"mode": s.topk_mode.mode, "preset": s.topk_mode.preset, "reason": s.topk_mode.reason,
+               "local_steps": s.topk_config.local_steps, "outer_density": s.topk_config.outer_density,
+               "outer_value_bits": s.topk_config.outer_value_bits, "local_sgd": bool(getattr(ex, "local_sgd", False)),
+               "weights": float(sum(p.double().sum() for p in self.parameters()))}
+        with open(os.path.join(args.out, f"rank{self.global_rank}.json"), "w") as f:
+            json.dump(out, f)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--link-gbps", type=float, default=10.0)
+    p.add_argument("--option", action="append", default=[])
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
+    pl.seed_everything(0)
+    data = TensorDataset(torch.randn(128, 64), torch.randint(0, 10, (128,)))
+    strategy = TopKDDPStrategy(auto_link_gbps=args.link_gbps, log_telemetry=False, process_group_backend="gloo",
+                               **options)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=16, logger=False,
+                         deterministic=True, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    trainer.fit(Module(), DataLoader(data, batch_size=4))
