@@ -102,6 +102,16 @@ def test_trainer_one_node_says_why_and_explicit_local_steps_win(tmp_path, caplog
         assert "chosen by mode='auto'" not in (exchange_mode(fit_stats(trainer)) or "")
 
 
+def test_summary_mode_row_says_it_was_chosen():
+    from lightning_topk.app.summary import exchange_mode
+
+    base = {"local_steps": 16.0, "outer_density": 0.1, "outer_value_bits": 4.0}
+    chosen = {**base, "mode_auto": 1.0, "mode_link_gbps": 0.1, "mode_compute_ms": 118.3}
+    assert exchange_mode(chosen) == (exchange_mode(base) + " (chosen by mode='auto' from 0.1 Gbit/s between nodes and "
+                                     "118.3 ms compute per step; set mode, local_steps or a preset to override)")
+    assert exchange_mode({**chosen, "local_steps": 0.0}).startswith("per-step exchange (chosen by mode='auto'")
+
+
 def _host_address():
     """A non-loopback IPv4 address of this host (no packet is sent), or None."""
     import ipaddress
