@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 from dataclasses import replace
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -110,8 +110,9 @@ def resolve(config: TopKConfig, choice: ModeChoice) -> TopKConfig:
     if choice.mode != "local" or config.local_steps > 0:
         return config
     given = set(config.mode_options_set())
-    return replace(config, **{k: (int(v) if k in ("local_steps", "outer_value_bits") else v)
-                              for k, v in choice.options.items() if k not in given})
+    updates: Dict[str, Any] = {k: (int(v) if k in ("local_steps", "outer_value_bits") else v)
+                               for k, v in choice.options.items() if k not in given}
+    return replace(config, **updates)
 
 
 class ModeMixin:
@@ -120,6 +121,7 @@ class ModeMixin:
     ``setup``, after ``configure_model``); the choice is ``topk_mode``, the options ``topk_config``."""
 
     topk_mode: Optional[ModeChoice] = None
+    topk_config: TopKConfig
 
     def _decide_mode(self, module: Any) -> None:
         base = getattr(self, "_topk_mode_base", None)
