@@ -116,7 +116,8 @@ class RecipeMixin:
             opts = self._topk_optimizers()
             if opts is not None:
                 dormant = self.topk_config
-                self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(dormant, opts)
+                self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(
+                    dormant, opts, adam=getattr(self, "topk_elastic", None) is None)  # Adam: not under torchft
                 if self.topk_live_recipe is not None:
                     self._topk_base_config, self._topk_resolved = dormant, self.topk_config
                     refuse_finetuning(getattr(self.lightning_module, "_trainer", None))
