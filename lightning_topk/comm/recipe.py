@@ -414,7 +414,7 @@ class AdamLiveRecipe(LiveRecipe):
                     return None
                 return self.precondition(self._state, name, p, grad)
 
-            p._topk_adam_hook = p.register_hook(hook)  # type: ignore[attr-defined]
+            p._topk_adam_hook = p.register_hook(hook)
 
     def precondition(self, state: TopKState, name: str, p: Tensor, grad: Tensor) -> Tensor:
         """``(1 - b1) grad / den`` for this rank (in the gradient's units and dtype); stages its new ``v_i``."""
