@@ -188,6 +188,8 @@ class LiveRecipe:
     ``begin_step`` before each backward, ``before_step``/``after_step`` around each optimizer step; the
     state's ``config`` is the dormant one (no momentum correction) until :meth:`engage`."""
 
+    what = "SGD's momentum"  # what moves into the hook (messages)
+
     def __init__(self, optimizer: Any, dormant: TopKConfig) -> None:
         self.optimizer = optimizer
         self.dormant = dormant
@@ -262,7 +264,7 @@ class LiveRecipe:
                    if p.requires_grad and id(p) not in self.hooked]
         if outside:
             raise ValueError(
-                f"topk_ddp: recipe='auto' runs SGD's momentum in the comm hook, which gets only the gradients DDP "
+                f"topk_ddp: recipe='auto' runs {self.what} in the comm hook, which gets only the gradients DDP "
                 f"reduces (the parameters that required gradients when DDP was set up); the optimizer also steps "
                 f"{len(outside)} parameter(s) outside them, unfrozen or added after setup ({outside[:5]}): they would "
                 f"step without momentum while the optimizer shows {self.momentum():g}, and DDP does not average their "
@@ -339,6 +341,8 @@ class AdamLiveRecipe(LiveRecipe):
     step on the averaged update: ``p *= 1 - lr wd; p -= lr / (1 - b1^t) * grad``. The groups (lr, betas, eps,
     weight decay) stay the user's and are read every step; the state keeps ``step``, the frozen ``exp_avg_sq`` and
     :data:`FROZEN_STEP` (``exp_avg`` moves into the hook)."""
+
+    what = "Adam's momentum and variance"
 
     def __init__(self, optimizer: Any, dormant: TopKConfig, hooks: bool = True) -> None:
         super().__init__(optimizer, dormant)
