@@ -352,6 +352,17 @@ class AdamLiveRecipe(LiveRecipe):
         self._staged: List[Tuple[TopKState, str, Tensor]] = []  # (state, name, v_i) of this step, kept on commit
         self._seeds: Optional[Dict[int, Tensor]] = None
 
+    def begin_step(self, state: TopKState) -> None:
+        """Dormant: extend the dense warm-up by this step while the lr rises (a per-step LR warm-up; measured: the
+        variance frozen during it damps the steps after it); then :meth:`LiveRecipe.begin_step`."""
+        if not self.engaged:
+            lr = max(float(g["lr"]) for g in self.optimizer.param_groups)
+            prev, state.recipe_lr = state.recipe_lr, lr
+            if (prev is not None and lr > prev and not state.last_sent_sparse()
+                    and state.step >= state.schedule.dense_steps):
+                state.schedule = replace(state.schedule, dense_steps=state.step + 1)
+        super().begin_step(state)
+
     def hyper(self) -> Tuple[float, float, float]:
         """(b1, b2, eps) of every group now (a scheduler may cycle b1)."""
         vals = sorted({_hyper(g) for g in self.optimizer.param_groups})
