@@ -173,3 +173,32 @@ def test_a_skipped_step_keeps_the_local_variance_and_the_optimizer():
     assert "step" not in opt.__dict__
     for p, s in opt.state.items():
         assert all(torch.equal(torch.as_tensor(s[k]), torch.as_tensor(state_before[p][k])) for k in s)
+
+
+def test_the_dense_warm_up_lasts_while_the_lr_rises_and_a_checkpoint_keeps_it():
+    """dense_steps=2, an lr that rises for 5 steps: steps 3-5 are dense too, step 6 (the lr no longer rises) is the
+    first that may go sparse; a state loaded from a checkpoint in between continues the same way."""
+    m = nn.Linear(3, 2)
+    opt = torch.optim.AdamW(m.parameters(), lr=1.0)
+    lrs = [0.2, 0.4, 0.6, 0.8, 1.0, 1.0, 0.9]
+    cfg = TopKConfig(density=0.01, dense_steps=2, recipe="none")
+
+    def run(st, rec, steps):
+        dense = []
+        for s in steps:
+            for g in opt.param_groups:
+                g["lr"] = lrs[s]
+            rec.begin_step(st)
+            dense.append(st.density_now() >= 1.0)
+            st.end_exchange()
+            rec.after_step(opt, None, committed=True)
+        return dense
+
+    st = TopKState(cfg)
+    assert run(st, AdamLiveRecipe(opt, cfg), range(7)) == [True] * 5 + [False] * 2
+    half = TopKState(cfg)
+    run(half, AdamLiveRecipe(opt, cfg), range(3))
+    resumed = TopKState(cfg)
+    resumed.load_state_dict(half.state_dict())
+    assert resumed.recipe_lr == 0.6 and resumed.schedule.dense_steps == 3
+    assert run(resumed, AdamLiveRecipe(opt, cfg), range(3, 7)) == [True] * 2 + [False] * 2

@@ -2,11 +2,12 @@
 tests.helpers.procs.run_nodes); phases run one after another in one launch, each rank dumps OUT/<phase>_rank<r>.pt
 (per-step parameters and optimizer groups, the recipe's state at the end).
 
-  ddp       Lightning's ddp, AdamW(weight_decay) under a per-step LambdaLR, 6 steps: the reference of the dense steps
-  straight  topk_ddp density 0.05, dense_steps=2: steps 1-2 dense (dormant: ddp bit for bit), step 3 the first sparse
-            one (still the user's AdamW), engaged from step 4
-  stop      the same to step 4 (engaged), then trainer.save_checkpoint
-  resume    stop's checkpoint resumed to 6 steps (expected: straight bit for bit)
+  ddp       Lightning's ddp, AdamW(weight_decay) under a per-step LambdaLR that rises for 4 steps, then decays; 8 steps:
+            the reference of the dense steps
+  straight  topk_ddp density 0.05, dense_steps=2: steps 1-2 dense, 3-4 too (the lr rises), all dormant (ddp bit for
+            bit); step 5 the first sparse one (still the user's AdamW); engaged from step 6
+  stop      the same to step 6 (engaged), then trainer.save_checkpoint
+  resume    stop's checkpoint resumed to 8 steps (expected: straight bit for bit)
 
 Every epoch is one step (each rank's 8 rows are one batch), so a checkpoint after a step resumes at the same batch.
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from lightning_topk.lightning.strategy import TopKDDPStrategy
 
 warnings.filterwarnings("ignore")
-STEPS = 6
+STEPS = 8
 
 
 class Net(pl.LightningModule):
@@ -46,7 +47,7 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.05)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3) / (1 + 0.1 * s))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4) / (1 + 0.1 * max(0, s - 3)))
         return [opt], [dict(scheduler=sched, interval="step")]
 
 
@@ -56,7 +57,7 @@ def run(a, phase, rank):
     else:
         strategy = TopKDDPStrategy(density=0.05, exchange="allgather", min_sparse_numel=0, dense_steps=2)
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy,
-                         max_steps=4 if phase == "stop" else STEPS, use_distributed_sampler=False, logger=False,
+                         max_steps=6 if phase == "stop" else STEPS, use_distributed_sampler=False, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     g = torch.Generator().manual_seed(rank)
