@@ -1,7 +1,7 @@
 """recipe="auto" with AdamW in a Trainer run under topk_ddp (issue 42), 2 simulated nodes x 1 process
 (tests/scripts/adam_recipe_train.py, one launch for all phases): dormant through the dense steps (Lightning's ddp bit
 for bit), engaged after the first sparse step with the optimizer's groups still the user's, and a checkpoint taken
-after engagement resumes bit for bit."""
+after engagement resumes bit for bit; a skipped step keeps nothing."""
 import pytest
 import torch
 
@@ -46,3 +46,17 @@ def test_a_checkpoint_after_engagement_resumes_bit_for_bit(runs):
                 assert torch.equal(straight[key][k], resume[key][k]), (key, k)
         for n, s in straight["optimizer_state"].items():
             assert all(torch.equal(s[k], resume["optimizer_state"][n][k]) for k in s), n
+
+
+def test_a_skipped_step_after_engagement_keeps_nothing(runs):
+    """A NaN in one gradient element on rank 0 at step 7 (engaged), nonfinite="skip": every rank ends step 7 with the
+    parameters, velocities, residuals, local v and optimizer state it had after step 6."""
+    for r in range(2):
+        stop, skip = runs("stop", r), runs("skip", r)
+        assert skip["engaged"] and skip["step"] == 7
+        for key in ("params", "velocities", "residuals", "local_v"):
+            assert stop[key] and stop[key].keys() == skip[key].keys(), key
+            for k in stop[key]:
+                assert torch.equal(stop[key][k], skip[key][k]), (key, k)
+        for n, s in stop["optimizer_state"].items():
+            assert all(torch.equal(s[k], skip["optimizer_state"][n][k]) for k in s), n

@@ -8,6 +8,8 @@ tests.helpers.procs.run_nodes); phases run one after another in one launch, each
             bit); step 5 the first sparse one (still the user's AdamW); engaged from step 6
   stop      the same to step 6 (engaged), then trainer.save_checkpoint
   resume    stop's checkpoint resumed to 8 steps (expected: straight bit for bit)
+  skip      nonfinite="skip", 7 steps, a NaN in one gradient element on rank 0 at step 7 (engaged): the step is
+            skipped on every rank (expected: the hook's and the optimizer's state as stop's after step 6)
 
 Every epoch is one step (each rank's 8 rows are one batch), so a checkpoint after a step resumes at the same batch.
 """
@@ -34,6 +36,16 @@ class Net(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 48), nn.Tanh(), nn.Linear(48, 4))
         self.trace = []
+        self.nan_at = None  # the global step (0-based) whose gradient gets a NaN on rank 0
+
+    def on_train_start(self):
+        self.net[0].weight.register_hook(self._poison)  # before the recipe's hook (registered when it engages)
+
+    def _poison(self, g):
+        if self.global_step == self.nan_at and self.global_rank == 0:
+            g = g.clone()
+            g.view(-1)[3] = float("nan")
+        return g
 
     def training_step(self, batch, i):
         x, y = batch
@@ -55,15 +67,17 @@ def run(a, phase, rank):
     if phase == "ddp":
         strategy = pl.strategies.DDPStrategy()
     else:
-        strategy = TopKDDPStrategy(density=0.05, exchange="allgather", min_sparse_numel=0, dense_steps=2)
+        strategy = TopKDDPStrategy(density=0.05, exchange="allgather", min_sparse_numel=0, dense_steps=2,
+                                   nonfinite="skip" if phase == "skip" else "raise")
     trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy,
-                         max_steps=6 if phase == "stop" else STEPS, use_distributed_sampler=False, logger=False,
+                         max_steps={"stop": 6, "skip": 7}.get(phase, STEPS), use_distributed_sampler=False, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0)
     g = torch.Generator().manual_seed(rank)
     loader = DataLoader(TensorDataset(torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)),
                         batch_size=8)
     model = Net()
+    model.nan_at = 6 if phase == "skip" else None
     ck = os.path.join(a.out, "ck")
     trainer.fit(model, loader, ckpt_path=ck if phase == "resume" else None)
     if phase == "stop":
@@ -87,7 +101,7 @@ def run(a, phase, rank):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--phases", default="ddp,straight,stop,resume")
+    p.add_argument("--phases", default="ddp,straight,stop,resume,skip")
     a = p.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ.get("NODE_RANK", 0))
