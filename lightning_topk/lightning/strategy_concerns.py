@@ -117,7 +117,7 @@ class RecipeMixin:
             if opts is not None:
                 dormant = self.topk_config
                 self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(
-                    dormant, opts, adam=getattr(self, "topk_elastic", None) is None)  # Adam: not under torchft
+                    dormant, opts, adam=dormant.fault_tolerance != "torchft")  # Adam: not under torchft
                 trainer = getattr(self.lightning_module, "_trainer", None)
                 if isinstance(self.topk_live_recipe, AdamLiveRecipe) and finetuners(trainer):
                     # a new recipe does not refuse what plain error feedback ran: Adam's stays off there
