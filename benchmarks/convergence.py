@@ -25,7 +25,12 @@ Recipes (``RECIPES``), each on top of error feedback with the exact selector:
 * ``mc_look``: ``mc_nomask`` with the momentum lookahead (``momentum_lookahead=0.9``, the momentum, as
   ``recipe="auto"`` sets it): a sparse step's residual accumulates ``v + c*(v - v_prev)`` = ``g + m*v``;
 * ``auto``: what ``recipe="auto"`` (:func:`~lightning_topk.comm.recipe.apply_recipe`) makes of the optimizer
-  and density: the default a user runs.
+  and density: the default a user runs. With AdamW it is ``topk_ddp``'s
+  :class:`~lightning_topk.comm.recipe.AdamLiveRecipe` (dormant through the dense warm-up, then engaged on every
+  simulated rank's state; its ``precondition`` runs on each rank's gradient as its parameter hooks do in a run).
+
+``--schedule warmup_cosine``: a linear learning-rate warm-up over the first 10% of the steps, then cosine to 0
+(``LambdaLR``, stepped after every optimizer step); ``constant`` (default): the preset's learning rate.
 
 Usage::
 
@@ -48,7 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_topk.comm.exchanges.kit import rebuild, select, send_values, sparse_k, take_bucket
-from lightning_topk.comm.recipe import apply_recipe
+from lightning_topk.comm.recipe import AdamLiveRecipe, apply_recipe, live_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 
 RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "mc_look", "auto")
@@ -148,6 +153,7 @@ class SimulatedAllgather:
     def rank_send(self, st: TopKState, g: Tensor, n: int) -> Tuple[Tensor, Tensor]:
         """One rank's (values, indices) of a step, as the all-gather hook puts them on the wire."""
         k, ks, numels = sparse_k(st, self.params, n)
+        st.add_stats(st.current, numel=n, numel_sent=k or n)  # what last_sent_sparse reads (recipe="auto")
         b, acc, vel, _ = take_bucket(st, self.params, st.names_of(self.params), g, lookahead=k > 0)
         if k == 0:  # dense step (dense_hook): everything goes, the residual empties, the velocity stays
             values = acc.clone()
@@ -197,6 +203,7 @@ class Run:
     curve: List[Tuple[int, float]] = field(default_factory=list)  # (step, test accuracy)
     seconds: float = 0.0
     adam_beta1: float = 0.9
+    schedule: str = "constant"
     states: List[TopKState] = field(default_factory=list, repr=False)  # the simulated ranks' states
 
     def steps_to(self, target: float) -> Optional[int]:
@@ -214,7 +221,7 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
           batch: int = 32, eval_every: int = 5, seed: int = 0, warmup_steps: int = 40,
           data: Optional[Tuple[Tensor, Tensor, Tensor, Tensor]] = None,
           on_step: Optional[Callable[[int, nn.Module], None]] = None,
-          overrides: Optional[Dict[str, Any]] = None, adam_beta1: float = 0.9) -> Run:
+          overrides: Optional[Dict[str, Any]] = None, adam_beta1: float = 0.9, schedule: str = "constant") -> Run:
     """Train ``steps`` steps of ``world`` simulated ranks (``batch`` samples each, disjoint shards of a
     seeded shuffle, a new shuffle each epoch) and record the test accuracy every ``eval_every`` steps."""
     xtr, ytr, xte, yte = data if data is not None else load(task)
@@ -226,20 +233,39 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
         raise ValueError(f"convergence: recipe {recipe!r} (momentum correction) is for SGD with momentum")
     optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction,
                           adam_beta1=adam_beta1)
-    if cfg is not None and cfg.recipe == "auto":  # as the strategy does at setup (may move SGD's momentum)
+    live: Optional[AdamLiveRecipe] = None
+    if cfg is not None and cfg.recipe == "auto" and opt == "adamw":  # as topk_ddp does at setup
+        found, cfg, _ = live_recipe(cfg, [optim], adam=True)
+        if isinstance(found, AdamLiveRecipe):
+            live, found.hooks, found.world = found, False, world
+    elif cfg is not None and cfg.recipe == "auto":  # as the strategy does at setup (may move SGD's momentum)
         cfg = apply_recipe(cfg, [optim])[0]
     sim = SimulatedAllgather(cfg, named, world) if cfg is not None else None
-    run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps, adam_beta1=adam_beta1)
+    if live is not None and sim is not None:
+        for st in sim.states:
+            st.config = live.dormant
+    sched = _scheduler(optim, schedule, steps)
+    run = Run(task, opt, density if cfg is not None else 1.0, recipe, steps, adam_beta1=adam_beta1, schedule=schedule)
     t0 = time.perf_counter()
     for step, shards in enumerate(batches(len(xtr), world, batch, steps, seed), start=1):
+        if live is not None and sim is not None:
+            _begin(live, sim.states)
         grads = []
-        for idx in shards:
+        for r, idx in enumerate(shards):
             optim.zero_grad(set_to_none=False)
             nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            grads.append(flat_grad(params).clone())
+            g = flat_grad(params).clone()
+            if live is not None and live.engaged and sim is not None:  # the parameter hooks of a run
+                g = _precondition(live, sim.states[r], named, g)
+            grads.append(g)
         avg = sim.reduce(grads) if sim is not None else torch.stack(grads).mean(0)
         set_grad(params, avg)
+        saved = live.before_step(optim) if live is not None else None
         optim.step()
+        if live is not None:
+            live.after_step(optim, saved, committed=True)
+        if sched is not None:
+            sched.step()
         if on_step is not None:
             on_step(step, model)
         if step % eval_every == 0 or step == steps:
@@ -249,6 +275,40 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
     return run
 
 
+def _scheduler(optim: torch.optim.Optimizer, schedule: str, steps: int) -> Optional[Any]:
+    """``--schedule``: None (constant), or linear warm-up over 10% of the steps then cosine to 0."""
+    if schedule == "constant":
+        return None
+    if schedule != "warmup_cosine":
+        raise ValueError(f"convergence: schedule must be constant or warmup_cosine, got {schedule!r}")
+    import math
+
+    warm = max(1, steps // 10)
+    f = lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * (s - warm) / max(1, steps - warm)))
+    return torch.optim.lr_scheduler.LambdaLR(optim, f)
+
+
+def _begin(live: AdamLiveRecipe, states: Sequence[TopKState]) -> None:
+    """The strategy's ``begin_step`` on every simulated rank: rank 0's decides, the others engage with it."""
+    was = live.engaged
+    live.begin_step(states[0])
+    for st in states[1:]:
+        if live.engaged and not was:
+            live.engage(st)
+        else:
+            live.begin_step(st)
+
+
+def _precondition(live: AdamLiveRecipe, state: TopKState, named: Sequence[Tuple[str, Tensor]], g: Tensor) -> Tensor:
+    """One rank's flat gradient through the recipe's parameter hooks."""
+    parts, off = [], 0
+    for name, p in named:
+        n = p.numel()
+        parts.append(live.precondition(state, name, p, g[off:off + n].view_as(p)).reshape(-1))
+        off += n
+    return torch.cat(parts)
+
+
 # ---- the grid -------------------------------------------------------------------------------------
 STEPS = {"digits": 240, "digits_cnn": 240, "mnist5k": 300}
 TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80, 0.90)}
@@ -256,7 +316,7 @@ TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80,
 
 def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], recipes: Sequence[str],
          seeds: Sequence[int], steps: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
-         adam_beta1: float = 0.9) -> List[Run]:
+         adam_beta1: float = 0.9, schedule: str = "constant") -> List[Run]:
     runs = []
     for task in tasks:
         data = load(task)
@@ -267,7 +327,8 @@ def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], 
                 for density in ([1.0] if recipe == "dense" else densities):
                     for seed in seeds:
                         r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data,
-                                  overrides=None if recipe == "dense" else overrides, adam_beta1=adam_beta1)
+                                  overrides=None if recipe == "dense" else overrides, adam_beta1=adam_beta1,
+                                  schedule=schedule)
                         runs.append(r)
                         print(f"{task:8s} {opt:5s} rho={r.density:<6g} {recipe:10s} seed={seed} "
                               f"final={r.final:.3f} to{TARGETS[task]}="
@@ -344,11 +405,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
                     help="TopKConfig options on top of every sparse recipe, e.g. warmup_steps=100 dense_steps=10")
     ap.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1 (betas=(beta1, 0.999))")
+    ap.add_argument("--schedule", default="constant", choices=("constant", "warmup_cosine"),
+                    help="learning rate: the preset's, or linear warm-up (10%% of the steps) then cosine to 0")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write the curves here")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
-    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1)
+    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1, a.schedule)
     md = table(runs)
     print(md)
     if a.markdown:
@@ -357,7 +420,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if a.json:
         with open(a.json, "w") as f:
             json.dump([dict(task=r.task, opt=r.opt, density=r.density, recipe=r.recipe, adam_beta1=r.adam_beta1,
-                            curve=r.curve) for r in runs], f)
+                            schedule=r.schedule, curve=r.curve) for r in runs], f)
 
 
 if __name__ == "__main__":

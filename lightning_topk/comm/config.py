@@ -100,7 +100,10 @@ class StepOptions:
             (Nesterov's update), from the step after the first one that sends a bucket sparse (until then,
             and wherever every bucket goes dense, the optimizer is untouched: DDP); the momentum the
             optimizer's groups hold (schedulers may write it) is followed every step, and weight decay still
-            passes through the momentum; for anything else (AdamW, Adam, LARS) plain error feedback.
+            passes through the momentum; for ``torch.optim.AdamW`` (or Adam without L2 decay) under
+            ``topk_ddp``, 1-bit Adam's frozen variance with Adam's momentum in the hook, after ``dense_steps``
+            (20 where 0; longer while the lr rises) of the user's AdamW (:class:`~lightning_topk.comm.recipe.AdamLiveRecipe`); for anything
+            else (LARS, Adam under ``topk_fsdp``) plain error feedback.
             ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
             first iteration; residuals are keyed by parameter name and survive the rebuild either way. With

@@ -26,9 +26,17 @@ density warm-up helps at 0.001, but its length depends on the run). So ``recipe=
   user's values, and the hook follows the momentum they write at every step. Weight decay keeps its
   meaning: its share of SGD's momentum (``b = m b + wd p``, linear in the gradient) is kept per parameter
   in the optimizer's state (``topk_wd_momentum``, so it is checkpointed) and applied after the step.
+* ``torch.optim.AdamW``, or ``Adam`` without L2 weight decay (no amsgrad, no maximize, one (betas, eps) for all
+  groups), under ``topk_ddp`` (:func:`live_recipe` with ``adam=True``; not under ``fault_tolerance="torchft"``): 1-bit
+  Adam's frozen variance with a local floor and the momentum in the hook with lookahead ``beta1``
+  (:class:`AdamLiveRecipe`; MNIST-5k at density 0.01: 1.07x dense AdamW's steps to 90%, 1.13x under warm-up +
+  cosine). ``dense_steps`` 0 becomes :data:`ADAM_DENSE_STEPS` (20), extended while the lr rises step to step:
+  those steps are the user's AdamW, bit for bit DDP, and its ``exp_avg_sq`` of the averaged gradient is the
+  variance frozen when the recipe engages (the step after the first sparse one).
+  ``topk_fsdp``: plain error feedback, the optimizer untouched.
 * With ``local_steps`` > 0 (sparse local SGD) there is no per-step top-k: nothing, the optimizer untouched.
-* Anything else (Adam, AdamW, the repo's LARS, whose trust ratio is taken on the raw gradient, Nesterov,
-  dampening, several optimizers): plain error feedback, the optimizer untouched.
+* Anything else (the repo's LARS, whose trust ratio is taken on the raw gradient, Nesterov, dampening, several
+  optimizers, Adam under ``topk_fsdp``): plain error feedback, the optimizer untouched.
 
 Layer 1: torch only; the optimizer is duck-typed by its class and ``param_groups``.
 """
@@ -44,9 +52,11 @@ from lightning_topk.comm.config import RECIPE_CHOICES, TopKConfig
 from lightning_topk.comm.exchanges import registry
 from lightning_topk.comm.state import TopKState
 
-__all__ = ["RECIPE_CHOICES", "LiveRecipe", "apply_recipe", "live_recipe", "recipe_for", "unresolved_note", "WD_MOMENTUM"]
+__all__ = ["RECIPE_CHOICES", "AdamLiveRecipe", "LiveRecipe", "adam_recipe_for", "apply_recipe", "live_recipe", "recipe_for", "unresolved_note", "WD_MOMENTUM"]
 
 WD_MOMENTUM = "topk_wd_momentum"  # the optimizer-state key of weight decay's share of SGD's momentum
+ADAM_DENSE_STEPS = 20  # recipe="auto" with Adam(W): dense_steps where it is 0 (the frozen variance's warm-up T)
+FROZEN_STEP = "topk_frozen_step"  # the optimizer-state key of Adam's step count when its exp_avg_sq froze
 
 # recipe="auto" sets momentum_lookahead to the optimizer's momentum m: the residual then accumulates
 # u = v + m (v - v_prev) = g + m v, PyTorch's Nesterov update, and every entry sent each step would be exactly
@@ -56,22 +66,30 @@ WD_MOMENTUM = "topk_wd_momentum"  # the optimizer-state key of weight decay's sh
 # heavy-ball dense and the lookahead-free recipe still train.
 
 
+def _flat_only(config: TopKConfig, optimizers: Sequence[Any]) -> Optional[str]:
+    """Why no recipe applies whatever the optimizer (None: one may)."""
+    if config.recipe != "auto":
+        return "recipe='none'"
+    if config.momentum_correction:
+        return "momentum_correction is already on"
+    if getattr(config, "local_steps", 0) > 0:
+        return "local_steps > 0 (sparse local SGD): the inner optimizer keeps its momentum"
+    if config.density >= 1.0:
+        return "density 1 sends dense: the optimizer keeps its momentum"
+    if config.exchange != "auto" and not getattr(registry.get(config.exchange), "momentum_correction", False):
+        return f"exchange={config.exchange!r} does not support momentum correction"
+    if config.hierarchical is True:
+        return "the hierarchical exchange does not support momentum correction"
+    if len(optimizers) != 1:
+        return f"{len(optimizers)} optimizers (momentum correction needs one)"
+    return None
+
+
 def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str]:
     """(whether ``recipe="auto"`` turns momentum correction on for these optimizers, why)."""
-    if config.recipe != "auto":
-        return False, "recipe='none'"
-    if config.momentum_correction:
-        return False, "momentum_correction is already on"
-    if getattr(config, "local_steps", 0) > 0:
-        return False, "local_steps > 0 (sparse local SGD): the inner optimizer keeps its momentum"
-    if config.density >= 1.0:
-        return False, "density 1 sends dense: the optimizer keeps its momentum"
-    if config.exchange != "auto" and not getattr(registry.get(config.exchange), "momentum_correction", False):
-        return False, f"exchange={config.exchange!r} does not support momentum correction"
-    if config.hierarchical is True:
-        return False, "the hierarchical exchange does not support momentum correction"
-    if len(optimizers) != 1:
-        return False, f"{len(optimizers)} optimizers (momentum correction needs one)"
+    why = _flat_only(config, optimizers)
+    if why is not None:
+        return False, why
     opt = optimizers[0]
     if type(opt) is not torch.optim.SGD:
         return False, f"{type(opt).__name__} is not torch.optim.SGD (plain error feedback measured best)"
@@ -83,6 +101,30 @@ def recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str
     if any(g.get("maximize", False) for g in opt.param_groups):
         return False, "SGD with maximize=True"
     return True, f"SGD momentum {next(iter(moms))} moved into the hook"
+
+
+def adam_recipe_for(config: TopKConfig, optimizers: Sequence[Any]) -> Tuple[bool, str]:
+    """(whether ``recipe="auto"`` runs Adam's moments in the hook (:class:`AdamLiveRecipe`), why)."""
+    why = _flat_only(config, optimizers)
+    if why is not None:
+        return False, why
+    opt = optimizers[0]
+    if type(opt) not in (torch.optim.AdamW, torch.optim.Adam):
+        return False, f"{type(opt).__name__} is not torch.optim.AdamW or Adam"
+    groups = opt.param_groups
+    if any(g.get("amsgrad") or g.get("maximize") or g.get("differentiable") for g in groups):
+        return False, "Adam with amsgrad, maximize or differentiable"
+    if type(opt) is torch.optim.Adam and any(g.get("weight_decay", 0.0) and not g.get("decoupled_weight_decay")
+                                             for g in groups):
+        return False, "Adam with L2 weight decay (it enters the moments; use AdamW)"
+    if len({_hyper(g) for g in groups}) != 1:
+        return False, "Adam groups with different betas or eps"
+    return True, f"{type(opt).__name__} betas {_hyper(groups[0])[:2]} moved into the hook"
+
+
+def _hyper(group: Dict[str, Any]) -> Tuple[float, float, float]:
+    b = group["betas"]
+    return float(b[0]), float(b[1]), float(group["eps"])
 
 
 def target_config(config: TopKConfig, momentum: float) -> TopKConfig:
@@ -115,12 +157,24 @@ def unresolved_note(config: TopKConfig) -> str:
     return "recipe=none" if config.recipe == "none" else "recipe=auto: not resolved yet"
 
 
-def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[Any] = None
+def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[Any] = None, adam: bool = False
                 ) -> Tuple[Optional["LiveRecipe"], TopKConfig, str]:
     """``recipe="auto"`` in a run (``topk_ddp`` and ``topk_fsdp`` alike): (the dormant :class:`LiveRecipe`, or None;
     the config to build the exchange for, :func:`target_config` where it applies; the decision in words).
-    ``make``: the :class:`LiveRecipe` class to build (a subclass seeds the velocity of sharded parameters)."""
+    ``make``: the :class:`LiveRecipe` class to build (a subclass seeds the velocity of sharded parameters).
+    ``adam``: Adam/AdamW may take :class:`AdamLiveRecipe` (``topk_ddp``'s flat exchanges only)."""
     use, why = recipe_for(config, optimizers)
+    if not use and adam:
+        use_adam, why_adam = adam_recipe_for(config, optimizers)
+        if use_adam:
+            dormant = replace(config, dense_steps=config.dense_steps or ADAM_DENSE_STEPS)
+            live: LiveRecipe = AdamLiveRecipe(optimizers[0], dormant)
+            b1 = live.momentum()
+            return live, target_config(dormant, b1), (
+                f"recipe=auto -> Adam in the hook, frozen variance after {dormant.dense_steps} dense steps, "
+                f"momentum_lookahead {b1:g}, from the step after the first one that sends sparse ({why_adam}; "
+                f"density {config.density:g})")
+        why = why_adam if why.endswith("is not torch.optim.SGD (plain error feedback measured best)") else why
     if not use:
         return None, config, f"recipe=auto -> error_feedback ({why})"
     live = (make or LiveRecipe)(optimizers[0], config)
@@ -134,6 +188,8 @@ class LiveRecipe:
 
     ``begin_step`` before each backward, ``before_step``/``after_step`` around each optimizer step; the
     state's ``config`` is the dormant one (no momentum correction) until :meth:`engage`."""
+
+    what = "SGD's momentum"  # what moves into the hook (messages)
 
     def __init__(self, optimizer: Any, dormant: TopKConfig) -> None:
         self.optimizer = optimizer
@@ -209,7 +265,7 @@ class LiveRecipe:
                    if p.requires_grad and id(p) not in self.hooked]
         if outside:
             raise ValueError(
-                f"topk_ddp: recipe='auto' runs SGD's momentum in the comm hook, which gets only the gradients DDP "
+                f"topk_ddp: recipe='auto' runs {self.what} in the comm hook, which gets only the gradients DDP "
                 f"reduces (the parameters that required gradients when DDP was set up); the optimizer also steps "
                 f"{len(outside)} parameter(s) outside them, unfrozen or added after setup ({outside[:5]}): they would "
                 f"step without momentum while the optimizer shows {self.momentum():g}, and DDP does not average their "
@@ -260,3 +316,194 @@ class LiveRecipe:
                 with torch.no_grad():
                     p.sub_(buf.to(p.dtype), alpha=float(g["lr"]))
                 optimizer.state[p][WD_MOMENTUM] = buf
+
+
+_NO_STEP = object()  # the optimizer had no instance attribute ``step`` before the engaged step replaced it
+
+
+def _count(st: Dict[str, Any]) -> float:
+    """Adam's step count in an optimizer state (a tensor or a number; 0 when it never stepped)."""
+    t = st.get("step", 0.0)
+    return float(t.item() if isinstance(t, Tensor) else t)
+
+
+class AdamLiveRecipe(LiveRecipe):
+    """``recipe="auto"`` on the user's live Adam/AdamW: 1-bit Adam's frozen variance with a local floor, and the
+    momentum in the hook with a lookahead (``docs/convergence.md``, "AdamW recipe (issue 42)").
+
+    Dormant, the optimizer is the user's Adam: the ``dense_steps`` warm-up (:data:`ADAM_DENSE_STEPS` where 0) is
+    DDP with AdamW bit for bit, and its ``exp_avg_sq`` of the averaged gradient becomes the frozen variance ``vf``.
+    From the step after the first sparse one, each rank's gradient is preconditioned before DDP's reducer sees it
+    (a hook on each parameter): ``g' = (1 - b1) g / den``, ``den = max(sqrt(vf / (1 - b2^T)),
+    sqrt(v_i / ((1 - b2^t) W))) + eps``, with ``v_i`` this rank's own second moment (kept per rank in
+    :attr:`TopKState.recipe_state`, checkpointed, rolled back by a skipped step). Momentum correction with momentum
+    and lookahead ``b1`` then keeps ``m_i / den`` as the velocity (seeded with AdamW's ``exp_avg / den``; the residual
+    is rescaled to update units), and the optimizer's ``step`` is replaced *during* each step by AdamW's decoupled
+    step on the averaged update: ``p *= 1 - lr wd; p -= lr / (1 - b1^t) * grad``. The groups (lr, betas, eps,
+    weight decay) stay the user's and are read every step; the state keeps ``step``, the frozen ``exp_avg_sq`` and
+    :data:`FROZEN_STEP` (``exp_avg`` moves into the hook)."""
+
+    what = "Adam's momentum and variance"
+
+    def __init__(self, optimizer: Any, dormant: TopKConfig, hooks: bool = True) -> None:
+        super().__init__(optimizer, dormant)
+        self.hooks = hooks  # precondition through parameter hooks (a simulator calls precondition itself)
+        self.world: Optional[int] = None
+        self._state: Optional[TopKState] = None
+        self._staged: List[Tuple[TopKState, str, Tensor]] = []  # (state, name, v_i) of this step, kept on commit
+        self._seeds: Optional[Dict[int, Tensor]] = None
+
+    def begin_step(self, state: TopKState) -> None:
+        """Dormant: extend the dense warm-up by this step while the lr rises (a per-step LR warm-up; measured: the
+        variance frozen during it damps the steps after it); then :meth:`LiveRecipe.begin_step`."""
+        if not self.engaged:
+            lr = max(float(g["lr"]) for g in self.optimizer.param_groups)
+            prev, state.recipe_lr = state.recipe_lr, lr
+            if (prev is not None and lr > prev and not state.last_sent_sparse()
+                    and state.step >= state.schedule.dense_steps):
+                state.schedule = replace(state.schedule, dense_steps=state.step + 1)
+        super().begin_step(state)
+
+    def hyper(self) -> Tuple[float, float, float]:
+        """(b1, b2, eps) of every group now (a scheduler may cycle b1)."""
+        vals = sorted({_hyper(g) for g in self.optimizer.param_groups})
+        if len(vals) != 1 or not (0.0 <= vals[0][0] < 1.0 and 0.0 <= vals[0][1] < 1.0):
+            raise ValueError(f"topk_ddp: recipe='auto' runs Adam's moments in the hook and needs one (beta1, beta2, eps) "
+                             f"with betas in [0, 1) for every parameter group; the groups now hold {vals} (written "
+                             "after setup by a scheduler, a callback or add_param_group). Set recipe='none' to keep "
+                             "Adam's moments in the optimizer (plain error feedback)")
+        return vals[0]
+
+    def momentum(self) -> float:
+        return self.hyper()[0]
+
+    def _frozen_den(self, st: Dict[str, Any], b2: float) -> Optional[Tensor]:
+        vf = st.get("exp_avg_sq")
+        if vf is None:
+            return None
+        t = float(st.get(FROZEN_STEP, _count(st)))
+        return (vf.float() / (1.0 - b2 ** max(t, 1.0))).sqrt_()
+
+    def engage(self, state: TopKState, seed: bool = True) -> None:
+        """Freeze the variance and move the momentum into the hook: the velocity starts from ``exp_avg / den`` and
+        the residual is divided by ``den`` (``seed``; a checkpoint's velocity, residual and ``v_i`` otherwise)."""
+        b1, b2, eps = self.hyper()
+        by_id = {i: n for n, i in state.named_bound()}
+        seeds: Dict[str, Tensor] = {}
+        if seed:
+            if self._seeds is None:  # once per engagement (a simulator engages each rank's state)
+                self._seeds = {}
+                for g in self.optimizer.param_groups:
+                    for p in g["params"]:
+                        st = self.optimizer.state.get(p)
+                        if st and "exp_avg" in st:
+                            st.setdefault(FROZEN_STEP, _count(st))
+                            self._seeds[id(p)] = st.pop("exp_avg")
+            residuals = state.residuals()
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    name, st = by_id.get(id(p)), self.optimizer.state.get(p) or {}
+                    den = self._frozen_den(st, b2)
+                    if name is None or den is None:
+                        continue
+                    den = den.add_(eps).reshape(-1)
+                    if id(p) in self._seeds:
+                        seeds[name] = self._seeds[id(p)].float().reshape(-1) / den
+                    state.recipe_state[name] = st["exp_avg_sq"].detach().float().clone()
+                    if name in residuals:
+                        residuals[name].div_(den.to(residuals[name].device))
+        if self.world is None:
+            self.world = state.layout().world
+        state.start_velocity(target_config(self.dormant, b1), seeds)
+        self.engaged = True
+        self._state = state
+        if self.hooks:
+            self.attach(state)
+
+    def attach(self, state: TopKState) -> None:
+        """A hook on each trainable parameter the state knows: the preconditioned gradient replaces the raw one before
+        DDP's reducer reads it (a hook of an earlier recipe on the same parameter is removed)."""
+        params = {id(p): p for g in self.optimizer.param_groups for p in g["params"]}
+        for name, i in state.named_bound():
+            p = params.get(i)
+            if p is None or not p.requires_grad:
+                continue
+            old = getattr(p, "_topk_adam_hook", None)
+            if old is not None:
+                old.remove()
+
+            def hook(grad: Tensor, p: Tensor = p, name: str = name) -> Optional[Tensor]:
+                if not self.engaged or self._state is None:
+                    return None
+                return self.precondition(self._state, name, p, grad)
+
+            p._topk_adam_hook = p.register_hook(hook)
+
+    def precondition(self, state: TopKState, name: str, p: Tensor, grad: Tensor) -> Tensor:
+        """``(1 - b1) grad / den`` for this rank (in the gradient's units and dtype); stages its new ``v_i``."""
+        b1, b2, eps = self.hyper()
+        st = self.optimizer.state.get(p) or {}
+        t = _count(st) + 1.0
+        g = grad.detach().float()
+        scale = state.grad_scale
+        gs = g / scale if isinstance(scale, Tensor) or scale != 1.0 else g
+        v = state.recipe_state.get(name)
+        if v is None:
+            v = st["exp_avg_sq"].float() if "exp_avg_sq" in st else torch.zeros_like(g)
+        v = v.to(g.device).mul(b2).addcmul_(gs, gs, value=1.0 - b2)
+        self._staged.append((state, name, v))
+        den = (v / ((1.0 - b2 ** t) * (self.world or 1))).sqrt_()
+        frozen = self._frozen_den(st, b2)
+        if frozen is not None:
+            den = torch.maximum(den, frozen.to(den.device))
+        return g.mul_((1.0 - b1) / den.add_(eps)).to(grad.dtype)
+
+    def before_step(self, optimizer: Any) -> Optional[List[Any]]:
+        """Replace the optimizer's ``step`` by :meth:`_step` for this step (None while dormant)."""
+        if not self.engaged or optimizer is not self.optimizer:
+            return None
+        self.check_hooked()
+        self._stepping = self.momentum()
+        prev = optimizer.__dict__.get("step", _NO_STEP)  # an LR scheduler's wrapper, kept
+        optimizer.step = self._step
+        return [prev]
+
+    def _step(self, closure: Any = None) -> Any:
+        """AdamW's decoupled step on the averaged update in ``grad`` (see the class docstring)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        opt = self.optimizer
+        opt._opt_called = True  # what an LR scheduler's step wrapper records
+        b1 = self.momentum()
+        decoupled = type(opt) is torch.optim.AdamW
+        with torch.no_grad():
+            for g in opt.param_groups:
+                lr, wd = float(g["lr"]), float(g.get("weight_decay", 0.0))
+                for p in g["params"]:
+                    if p.grad is None:
+                        continue
+                    st = opt.state[p]
+                    t = _count(st) + 1.0
+                    if wd and (decoupled or g.get("decoupled_weight_decay")):
+                        p.mul_(1.0 - lr * wd)
+                    p.add_(p.grad.to(p.dtype), alpha=-lr / (1.0 - b1 ** t))
+                    st["step"] = torch.tensor(t, dtype=torch.float32)
+        return loss
+
+    def after_step(self, optimizer: Any, saved: Optional[List[Any]], committed: bool) -> None:
+        """Give the optimizer its ``step`` back; keep this step's ``v_i`` if it committed."""
+        self._decided = False
+        if saved is None:
+            return
+        self._stepping = None
+        if saved[0] is _NO_STEP:
+            optimizer.__dict__.pop("step", None)
+        else:
+            optimizer.step = saved[0]
+        self._seeds = None
+        staged, self._staged = self._staged, []
+        if committed:
+            for state, name, v in staged:
+                state.recipe_state[name] = v

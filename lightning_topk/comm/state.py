@@ -9,7 +9,7 @@ of their concern are re-exported here for code that imports them from this modul
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
@@ -93,6 +93,10 @@ class TopKState(ParamBuffers):
         # Whether each parameter of the bucket in the hook has a gradient on some rank that shares this result
         # (set per bucket by exchanges.elastic_exchange_hook; None: this rank's own ``.grad``, kit.unused_spans).
         self.bucket_used: Optional[List[bool]] = None
+        # recipe="auto" with Adam(W) (:class:`~lightning_topk.comm.recipe.AdamLiveRecipe`): this rank's second moment of
+        # its local gradient per parameter name (the frozen variance's floor); saved per rank as the section "recipe"
+        self.recipe_state: Dict[str, Tensor] = {}
+        self.recipe_lr: Optional[float] = None  # the lr of the last step it saw (its warm-up follows a rising lr)
 
     @property
     def flat_group(self) -> Any:
@@ -213,6 +217,9 @@ class TopKState(ParamBuffers):
             out[kind] = d
         sections = {n: dict(sd) for n, sd in self._sections.items()}
         sections.update({n: ex.state_dict() for n, ex in self.exchanges.items()})
+        if self.recipe_state or self.recipe_lr is not None:
+            sections[RECIPE_SECTION] = {"local_exp_avg_sq": {n: t.detach().cpu().clone() for n, t in self.recipe_state.items()},
+                                        "last_lr": self.recipe_lr, "dense_steps": self.schedule.dense_steps}
         out["exchanges"] = {n: sd for n, sd in sections.items() if sd}
         return out
 
@@ -231,12 +238,18 @@ class TopKState(ParamBuffers):
         self.undo.step = self.step  # a skip right after the load goes back to the loaded step
         self._pending_load = pending
         sections = upgrade_sections(sd)
+        recipe = sections.pop(RECIPE_SECTION, {})
+        self.recipe_state = dict(recipe.get("local_exp_avg_sq", {}))
+        self.recipe_lr = recipe.get("last_lr")
+        if int(recipe.get("dense_steps", 0)) > self.schedule.dense_steps:  # a warm-up the recipe extended
+            self.schedule = replace(self.schedule, dense_steps=int(recipe["dense_steps"]))
         for name, ex in self.exchanges.items():
             ex.load_state_dict(sections.pop(name, None))
         self._sections = sections
 
 
 STATE_VERSION = 2
+RECIPE_SECTION = "recipe"  # a per-rank section that no exchange owns: recipe="auto"'s per-rank tensors (Adam's local v)
 
 
 def upgrade_sections(sd: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:

@@ -15,7 +15,7 @@ from typing_extensions import override
 from lightning_topk.comm.cost import choose_bucket_cap, constant_model
 from lightning_topk.comm.exchanges import registry
 from lightning_topk.comm.exchanges.hierarchical import destroy_groups
-from lightning_topk.comm.recipe import live_recipe
+from lightning_topk.comm.recipe import AdamLiveRecipe, live_recipe
 from lightning_topk.comm.wire import packed_nbytes
 from lightning_topk.lightning import faults
 from lightning_topk.lightning.checkpoint import remove_rank_state, restore_rank_state, save_rank_state
@@ -116,10 +116,17 @@ class RecipeMixin:
             opts = self._topk_optimizers()
             if opts is not None:
                 dormant = self.topk_config
-                self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(dormant, opts)
+                self.topk_live_recipe, self.topk_config, self.topk_recipe = live_recipe(
+                    dormant, opts, adam=dormant.fault_tolerance != "torchft")  # Adam: not under torchft
+                trainer = getattr(self.lightning_module, "_trainer", None)
+                if isinstance(self.topk_live_recipe, AdamLiveRecipe) and finetuners(trainer):
+                    # a new recipe does not refuse what plain error feedback ran: Adam's stays off there
+                    self.topk_live_recipe, self.topk_config = None, dormant
+                    self.topk_recipe = (f"recipe=auto -> error_feedback ({', '.join(finetuners(trainer))} unfreezes "
+                                        "parameters outside DDP's buckets; Adam's moments stay in the optimizer)")
                 if self.topk_live_recipe is not None:
                     self._topk_base_config, self._topk_resolved = dormant, self.topk_config
-                    refuse_finetuning(getattr(self.lightning_module, "_trainer", None))
+                    refuse_finetuning(trainer)
                 if self.global_rank == 0:
                     log.info("topk_ddp %s", self.topk_recipe)
         pending = self._pending_topk_state
@@ -130,13 +137,18 @@ class RecipeMixin:
                             self.topk_recipe)
 
 
+def finetuners(trainer: Any) -> List[str]:
+    """The names of the trainer's fine-tuning callbacks (``BaseFinetuning``'s subclasses)."""
+    return [type(c).__name__ for c in getattr(trainer, "callbacks", None) or []
+            if any(k.__name__ == "BaseFinetuning" for k in type(c).__mro__)]
+
+
 def refuse_finetuning(trainer: Any) -> None:
     """``recipe="auto"`` with SGD's momentum in the hook and a Lightning fine-tuning callback (``BaseFinetuning``:
     ``BackboneFinetuning``...) that unfreezes parameters after DDP built its buckets: refused at setup, on every rank
     alike (the hook would never see those parameters, which would step without momentum; see
     :meth:`~lightning_topk.comm.recipe.LiveRecipe.check_hooked`)."""
-    tuners = [type(c).__name__ for c in getattr(trainer, "callbacks", None) or []
-              if any(k.__name__ == "BaseFinetuning" for k in type(c).__mro__)]
+    tuners = finetuners(trainer)
     if tuners:
         raise ValueError(
             f"topk_ddp: recipe='auto' runs SGD's momentum in the comm hook, which gets only the gradients of the "
