@@ -207,7 +207,9 @@ def load(top: Any, path: Any, optimizers: Any = None) -> str:
             raise ValueError(
                 f"topk_fsdp: the checkpoint was saved with local_steps={saved.get('local_steps', 0)}, this run has "
                 f"local_steps={top.config.local_steps}: per-step residuals and local SGD's outer state do not convert "
-                "into each other; resume with the saved mode")
+                "into each other; resume with the saved mode: "
+                + (f"mode='local', local_steps={saved.get('local_steps')}" if saved.get("local_steps", 0) > 0
+                   else "mode='per_step'") + " (mode='auto' decides from the link again at every start)")
         if same:
             own = _read_rank(path, rank, key)
             top.outer.load_state_dict(own["outer"])

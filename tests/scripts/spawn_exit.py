@@ -4,6 +4,9 @@ gloo, an ``OuterState`` each, one outer round, then the processes end as a user'
     python tests/scripts/spawn_exit.py PORT [--plain] [--destroy] [--report DIR]
 
 ``--plain``: the same harness without the project (an all-reduce of the weights instead of the round);
+``--stress``: then 20 all-reduces of temporary tensors, with the world group held in a global to the end (a held
+group is not freed by ``destroy_process_group``, so its gloo workers outlive the exit handler's destroy: the
+case the handler's drain covers);
 ``--destroy``: ``dist.destroy_process_group()`` before returning. Spawned children end through the interpreter's
 own finalization (not ``os._exit``), which is where an abort at exit shows. ``--report``: each rank writes
 ``DIR/RANK.txt`` from an exit handler registered first (so it runs last): whether the default group was still
@@ -24,7 +27,10 @@ def _report(path: str) -> None:
         f.write("alive" if dist.is_initialized() else "destroyed")
 
 
-def worker(rank: int, world: int, port: int, plain: bool, destroy: bool, report: str) -> None:
+HELD = []
+
+
+def worker(rank: int, world: int, port: int, plain: bool, destroy: bool, report: str, stress: bool = False) -> None:
     if report:
         atexit.register(_report, os.path.join(report, f"{rank}.txt"))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -44,6 +50,10 @@ def worker(rank: int, world: int, port: int, plain: bool, destroy: bool, report:
             for p in m.parameters():
                 p.add_(0.01 * torch.randn(p.shape))
         assert st.step()  # the round ran
+    if stress:
+        HELD.append(dist.group.WORLD)
+        for _ in range(20):
+            dist.all_reduce(torch.ones(1000))  # the worker may drop the last reference after wait() returns
     if destroy:
         dist.destroy_process_group()
 
@@ -54,5 +64,6 @@ if __name__ == "__main__":
     ap.add_argument("--plain", action="store_true")
     ap.add_argument("--destroy", action="store_true")
     ap.add_argument("--report", default="")
+    ap.add_argument("--stress", action="store_true")
     a = ap.parse_args()
-    mp.spawn(worker, args=(2, a.port, a.plain, a.destroy, a.report), nprocs=2)
+    mp.spawn(worker, args=(2, a.port, a.plain, a.destroy, a.report, a.stress), nprocs=2)
