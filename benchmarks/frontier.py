@@ -17,8 +17,9 @@ Knowledge Foundation: text CC BY 2.5 over public-domain Project Gutenberg editio
 held out (``HELD_OUT``). Nothing is downloaded at run time: without the package the run fails naming it.
 
 Figures per entry: time to the target held-out loss, held-out loss at the wall-clock budget (``--max-time``),
-inter-node bytes per rank per step (the veth counters), and loss vs time / vs tokens (PNG). Results:
-benchmarks/results/frontier_<date>_<layout>_<rate>.json (+ .md, .png).
+inter-node bytes per rank per step (the veth counters), and loss vs time / vs tokens (the curves are in the JSON;
+``python tools/render_results.py`` draws docs/plots/frontier.png and BENCHMARKS.md's tables from them). Results:
+benchmarks/results/frontier_<date>_<layout>_<rate>.json (+ .md).
 """
 from __future__ import annotations
 
@@ -281,41 +282,7 @@ def render(rec: dict) -> str:
     lines += ["", "*x dense time*: dense's time to target / the entry's (> 1: faster than dense); *x dense bytes*: "
               "dense's bytes per rank per step / the entry's. Bytes are the veth `tx_bytes` of every node (payload + "
               "TCP/IP headers) per step, divided by the processes.", ""]
-    if meta.get("plot"):
-        lines += [f"![loss vs time and tokens]({os.path.basename(meta['plot'])})", ""]
     return "\n".join(lines)
-
-
-def plot(rec: dict, path: str) -> Optional[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    meta = rec["meta"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in rec["rows"].items():
-        ev = [e for e in r.get("evals") or [] if e.get("loss") is not None]
-        if not ev:
-            continue
-        axes[0].plot([e["time"] for e in ev], [e["loss"] for e in ev], marker=".", label=name)
-        axes[1].plot([e["step"] * meta["tokens_per_step"] / 1e3 for e in ev], [e["loss"] for e in ev], marker=".",
-                     label=name)
-    for ax, xl in zip(axes, ("training time (s)", "tokens (thousands, all processes)")):
-        ax.axhline(meta["target_loss"], color="grey", linestyle="--", linewidth=0.8)
-        ax.set_xlabel(xl)
-        ax.set_ylabel("held-out loss (nats/byte)")
-        ax.grid(alpha=0.3)
-    axes[0].axvline(meta["budget_s"], color="grey", linestyle=":", linewidth=0.8)
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"frontier: {meta['layout']} at {meta['rate']}, {N_PARAMS:,}-parameter decoder ({meta['date']})",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 # ---- running -----------------------------------------------------------------------------------------------------
@@ -383,7 +350,6 @@ def retarget(rec: dict, target: float) -> None:
 def save(rec: dict, argv: List[str]) -> str:
     meta = rec["meta"]
     name = f"frontier_{meta['date']}_{meta['layout']}_{meta['rate']}"
-    meta["plot"] = plot(rec, os.path.join(RESULTS, name + ".png"))
     path = write_results(name, rec["rows"], argv, meta=meta)
     with open(os.path.join(RESULTS, name + ".md"), "w") as f:
         f.write(render(rec) + "\n")
@@ -395,14 +361,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--cells", default="2x2@100mbit", help=f"comma-separated LAYOUT@RATE (all: {DEFAULT_CELLS})")
     p.add_argument("--only", default=",".join(ORDER), help=f"comma-separated entries from: {', '.join(ORDER)}")
     p.add_argument("--target-loss", type=float, default=2.5, help="held-out loss (nats/byte) of time to target")
-    p.add_argument("--max-time", type=float, default=90.0, help="training seconds per entry (the budget)")
-    p.add_argument("--max-steps", type=int, default=80, help="step cap (torchft DiLoCo runs exactly this, rounded "
-                   "up to whole rounds: its nodes share no stop decision)")
+    p.add_argument("--max-time", type=float, default=100.0, help="training seconds per entry (the budget)")
+    p.add_argument("--max-steps", type=int, default=200,
+                   help="step cap (torchft DiLoCo: rounded up to whole rounds; it stops at --max-time on a round's end)")
     p.add_argument("--h", type=int, default=8, help="DiLoCo / Streaming DiLoCo sync_every")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per process per step")
     p.add_argument("--lr", type=float, default=0.002, help="AdamW lr (every entry's inner/only optimizer)")
     p.add_argument("--eval-every", type=int, default=8)
-    p.add_argument("--val-seqs", type=int, default=512)
+    p.add_argument("--val-seqs", type=int, default=256)
     p.add_argument("--stall-timeout", type=float, default=180.0)
     p.add_argument("--run-dir", default="/tmp/ltk_frontier")
     p.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
