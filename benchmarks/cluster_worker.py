@@ -574,14 +574,16 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         def stop_now(self, step: int, elapsed: float) -> bool:
             """--max-time for nodes that share no Lightning group: global rank 0, past the budget, posts a stop step
-            one whole round after the current round's end to node 0's store; every process polls it each step.
-            No node can be past the current round's end (its sync waits for node 0), so all stop at that step."""
+            (a round's end) to node 0's store; every process polls it each step. No node can end the current round
+            before node 0 reaches its sync, so every node sees the post by then and all stop at that step."""
             st, h = self.stop_store, args.diloco_sync_every
             if st is None or not args.max_time:
                 return False
             if self.stop_at is None:
                 if env["rank"] == 0 and elapsed > args.max_time:
-                    self.stop_at = (-(-step // h) + 1) * h
+                    # the end of the current round, or the next one's when this step just ended a round (a node
+                    # may then be past its poll of this round's end)
+                    self.stop_at = -(-step // h) * h + (h if step % h == 0 else 0)
                     st.set("frontier_stop_at", str(self.stop_at))
                 elif st.check(["frontier_stop_at"]):
                     self.stop_at = int(st.get("frontier_stop_at"))
