@@ -258,7 +258,9 @@ def render(rec: dict) -> str:
     lines = [
         f"### {meta['layout']} at {meta['rate']} ({meta['date']}, commit {meta.get('commit', '?')})", "",
         f"Target held-out loss {target} nats/byte; budget {budget:.0f} s of training; load average (1 min) before "
-        f"the cell {meta.get('load_before', '?')}, after each entry {meta.get('load_range', '?')}.", "",
+        f"the cell {meta.get('load_before', '?')}, after each entry {meta.get('load_range', '?')}."
+        + (f" Rerun in a later invocation (commit {meta.get('rerun_commit')}, load after each "
+           f"{meta.get('rerun_load_range')}): {', '.join(meta['rerun'])}." if meta.get("rerun") else ""), "",
         "| rank | entry | time to target s | steps (tokens) to target | loss at budget | final loss (step, s) | "
         "bytes/rank/step | x dense time | x dense bytes |",
         "|---|---|---|---|---|---|---|---|---|"]
@@ -335,7 +337,7 @@ def cell_meta(a, nodes, ppn, rate, tokens_per_step, load_before, loads) -> dict:
         commit = "?"
     return {"layout": f"{nodes}x{ppn}", "rate": rate, "date": a.date, "commit": commit, "machine": MACHINE,
             "n_params": N_PARAMS, "target_loss": a.target_loss, "budget_s": a.max_time, "max_steps": a.max_steps,
-            "h": a.h, "batch_size": a.batch_size, "lr": a.lr, "seq_len": SEQ_LEN, "tokens_per_step": tokens_per_step,
+            "h": a.h, "expected_steps": a.expected_steps, "batch_size": a.batch_size, "lr": a.lr, "seq_len": SEQ_LEN, "tokens_per_step": tokens_per_step,
             "load_before": round(load_before, 2),
             "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?",
             "settings": {n: {"settings": ENTRIES[n]["settings"], "who": ENTRIES[n]["who"]} for n in ORDER}}
@@ -349,9 +351,20 @@ def retarget(rec: dict, target: float) -> None:
             r.update(figures(r, target, meta["budget_s"], meta["tokens_per_step"]))
 
 
-def save(rec: dict, argv: List[str]) -> str:
+def save(rec: dict, argv: List[str], merge: bool = False) -> str:
     meta = rec["meta"]
     name = f"frontier_{meta['date']}_{meta['layout']}_{meta['rate']}"
+    path = os.path.join(RESULTS, name + ".json")
+    if merge and os.path.exists(path):  # a rerun of some entries replaces theirs, keeps the others (and says so)
+        with open(path) as f:
+            old = json.load(f)
+        rows = dict(old["rows"])
+        rows.update(rec["rows"])
+        rerun = sorted(set(old["meta"].get("rerun", [])) | set(rec["rows"]))
+        rec = {"meta": dict(old["meta"], rerun=rerun, rerun_load_range=meta.get("load_range"),
+                            rerun_commit=meta.get("commit")),
+               "rows": {n: rows[n] for n in ORDER if n in rows}}
+        meta = rec["meta"]
     path = write_results(name, rec["rows"], argv, meta=meta)
     with open(os.path.join(RESULTS, name + ".md"), "w") as f:
         f.write(render(rec) + "\n")
@@ -377,6 +390,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--stall-timeout", type=float, default=180.0)
     p.add_argument("--run-dir", default="/tmp/ltk_frontier")
     p.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+    p.add_argument("--merge", action="store_true",
+                   help="replace only the entries that ran in an existing result of the same date and cell")
     p.add_argument("--from-json", default=None, help="re-render (and re-target with --target-loss) a result file")
     a = p.parse_args(argv)
     try:
@@ -404,7 +419,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     for nodes, ppn, rate in cells:
         rec = run_cell(a, nodes, ppn, rate)
         rec["meta"]["argv"] = sys.argv
-        print(f"[frontier] wrote {save(rec, sys.argv)}", flush=True)
+        print(f"[frontier] wrote {save(rec, sys.argv, merge=a.merge)}", flush=True)
     return 0
 
 
