@@ -851,7 +851,7 @@ def _frontier_files() -> List[str]:
 def frontier_tables() -> str:
     """Every ``frontier.py`` cell through that script's own table (ranking and ratios against dense)."""
     mod = _module("benchmarks/frontier.py")
-    parts = [mod.render({"meta": d["meta"], "rows": d["rows"]}) + f"From `benchmarks/results/{n}`."
+    parts = [mod.render({"meta": d["meta"], "rows": d["rows"]}) + f"\nFrom `benchmarks/results/{n}`."
              for n, d in ((n, _load(n)) for n in _frontier_files())]
     return "\n\n".join(parts) if parts else "(no `frontier.py` result yet)"
 
