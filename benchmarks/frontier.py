@@ -259,6 +259,7 @@ def render(rec: dict) -> str:
         f"### {meta['layout']} at {meta['rate']} ({meta['date']}, commit {meta.get('commit', '?')})", "",
         f"Target held-out loss {target} nats/byte; budget {budget:.0f} s of training; load average (1 min) before "
         f"the cell {meta.get('load_before', '?')}, after each entry {meta.get('load_range', '?')}."
+        + (f" PARTIAL: did not run {', '.join(meta['partial_not_run'])}." if meta.get("partial_not_run") else "")
         + (f" Rerun in a later invocation (commit {meta.get('rerun_commit')}, load after each "
            f"{meta.get('rerun_load_range')}): {', '.join(meta['rerun'])}." if meta.get("rerun") else ""), "",
         "| rank | entry | time to target s | steps (tokens) to target | loss at budget | final loss (step, s) | "
@@ -282,7 +283,9 @@ def render(rec: dict) -> str:
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| – | {name} | failed: {r['error'].splitlines()[0][:200]} |||||||")
-    lines += ["", "*x dense time*: dense's time to target / the entry's (> 1: faster than dense); *x dense bytes*: "
+    lines += ["", "*loss at budget*: the last evaluation (every 8 steps) at or before the budget; – when the first came "
+              "after it (slow links). *x dense time*: dense's time to target / the entry's (> 1: faster than dense); "
+              "*x dense bytes*: "
               "dense's bytes per rank per step / the entry's. Bytes are the veth `tx_bytes` of every node (payload + "
               "TCP/IP headers) per step, divided by the processes.", ""]
     return "\n".join(lines)
@@ -320,6 +323,11 @@ def run_cell(a: argparse.Namespace, nodes: int, ppn: int, rate: str) -> dict:
         s["loadavg_1min_after"] = os.getloadavg()[0]
         loads.append(s["loadavg_1min_after"])
         rows[name] = s
+        if a.save_each:  # a cell cut short still leaves what ran (marked partial until the cell completes)
+            todo = a.only[a.only.index(name) + 1:]
+            part = {"meta": cell_meta(a, nodes, ppn, rate, tokens_per_step, load_before, loads), "rows": dict(rows)}
+            part["meta"]["partial_not_run"] = todo
+            save(part, sys.argv)
         print(f"[frontier] {nodes}x{ppn} {rate:>8} {name:<17} tta {fmt(s.get('time_to_target_s'), '.0f')} s  "
               f"loss@budget {fmt(s.get('loss_at_budget'), '.3f')}  final {fmt(s.get('final_loss'), '.3f')} "
               f"({s.get('steps')} steps)  {fmt((s.get('bytes_per_rank_per_step') or 0) / 1e6, '.3f')} MB/rank/step  "
@@ -390,6 +398,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--stall-timeout", type=float, default=180.0)
     p.add_argument("--run-dir", default="/tmp/ltk_frontier")
     p.add_argument("--date", default=datetime.datetime.now(datetime.timezone.utc).date().isoformat())
+    p.add_argument("--save-each", action="store_true",
+                   help="write the cell's result after every entry (partial until the last one)")
     p.add_argument("--merge", action="store_true",
                    help="replace only the entries that ran in an existing result of the same date and cell")
     p.add_argument("--from-json", default=None, help="re-render (and re-target with --target-loss) a result file")
