@@ -702,6 +702,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+    from lightning_topk.comm.teardown import release_gloo
+
+    release_gloo()  # Lightning leaves the group alive; torch can abort at exit then (lightning_topk/comm/teardown.py)
     return 0
 
 

@@ -45,7 +45,9 @@ def gloo_workers() -> int:
     return n
 
 
-def _destroy_gloo() -> None:
+def release_gloo() -> None:
+    """Destroy a default gloo group that is still there and drain its workers now (what the exit handler does):
+    for a script that ends after a Lightning fit, which leaves the group alive."""
     try:
         if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
             dist.destroy_process_group()
@@ -58,8 +60,8 @@ def _destroy_gloo() -> None:
 
 
 def destroy_gloo_at_exit() -> None:
-    """Register :func:`_destroy_gloo` with :mod:`atexit` (once per process)."""
+    """Register :func:`release_gloo` with :mod:`atexit` (once per process)."""
     global _registered
     if not _registered:
         _registered = True
-        atexit.register(_destroy_gloo)
+        atexit.register(release_gloo)

@@ -19,6 +19,7 @@ from lightning_topk.comm.recipe import AdamLiveRecipe, live_recipe
 from lightning_topk.comm.wire import packed_nbytes
 from lightning_topk.lightning import faults
 from lightning_topk.lightning.checkpoint import remove_rank_state, restore_rank_state, save_rank_state
+from lightning_topk.lightning.precision import TopKPrecisionMixin
 
 log = logging.getLogger("lightning_topk.lightning.strategy")  # the strategy's log, as before the split
 
@@ -124,6 +125,14 @@ class RecipeMixin:
                     self.topk_live_recipe, self.topk_config = None, dormant
                     self.topk_recipe = (f"recipe=auto -> error_feedback ({', '.join(finetuners(trainer))} unfreezes "
                                         "parameters outside DDP's buckets; Adam's moments stay in the optimizer)")
+                elif isinstance(self.topk_live_recipe, AdamLiveRecipe) and isinstance(self.precision_plugin,
+                                                                                       TopKPrecisionMixin):
+                    # TopKPrecision unscales, checks and steps the optimizer itself (loss scaling, master weights):
+                    # the Adam recipe's per-parameter preconditioning and replaced step are not wired into it; it
+                    # trained to chance there (tests/lightning/test_precision_ddp.py). Plain error feedback, as before.
+                    self.topk_live_recipe, self.topk_config = None, dormant
+                    self.topk_recipe = ("recipe=auto -> error_feedback (TopKPrecision steps the optimizer itself; "
+                                        "the Adam recipe is not wired into it)")
                 if self.topk_live_recipe is not None:
                     self._topk_base_config, self._topk_resolved = dormant, self.topk_config
                     refuse_finetuning(trainer)
