@@ -48,6 +48,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
     p.add_argument("--density", type=float, default=0.01, help="topk_ddp: fraction of entries sent (0 < d <= 1)")
+    p.add_argument("--mode", default="per_step", choices=("auto", "per_step", "local"),
+                   help="topk_ddp/topk_fsdp per step: the strategy's mode option (default per_step: these entries measure "
+                        "the per-step exchange; 'auto' lets the link decide, as --preset topk_ddp does)")
     p.add_argument("--exchange", default="auto",
                    choices=("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter"),
                    help="topk_ddp: how entries travel (auto: per bucket by the cost model)")
@@ -273,6 +276,8 @@ def make_strategy(args: argparse.Namespace):
         opts: Dict[str, Any] = dict(FSDP_PRESETS[args.strategy])
         if args.strategy == "topk_fsdp":
             opts.update(density=args.density, exchange=args.exchange)
+            if not args.adamw_recipe:
+                opts["mode"] = args.mode
             if args.value_dtype is not None:
                 opts["value_dtype"] = args.value_dtype
             if args.dense_steps is not None:
@@ -310,7 +315,7 @@ def make_strategy(args: argparse.Namespace):
                                    outer_value_bits=args.outer_bits, outer_streaming=args.outer_streaming,
                                    nonfinite=args.nonfinite, log_telemetry=False, process_group_backend="gloo", **extra)
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
-                               log_telemetry=False, process_group_backend="gloo", **extra)
+                               mode=args.mode, log_telemetry=False, process_group_backend="gloo", **extra)
 
     class HookDDPStrategy(DDPStrategy):
         """DDPStrategy that registers its comm hook on CPU too (Lightning only does it on CUDA)."""
