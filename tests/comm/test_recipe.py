@@ -10,6 +10,7 @@ from lightning_topk.comm.exchanges import exchange_hook, kit
 from lightning_topk.comm.recipe import apply_recipe, recipe_for
 from lightning_topk.optim import LARS
 from tests.helpers.dist import run_distributed
+from tests.helpers.exchanges import dormant_allgather_hook
 
 
 def _params():
@@ -253,11 +254,7 @@ def _live(rank, world, live, engage_at=0):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10, base_momentum=0.7,
                                                 max_momentum=0.95)
     if live:
-        dormant = TopKConfig(density=1.0, exchange="allgather", recipe="none")
-        st = TopKState(dormant)
-        st.bind(m.named_parameters())
-        st.exchange = st.exchange_for("allgather")
-        ddp.register_comm_hook(st, exchange_hook)
+        dormant, st = dormant_allgather_hook(ddp, m)
         rec = LiveRecipe(opt, dormant)
     g = torch.Generator().manual_seed(10 + rank)
     seen = []

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_topk.comm.exchanges import exchange_hook
 from lightning_topk.comm.recipe import ADAM_DENSE_STEPS, AdamLiveRecipe, adam_recipe_for, live_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 from tests.helpers.dist import run_distributed
+from tests.helpers.exchanges import dormant_allgather_hook
 
 B1, B2, EPS, LR, WD, STEPS, ENGAGE = 0.9, 0.999, 1e-8, 1e-2, 0.05, 8, 3
 
@@ -36,11 +36,7 @@ def _hooked(rank, world):
     ddp = DDP(m, bucket_cap_mb=0.001)  # several buckets
     opt = torch.optim.AdamW(m.parameters(), lr=LR, betas=(B1, B2), eps=EPS, weight_decay=WD)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr)
-    dormant = TopKConfig(density=1.0, exchange="allgather", recipe="none")
-    st = TopKState(dormant)
-    st.bind(m.named_parameters())
-    st.exchange = st.exchange_for("allgather")
-    ddp.register_comm_hook(st, exchange_hook)
+    dormant, st = dormant_allgather_hook(ddp, m)
     rec = AdamLiveRecipe(opt, dormant)
     seen = []
     for step in range(STEPS):

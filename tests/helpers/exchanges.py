@@ -25,3 +25,18 @@ def owner_residuals(st):
         if owners is not None:
             out.update(owners.live)
     return out
+
+
+def dormant_allgather_hook(ddp, model):
+    """``model``'s :class:`TopKState` at density 1 on the all-gather exchange (recipe off), registered as ``ddp``'s
+    comm hook: the state a live recipe test engages by hand. Returns (config, state)."""
+    from lightning_topk.comm.config import TopKConfig
+    from lightning_topk.comm.exchanges import exchange_hook
+    from lightning_topk.comm.state import TopKState
+
+    dormant = TopKConfig(density=1.0, exchange="allgather", recipe="none")
+    st = TopKState(dormant)
+    st.bind(model.named_parameters())
+    st.exchange = st.exchange_for("allgather")
+    ddp.register_comm_hook(st, exchange_hook)
+    return dormant, st
