@@ -352,6 +352,7 @@ class AdamLiveRecipe(LiveRecipe):
         self._state: Optional[TopKState] = None
         self._staged: List[Tuple[TopKState, str, Tensor]] = []  # (state, name, v_i) of this step, kept on commit
         self._seeds: Optional[Dict[int, Tensor]] = None
+        self._frozen: Dict[int, Tuple[Any, Tensor]] = {}  # id(p) -> (its inputs, den): fixed while engaged
 
     def begin_step(self, state: TopKState) -> None:
         """Dormant: extend the dense warm-up by this step while the lr rises (a per-step LR warm-up; measured: the
@@ -415,6 +416,7 @@ class AdamLiveRecipe(LiveRecipe):
         if self.world is None:
             self.world = state.layout().world
         state.start_velocity(target_config(self.dormant, b1), seeds)
+        self._frozen.clear()
         self.engaged = True
         self._state = state
         if self.hooks:
@@ -439,6 +441,20 @@ class AdamLiveRecipe(LiveRecipe):
 
             p._topk_adam_hook = p.register_hook(hook)
 
+    def _frozen_for(self, p: Tensor, st: Dict[str, Any], b2: float, device: torch.device) -> Optional[Tensor]:
+        """:meth:`_frozen_den` of ``p``, computed once per engagement (its inputs do not change while engaged; a
+        new ``exp_avg_sq`` tensor, beta2 or freeze step computes it again)."""
+        vf = st.get("exp_avg_sq")
+        if vf is None:
+            return None
+        key = (id(vf), b2, float(st.get(FROZEN_STEP, _count(st))), device)
+        hit = self._frozen.get(id(p))
+        if hit is None or hit[0] != key:
+            den = self._frozen_den(st, b2)
+            assert den is not None
+            hit = self._frozen[id(p)] = (key, den.to(device))
+        return hit[1]
+
     def precondition(self, state: TopKState, name: str, p: Tensor, grad: Tensor) -> Tensor:
         """``(1 - b1) grad / den`` for this rank (in the gradient's units and dtype); stages its new ``v_i``."""
         b1, b2, eps = self.hyper()
@@ -453,9 +469,9 @@ class AdamLiveRecipe(LiveRecipe):
         v = v.to(g.device).mul(b2).addcmul_(gs, gs, value=1.0 - b2)
         self._staged.append((state, name, v))
         den = (v / ((1.0 - b2 ** t) * (self.world or 1))).sqrt_()
-        frozen = self._frozen_den(st, b2)
+        frozen = self._frozen_for(p, st, b2, den.device)
         if frozen is not None:
-            den = torch.maximum(den, frozen.to(den.device))
+            den = torch.maximum(den, frozen)
         return g.mul_((1.0 - b1) / den.add_(eps)).to(grad.dtype)
 
     def before_step(self, optimizer: Any) -> Optional[List[Any]]:
