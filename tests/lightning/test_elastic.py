@@ -653,7 +653,7 @@ def _local_args(stop, *extra):
             "--min-replicas", 2, "--positioned-data", *extra)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_local_sgd_kill_one_of_three_heal_and_rejoin(tmp_path):
     """Local SGD under torchft (H = 4, 5% at 8 bits, DiLoCo's outer step with momentum), 3 replica groups of 1
     process: SIGKILL one mid-run; the two survivors' outer rounds go on committing with R = 2; the killed one is
@@ -668,7 +668,8 @@ def test_local_sgd_kill_one_of_three_heal_and_rejoin(tmp_path):
     try:
         procs = [c.start(r, *args) for r in range(3)]
         _wait(lambda: all(c.rows(r) and c.rows(r)[-1]["ft_step"] >= 4 and c.rows(r)[-1]["quorum"] == 3
-                          for r in range(3)), 150, "4 committed rounds of 3 replicas on all")
+                          for r in range(3)), 270, "4 committed rounds of 3 replicas on all")  # 150 s: short once
+        # in a CI run beside a busy worker (three replica groups start at once); 14 s alone
         os.kill(procs[1].pid, signal.SIGKILL)
         procs[1].wait()
         killed_at = max(c.rows(r)[-1]["ft_step"] for r in (0, 2))
