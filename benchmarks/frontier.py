@@ -85,8 +85,15 @@ ENTRIES: Dict[str, Dict[str, object]] = {
                "kernels (no GPU here)",
     },
     "topk_ddp": {
+        "args": {"*": ["--strategy", "topk_ddp", "--preset", "topk_ddp", "--mode", "per_step"]},
+        "settings": "TopKDDPStrategy(mode=\"per_step\"): the defaults (density 0.01, bf16 values, exchange=\"auto\", "
+                    "recipe=\"auto\") held per step",
+        "who": "this project (its defaults, per step)",
+    },
+    "defaults": {
         "args": {"*": ["--strategy", "topk_ddp", "--preset", "topk_ddp"]},
-        "settings": "TopKDDPStrategy() with no options (the defaults: density 0.01, bf16 values, exchange=\"auto\")",
+        "settings": "TopKDDPStrategy() with no options: mode=\"auto\" times the link and a step at setup and picks per "
+                    "step or local SGD (and which preset) by the cost model and the measured penalties",
         "who": "this project (its defaults)",
     },
     "topk_fsdp": {
@@ -288,6 +295,14 @@ def render(rec: dict) -> str:
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| – | {name} | failed: {r['error'].splitlines()[0][:200]} |||||||")
+    chosen = (ok.get("defaults") or {}).get("mode")
+    if chosen:
+        best = min((r["time_to_target_s"] for r in ok.values() if r["time_to_target_s"] is not None), default=None)
+        mine = ok["defaults"]["time_to_target_s"]
+        lines += ["", f"*defaults*: `mode=\"auto\"` chose {chosen['mode']}"
+                  + (f" ({chosen['preset']})" if chosen.get("preset") else "")
+                  + f": {chosen.get('reason', '')} Its time to target is "
+                  + (f"{mine / best:.2f}x the first entry's." if mine and best else "not reached.")]
     lines += ["", "*loss at budget*: the last evaluation (every 8 steps) at or before the budget; – when the first came "
               "after it (slow links). *x dense time*: dense's time to target / the entry's (> 1: faster than dense); "
               "*x dense bytes*: "
@@ -321,6 +336,7 @@ def run_cell(a: argparse.Namespace, nodes: int, ppn: int, rate: str) -> dict:
                                       stall_timeout=a.stall_timeout)
             s = cluster.summarize(res)
             s["evals"] = res.ranks[0]["evals"]
+            s["mode"] = res.ranks[0].get("mode")  # mode="auto"'s choice (the defaults entry)
             s.update(figures(s, a.target_loss, a.max_time, tokens_per_step))
         except cluster.ClusterError as e:
             s = {"error": str(e)[:3000]}
