@@ -102,3 +102,18 @@ def test_adam_beta1_matches_torch_adamw_in_two_gloo_processes(real):
     # and beta1 reached the optimizer: the weights differ from beta1 0.9's
     beta09 = real[0]["ef"][0]
     assert any(not torch.allclose(got[k], beta09[k], atol=1e-4) for k in got)
+
+
+def test_lm_task_scores_held_out_loss_and_counts_steps_to_a_lower_loss():
+    """``--task lm`` (the frontier LM): the training loss is the next-byte cross-entropy of the sequence itself, the
+    metric is the held-out loss, and a target is reached when the loss falls to it (not rises, as accuracy does)."""
+    torch.manual_seed(0)
+    seqs = torch.randint(0, 256, (16, conv.LM_SEQ + 1))
+    data = (seqs, seqs[:, 0], seqs[:4], seqs[:4, 0])
+    run = conv.train("lm", "adamw", "dense", steps=2, world=2, batch=2, eval_every=1, data=data)
+    model = conv.model_for("lm", 0)
+    assert sum(p.numel() for p in model.parameters()) == 7_221_504  # frontier.py's N_PARAMS
+    first = conv.metric("lm", model, seqs[:4], seqs[:4, 0])
+    assert 5.0 < first < 6.5  # about ln(256) = 5.55 at initialisation: a loss, not an accuracy
+    assert [s for s, _ in run.curve] == [1, 2] and run.curve[1][1] < first
+    assert run.steps_to(run.curve[1][1]) == 2 and run.steps_to(first + 1.0) == 1 and run.steps_to(0.1) is None
