@@ -301,7 +301,7 @@ def render(rec: dict) -> str:
         mine = ok["defaults"]["time_to_target_s"]
         lines += ["", f"*defaults*: `mode=\"auto\"` chose {chosen['mode']}"
                   + (f" ({chosen['preset']})" if chosen.get("preset") else "")
-                  + f": {chosen.get('reason', '')} Its time to target is "
+                  + f": {chosen.get('reason', '').rstrip('.')}. Its time to target is "
                   + (f"{mine / best:.2f}x the first entry's." if mine and best else "not reached.")]
     lines += ["", "*loss at budget*: the last evaluation (every 8 steps) at or before the budget; – when the first came "
               "after it (slow links). *x dense time*: dense's time to target / the entry's (> 1: faster than dense); "

@@ -643,6 +643,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
     "fsdp": ("BENCHMARKS.md", "benchmarks/results/fsdp_{memory,accuracy,accuracy_update,accuracy_adam*}.json",
              fsdp_tables),
     "frontier": ("BENCHMARKS.md", "benchmarks/results/frontier_*.json", lambda: frontier_tables()),
+    "frontier-summary": ("docs/modes.md", "benchmarks/results/frontier_*.json", lambda: frontier_summary()),
     "fsdp-adam": ("docs/convergence.md", "benchmarks/results/fsdp_accuracy{,_update,_adam*}.json", fsdp_adam_table),
 }
 
@@ -854,6 +855,40 @@ def frontier_tables() -> str:
     parts = [mod.render({"meta": d["meta"], "rows": d["rows"]}) + f"\nFrom `benchmarks/results/{n}`."
              for n, d in ((n, _load(n)) for n in _frontier_files())]
     return "\n\n".join(parts) if parts else "(no `frontier.py` result yet)"
+
+
+def frontier_summary() -> str:
+    """docs/modes.md's opening table: each entry's time to the target and bytes per rank per step in every cell, and
+    what the defaults (``mode="auto"``) chose there."""
+    cells = [(f"{lay} {rate}", _load(n)) for n in _frontier_files()
+             for lay, rate in FRONTIER_CELLS if n.endswith(f"_{lay}_{rate}.json")]
+    if not cells:
+        return "(no `frontier.py` result yet)"
+    names = [e for e in _module("benchmarks/frontier.py").ORDER if any(e in d["rows"] for _, d in cells)]
+    head = "| entry | " + " | ".join(f"{c} s to {d['meta']['target_loss']} / MB per rank per step" for c, d in cells)
+    lines = [head + " |", "|---|" + "---|" * len(cells)]
+    for e in names:
+        row = []
+        for _, d in cells:
+            r = d["rows"].get(e)
+            if r is None or "error" in r:
+                row.append("–" if r is None else "failed")
+                continue
+            t, b = r.get("time_to_target_s"), r.get("bytes_per_rank_per_step")
+            row.append(f"{'not reached' if t is None else f'{t:.0f}'} / {'–' if b is None else f'{b / 1e6:.3f}'}")
+        lines.append(f"| {e} | " + " | ".join(row) + " |")
+    chosen = []
+    for c, d in cells:
+        m = (d["rows"].get("defaults") or {}).get("mode")
+        if m:
+            chosen.append(f"{c}: {m['mode']}" + (f" ({m['preset']})" if m.get("preset") else ""))
+    if chosen:
+        lines += ["", "What `mode=\"auto\"` (the defaults) chose: " + "; ".join(chosen) + "."]
+    commits = sorted({d["meta"].get(k) or "?" for _, d in cells for k in ("commit", "rerun_commit")
+                      if k == "commit" or d["meta"].get(k)})
+    lines += ["", f"From `benchmarks/results/frontier_*.json` ({cells[0][1]['meta']['date']}, commits "
+              f"{', '.join(commits)}); the full tables, with the load and the second target, are in BENCHMARKS.md."]
+    return "\n".join(lines)
 
 
 def frontier_data() -> Dict[str, Any]:
