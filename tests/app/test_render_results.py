@@ -1,5 +1,5 @@
 """The result tables of BENCHMARKS.md (and docs/local_sgd.md's outer-step table, docs/convergence.md's AdamW-per-step
-table), the README's default-job block and the plots of docs/plots/ are what ``tools/render_results.py`` renders from the recorded results, and the
+table, docs/modes.md's frontier summary), the README's default-job block and the plots of docs/plots/ are what ``tools/render_results.py`` renders from the recorded results, and the
 documentation's build command is the same in the README and in CI."""
 import json
 import sys
@@ -14,7 +14,7 @@ def _tool():
 def test_benchmarks_tables_are_the_rendering_of_the_results():
     tool = _tool()
     assert set(tool.files()) == {"README.md", "BENCHMARKS.md", "docs/local_sgd.md", "docs/convergence.md",
-                                 "docs/compatibility.md"}
+                                 "docs/compatibility.md", "docs/modes.md"}
     for name, (rel, _, _) in tool.BLOCKS.items():
         assert tool.block(name) in (ROOT / rel).read_text(), f"{rel}'s {name!r} block is not what its data renders"
     assert tool.main(["--check"]) == 0
