@@ -256,6 +256,10 @@ class AutoOptions:
             the plan is the same in every run) or ``"auto"``: ``"constants"`` under deterministic
             algorithms (``Trainer(deterministic=True)``), else ``"probe"``.
         auto_link_gbps: inter-node bandwidth in Gbit/s that the ``"constants"`` model assumes (a number > 0).
+        auto_step_ms: the compute of one training step (forward, backward, optimizer) in milliseconds, for
+            ``mode="auto"``'s decision: a number > 0 (e.g. a one-node run's step time), or ``None`` (default):
+            estimated from the parameter count (:func:`lightning_topk.comm.mode.estimate_compute`, calibrated on an
+            MLP; it under-counts models with many FLOPs per parameter, such as Transformers on long sequences).
         mode: what crosses the inter-node link: ``"per_step"`` (the per-step top-k exchange), ``"local"`` (sparse
             local SGD; with ``local_steps=0`` the link picks the settings among the registered presets') or
             ``"auto"`` (default): with none of the other mode options set (:data:`MODE_OPTIONS`) and more than
@@ -268,6 +272,7 @@ class AutoOptions:
     auto_sparse_penalty: Optional[float] = None
     auto_model: str = "auto"
     auto_link_gbps: float = 10.0
+    auto_step_ms: Optional[float] = None
     mode: str = "auto"
 
     def __post_init__(self) -> None:
@@ -283,6 +288,10 @@ class AutoOptions:
         if not _is_number(self.auto_link_gbps) or self.auto_link_gbps <= 0:
             raise _bad(self, "auto_link_gbps", "a number > 0 (Gbit/s)")
         self.auto_link_gbps = float(self.auto_link_gbps)
+        if self.auto_step_ms is not None:
+            if not _is_number(self.auto_step_ms) or self.auto_step_ms <= 0:
+                raise _bad(self, "auto_step_ms", "null (estimated from the parameter count) or a number > 0 (ms)")
+            self.auto_step_ms = float(self.auto_step_ms)
         if self.mode not in MODE_CHOICES:
             raise _bad(self, "mode", f"one of {list(MODE_CHOICES)}")
 

@@ -97,12 +97,16 @@ def decide(config: TopKConfig, nodes: int, local: int, numel: int, device: torch
         source = "auto_link_gbps and the constants (no timing)"
     model = replace(cost.constant_model(nodes, local, device.type, link_gbps), pass_per_elem=pass_per_elem)
     hier = nodes > 1 and local > 1 and config.hierarchical is not False
-    choice = choose_mode(model, numel, estimate_compute(numel, pass_per_elem), density=config.density,
+    if config.auto_step_ms is not None:
+        compute, source = config.auto_step_ms / 1e3, f"link {source}, compute per step auto_step_ms={config.auto_step_ms:g}"
+    else:
+        compute, source = estimate_compute(numel, pass_per_elem), f"link and compute {source}"
+    choice = choose_mode(model, numel, compute, density=config.density,
                          candidates=candidates_for(config, nodes, local, hier),
                          value_bytes=packed_nbytes(1, config.wire_dtype) - 4, sparse_penalty=config.sparse_penalty,
                          min_sparse_numel=config.min_sparse_numel, allowed=("local",) if only_local else
                          ("per_step", "local"))
-    return replace(choice, reason=f"{choice.reason}; link and compute {source}")
+    return replace(choice, reason=f"{choice.reason}; {source}")
 
 
 def resolve(config: TopKConfig, choice: ModeChoice) -> TopKConfig:

@@ -126,3 +126,19 @@ def test_constants_decide_without_timing_and_resolve_keeps_what_the_user_set():
     c = decide(mine, 4, 1, CLUSTER_NUMEL, CPU, measure_fn=_no_timing, loopback=True)
     r = resolve(mine, c)
     assert c.preset == "topk_local_wan" and (r.local_steps, r.outer_density, r.outer_value_bits) == (64, 0.02, 8)
+
+
+def test_a_given_step_time_replaces_the_estimate():
+    """``auto_step_ms``: the frontier LM (7.2M parameters) at 2 x 2 on 10 Mbit/s. Its compute estimated from the
+    parameter count (~0.1 s) makes the link the bottleneck (local SGD); at this CPU's real ~2 s step the per-step
+    exchange's bytes hide behind the compute and its lower penalty wins. Bad values name the option."""
+    numel = 7_221_504
+    slow = dict(auto_model="constants", auto_link_gbps=0.01)
+    est = decide(TopKConfig(**slow), 2, 2, numel, CPU, measure_fn=_no_timing, loopback=False)
+    given = decide(TopKConfig(**slow, auto_step_ms=2000), 2, 2, numel, CPU, measure_fn=_no_timing, loopback=False)
+    assert est.mode == "local" and given.mode == "per_step", (est.reason, given.reason)
+    assert "auto_step_ms=2000" in given.reason and "auto_step_ms" not in est.reason
+    assert "auto_step_ms" not in MODE_OPTIONS  # an input of the decision, not a choice of mode
+    for bad in (0, -1.0, "fast", float("nan"), True):
+        with pytest.raises(ValueError, match=r"auto_step_ms must be null .* or a number > 0"):
+            TopKConfig(auto_step_ms=bad)
