@@ -97,6 +97,27 @@ def cluster_defaults() -> str:
     return "\n".join([head, "", *rows, "", tail])
 
 
+def adamw_cnn() -> str:
+    """``benchmarks/adamw_cnn.py``: a user's AdamW CNN on the digits, ``ddp`` against ``topk_ddp`` at 0.01 with the
+    AdamW recipe (``recipe="auto"``) and with plain error feedback (``recipe="none"``)."""
+    rows = _load("adamw_cnn.json")
+    labels = {"ddp": "Lightning `ddp`", "topk_auto": "`topk_ddp` ρ 0.01, all-gather, `recipe=\"auto\"` (the default)",
+              "topk_none": "`topk_ddp` ρ 0.01, all-gather, `recipe=\"none\"` (plain error feedback)"}
+    seeds = sorted({r["seed"] for r in rows})
+    out = ["| epochs (steps) | configuration | test accuracy, mean | per seed | vs `ddp`, points |", "|---|---|---|---|---|"]
+    for ep in sorted({r["epochs"] for r in rows}):
+        mean = {}
+        for c in labels:
+            got = [r for r in rows if r["epochs"] == ep and r["config"] == c]
+            if not got:
+                continue
+            mean[c] = sum(r["acc"] for r in got) / len(got)
+            per = ", ".join(f"{r['acc']:.3f}" for r in sorted(got, key=lambda r: r["seed"]))
+            diff = "" if c == "ddp" or "ddp" not in mean else f"{100 * (mean[c] - mean['ddp']):+.1f}"
+            out.append(f"| {ep} ({got[0]['steps']}) | {labels[c]} | {mean[c]:.4f} | {per} | {diff} |")
+    return f"Seeds {', '.join(map(str, seeds))} (`benchmarks/results/adamw_cnn.json`):\n\n" + "\n".join(out)
+
+
 def clean_exit() -> str:
     """Aborted runs out of the finished fit + test runs (``clean_exit.py``), every clean-exit result file."""
     rows = ["| result file | runs | aborted (\"terminate called\" or a non-zero exit) | load average | run time, s "
@@ -618,6 +639,7 @@ BLOCKS: Dict[str, Tuple[str, str, Callable[[], str]]] = {
                 "convergence_sgd_nesterov,fsdp_memory,fsdp_accuracy,fsdp_accuracy_adam}.json", summary),
     "cluster-defaults": ("BENCHMARKS.md", "benchmarks/results/cluster_defaults_2026-11-27.json", cluster_defaults),
     "clean-exit": ("BENCHMARKS.md", "benchmarks/results/clean_exit_*.json", clean_exit),
+    "adamw-cnn": ("BENCHMARKS.md", "benchmarks/results/adamw_cnn.json", adamw_cnn),
     "outer-recipe": ("BENCHMARKS.md", "benchmarks/results/outer_recipe_lightning.json", outer_recipe),
     "hier-bytes": ("BENCHMARKS.md", "benchmarks/results/hier_bytes.json", hier_bytes),
     "outer-exchange-bytes": ("BENCHMARKS.md", "benchmarks/results/outer_packet_bytes.json", outer_exchange_bytes),
