@@ -31,7 +31,9 @@ ENTRIES: Dict[str, List[str]] = {
     "ddp": ["--strategy", "ddp"],
     "ddp_fp16": ["--strategy", "ddp_fp16"],
     "ddp_powersgd": ["--strategy", "ddp_powersgd", "--powersgd-rank", "4"],
-    "topk_0.01": ["--strategy", "topk_ddp", "--density", "0.01"],  # the defaults: exchange="auto"
+    "topk_0.01": ["--strategy", "topk_ddp", "--density", "0.01"],  # the defaults per step: exchange="auto"
+    # TopKDDPStrategy() with no options: mode="auto" times the link at setup and may choose local SGD
+    "defaults": ["--strategy", "topk_ddp", "--preset", "topk_ddp"],
     "topk_allgather_0.01": ["--strategy", "topk_ddp", "--density", "0.01", "--exchange", "allgather"],
     "topk_scatter_0.01": ["--strategy", "topk_ddp", "--density", "0.01", "--exchange", "scatter"],
     "topk_hier_0.01": ["--strategy", "topk_ddp", "--density", "0.01", "--exchange", "hierarchical"],
