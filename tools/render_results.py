@@ -683,7 +683,7 @@ CLUSTER_RUNS = [("cluster", "###"), ("cluster_1gbit_2026-11-25", "####"), ("clus
                 ("cluster_fsdp_2026-11-27_100mbit", "####"), ("cluster_fsdp_2026-11-27_1gbit", "####"),
                 ("cluster_fsdp_2026-11-27_100mbit_long", "####"), ("cluster_fsdp_2026-11-27_flat_100mbit", "####"),
                 ("cluster_fsdp_2026-11-28_100mbit_adamw", "####"), ("cluster_fsdp_2026-11-28_100mbit_adamw_b09", "####"),
-                ("cluster_fsdp_2026-11-28_100mbit_hsdp_frozen", "####")]
+                ("cluster_fsdp_2026-11-28_100mbit_hsdp_frozen", "####"), ("cluster_defaults_2026-11-28_10mbit", "####")]
 LOCAL_ACCURACY_RUNS = ["local_accuracy", "local_accuracy_lm", "local_accuracy_lm_seed2", "local_accuracy_lm_variants",
                        "local_accuracy_sparseloco", "local_accuracy_lm_outer_exchange", *(f"local_accuracy_outer_exchange_{tag}" for tag in (
                            "owner1x", "owner2x", "owner4x", "issue21", "issue21_factors", "issue21_wan_owner4x_xp",
