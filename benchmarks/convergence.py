@@ -63,11 +63,22 @@ from lightning_topk.comm.state import TopKConfig, TopKState
 
 RECIPES = ("dense", "ef", "warmup", "mc", "mc_warmup", "mc_nomask", "mc_look", "auto")
 TASKS = ("digits", "digits_cnn", "mnist5k", "lm")
-LM_SEQ, LM_VAL = 64, 64  # context (bytes) and held-out sequences of --task lm
+LM_VAL = 64  # held-out sequences of --task lm
 OPTS = ("sgd", "adamw")
 
 
 # ---- data and models ------------------------------------------------------------------------------
+def _frontier() -> Any:
+    """benchmarks/frontier.py (the LM's corpus and sizes), imported from beside this file."""
+    import importlib
+    import os
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("frontier")
+
+
 def load(task: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(x_train, y_train, x_test, y_test) of a shipped data set, features scaled to [0, 1]."""
     from sklearn.model_selection import train_test_split
@@ -78,11 +89,8 @@ def load(task: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
         x, y = load_digits(return_X_y=True)
         x, test_size = x / 16.0, 0.2
     elif task == "lm":
-        import importlib
-        import os
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        train_seqs, val = importlib.import_module("frontier").shakespeare_sequences(LM_SEQ + 1)
+        fr = _frontier()
+        train_seqs, val = fr.shakespeare_sequences(fr.SEQ_LEN + 1)
         xtr, xte = torch.from_numpy(train_seqs).long(), torch.from_numpy(val[:LM_VAL]).long()
         return xtr, xtr[:, 0], xte, xte[:, 0]  # the labels are the next bytes, in x itself
     elif task == "mnist5k":
@@ -109,7 +117,9 @@ def model_for(task: str, seed: int) -> nn.Module:
     if task == "lm":  # cluster_worker.py's build_lm at frontier.py's sizes
         from lightning_topk.models.components.transformer import TransformerLM
 
-        return TransformerLM(256, d_model=384, layers=4, heads=6, ff_mult=4, max_len=LM_SEQ, dropout=0.0)
+        fr = _frontier()
+        return TransformerLM(256, d_model=fr.LM_DIM, layers=fr.LM_LAYERS, heads=fr.LM_DIM // 64, ff_mult=4,
+                             max_len=fr.SEQ_LEN, dropout=0.0)
     return nn.Sequential(nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 128), nn.ReLU(), nn.Linear(128, 10))
 
 

@@ -45,9 +45,10 @@ HELD_OUT = ("hamlet_gut.txt", "twelfth_night_gut.txt", "winters_tale_gut.txt")  
 SPLIT_SEED = 1234
 
 # the model and the loop every entry shares (cluster_worker.py options)
-MODEL = ["--model", "lm", "--corpus", "shakespeare", "--lm-dim", "384", "--lm-layers", "4", "--seq-len", "64"]
+LM_DIM, LM_LAYERS, SEQ_LEN = 384, 4, 64  # d_model, blocks, context (bytes); convergence.py --task lm uses them too
+MODEL = ["--model", "lm", "--corpus", "shakespeare", "--lm-dim", str(LM_DIM), "--lm-layers", str(LM_LAYERS),
+         "--seq-len", str(SEQ_LEN)]
 N_PARAMS = 7_221_504
-SEQ_LEN = 64
 
 # name -> (worker options per layout kind ("2x2": several processes per node, "4x1": one), who recommends the
 # settings). {steps} and {h} are filled in from the run's length.

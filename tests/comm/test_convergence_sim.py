@@ -108,7 +108,7 @@ def test_lm_task_scores_held_out_loss_and_counts_steps_to_a_lower_loss():
     """``--task lm`` (the frontier LM): the training loss is the next-byte cross-entropy of the sequence itself, the
     metric is the held-out loss, and a target is reached when the loss falls to it (not rises, as accuracy does)."""
     torch.manual_seed(0)
-    seqs = torch.randint(0, 256, (16, conv.LM_SEQ + 1))
+    seqs = torch.randint(0, 256, (16, conv._frontier().SEQ_LEN + 1))
     data = (seqs, seqs[:, 0], seqs[:4], seqs[:4, 0])
     run = conv.train("lm", "adamw", "dense", steps=2, world=2, batch=2, eval_every=1, data=data)
     model = conv.model_for("lm", 0)
