@@ -12,7 +12,7 @@ import pytest
 from lightning_topk.data import byte_sequences, ensure_text_shards, load_text
 from lightning_topk.data.text import VOCAB_SIZE
 from tests.helpers.dist import free_port
-from tests.helpers.procs import ROOT, load_tool
+from tests.helpers.procs import ROOT, load_tool, python_for
 
 
 def test_packaged_text_loads_as_bytes_with_a_deterministic_split():
@@ -67,7 +67,8 @@ def test_lm_bytes_preset_with_topk_local_at_two_nodes_learns(tmp_path):
                if not k.startswith("SLURM_") and k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "GROUP_RANK")}
         env.update(LIGHTNING_TOPK_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, NODE_RANK=str(node))
-        procs.append(subprocess.Popen([sys.executable, "-m", "lightning_topk", *args,
+        exe, env = python_for(env)  # a zygote's child (torch, Lightning imported once), as in test_cli
+        procs.append(subprocess.Popen([exe, "-m", "lightning_topk", *args,
                                        f"hydra.run.dir={tmp_path / f'node{node}'}"],
                                       cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True))
