@@ -92,3 +92,32 @@ def _alive(pid):
 def test_runs_that_change_interpreter_start_up_get_a_fresh_one():
     assert python_for(_env(PYTHONPATH="/elsewhere"))[0] == sys.executable
     assert python_for(dict(_env(), OMP_NUM_THREADS="4"))[0] == sys.executable
+    assert python_for(_env(PYTHONUNBUFFERED=""))[0] == sys.executable  # set but empty: not -u; not handled
+
+
+def test_pythonunbuffered_is_honoured_as_python_u_would(tmp_path):
+    """PYTHONUNBUFFERED=1 (tests/scripts/fault_launch.py sets it): the zygote's child writes a partial line
+    straight to its file, as ``python -u`` does, so a log shows what a rank killed mid-run had printed."""
+    script = tmp_path / "partial.py"
+    script.write_text("import sys, time\n"
+                      "sys.stdout.write('partial out')\n"
+                      "sys.stderr.write('partial err')\n"
+                      "open(sys.argv[1], 'w').close()\n"
+                      "time.sleep(60)\n")
+    exe, env = python_for(_env(PYTHONUNBUFFERED="1"))
+    if exe == sys.executable:
+        pytest.skip("the zygote could not start here")
+    for stream in ("out", "err"):
+        log, flag = tmp_path / f"{stream}.log", tmp_path / f"{stream}.flag"
+        with open(log, "w") as f:
+            p = subprocess.Popen([exe, str(script), str(flag)], env=env, stdout=f if stream == "out" else None,
+                                 stderr=f if stream == "err" else None)
+        try:
+            deadline = time.monotonic() + 60
+            while not flag.exists():
+                assert time.monotonic() < deadline and p.poll() is None
+                time.sleep(0.05)
+            assert log.read_text() == f"partial {stream}"
+        finally:
+            p.kill()
+            p.wait()

@@ -85,14 +85,14 @@ def test_slurm_requeue_mid_epoch_resumes_exactly(shards, config_a, tmp_path):
     out.mkdir()
     args = ["--out", out, "--shards", *shards, *CONFIG_A, "--phases", "slurm", "--slow", "0.15"]
 
-    requeue_after(Ranks(SCRIPT, args, 2, tmp_path / "logs1", slurm_job=777, extra_env=env), out, 4, scontrol_log)
+    requeue_after(Ranks(SCRIPT, args, 2, tmp_path / "logs1", slurm_job=777, extra_env=env, zygote=True), out, 4, scontrol_log)
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
     ckpt = torch.load(hpc, weights_only=False)
     assert 4 <= ckpt["global_step"] < STEPS_PER_EPOCH - 1  # mid-epoch 0
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == ckpt["global_step"]
 
     args[-1] = 0  # no need to go slowly after the resume
-    run_to_end(Ranks(SCRIPT, args, 2, tmp_path / "logs2", slurm_job=777, extra_env=env))
+    run_to_end(Ranks(SCRIPT, args, 2, tmp_path / "logs2", slurm_job=777, extra_env=env, zygote=True))
     for r in range(2):
         resumed = load(out, "slurm", r)
         assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt") and resumed["warnings"] == []

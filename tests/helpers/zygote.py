@@ -10,11 +10,14 @@ is a shim (:mod:`tests.helpers.zygote_client`), so the ranks Lightning launches 
 
 Two zygotes with different string hash seeds serve alternate local ranks / nodes, so ranks still disagree
 on the order of a ``set`` of strings as separately started interpreters do. Runs that change what an
-interpreter reads at start (``PYTHON*`` variables, ``OMP_NUM_THREADS``) get a fresh interpreter.
+interpreter reads at start (``PYTHON*`` variables, ``OMP_NUM_THREADS``) get a fresh interpreter, except
+``PYTHONUNBUFFERED`` set where the zygote's own environment does not have it: the child then makes its standard
+streams unbuffered as ``python -u`` does.
 """
 from __future__ import annotations
 
 import atexit
+import io
 import json
 import os
 import runpy
@@ -53,11 +56,18 @@ def command_env(env: Dict[str, str]) -> Optional[Dict[str, str]]:
     if base is None:
         return None
     for k, v in env.items():
-        if k.startswith("PYTHON") and os.environ.get(k) != v:
+        if k.startswith("PYTHON") and os.environ.get(k) != v and not (k == "PYTHONUNBUFFERED" and _unbuffered(env)
+                                                                      and not _unbuffered(os.environ)):
             return None
+    if _unbuffered(os.environ) and not _unbuffered(env):
+        return None
     if any(env.get(k) != v for k, v in STARTUP_ENV.items()):
         return None
     return dict(env, **{ENV: base})
+
+
+def _unbuffered(env) -> bool:
+    return bool(env.get("PYTHONUNBUFFERED"))  # (what Python checks: a non-empty string)
 
 
 def shim() -> str:
@@ -160,6 +170,8 @@ def _child(conn: socket.socket, fds: List[int], req: dict, shim_path: str) -> No
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    if _unbuffered(os.environ) and not sys.stdout.write_through:
+        _unbuffer()
     sys.executable = shim_path
     threading.Thread(target=_watch, args=(conn,), daemon=True).start()
     code = _run(req["argv"])
@@ -179,6 +191,16 @@ def _child(conn: socket.socket, fds: List[int], req: dict, shim_path: str) -> No
         conn.sendall(b"X%d\n" % (code & 0xFF))
     finally:
         os._exit(code & 0xFF)
+
+
+def _unbuffer() -> None:
+    """Standard output and error as ``python -u`` makes them: the raw file under a write-through text layer."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        new = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=old.encoding,  # type: ignore[arg-type]
+                               errors=old.errors, write_through=True)
+        setattr(sys, name, new)
+        setattr(sys, f"__{name}__", new)
 
 
 def _reap(_signum: int, _frame: object) -> None:

@@ -207,7 +207,7 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
     out.mkdir()
     args = [SCRIPT, "--out", out, "--phases", "slurm", "--slow", "0.1"]
 
-    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4242, extra_env=env)
+    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4242, extra_env=env, zygote=True)
     requeue_after(job, out, 5, scontrol_log, check=lambda: progress(out, 0) < 15)  # mid-epoch (22 steps per epoch)
     assert scontrol_log.read_text().split() == ["requeue", "4242"]
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
@@ -216,7 +216,7 @@ def test_slurm_requeue_signal_then_resume_is_bit_exact(runs, tmp_path):
     assert 5 <= saved_at < 22
 
     args[-1] = 0  # no need to go slowly after the resume
-    run_to_end(Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4242, extra_env=env))
+    run_to_end(Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4242, extra_env=env, zygote=True))
     for r in range(2):
         resumed = load(out, "slurm", r)
         assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt")
@@ -233,13 +233,13 @@ def test_slurm_requeue_under_local_sgd_waits_for_the_outer_round_end(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     args = [SCRIPT, "--out", out, "--phases", "slurm", "--defaults", "--local-steps", "8", "--slow", "0.1"]
-    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4545, extra_env=env)
+    job = Ranks(args[0], args[1:], 2, tmp_path / "logs1", slurm_job=4545, extra_env=env, zygote=True)
     requeue_after(job, out, 5, scontrol_log, check=lambda: progress(out, 0) < 8)
     hpc = out / "slurm" / "hpc_ckpt_1.ckpt"
     saved_at = torch.load(hpc, weights_only=True)["global_step"]
     assert saved_at % 8 == 0 and saved_at >= 8, saved_at
     args[args.index("--slow") + 1] = "0"
-    run_to_end(Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4545, extra_env=env))
+    run_to_end(Ranks(args[0], args[1:], 2, tmp_path / "logs2", slurm_job=4545, extra_env=env, zygote=True))
     for r in range(2):
         resumed = load(out, "slurm", r)
         assert resumed["ckpt_path"].endswith("hpc_ckpt_1.ckpt") and resumed["global_step"] == 2 * 22
@@ -258,7 +258,7 @@ def test_slurm_requeue_every_rank_saves_under_rank_zeros_name(tmp_path):
     # Shards of a hpc_ckpt_5 whose main file was never written (rank 0 died): not a checkpoint.
     os.makedirs(shard_dir(out / "slurm" / "hpc_ckpt_5.ckpt"))
     job = Ranks(SCRIPT, ["--out", out, "--phases", "slurm", "--slow", "0.1", "--slow-finalize-rank", "1"], 2,
-                tmp_path / "logs", slurm_job=4343, extra_env=env)
+                tmp_path / "logs", slurm_job=4343, extra_env=env, zygote=True)
     requeue_after(job, out, 3, scontrol_log, ranks=(0,))  # RequeueSync runs the handler on both ranks after the next step
     names = sorted(f for f in os.listdir(out / "slurm") if "hpc_ckpt" in f)
     assert names == ["hpc_ckpt_1.ckpt"], names

@@ -36,17 +36,29 @@ def rank_env(rank: int, world: int, port: int, slurm_job=None, extra=None) -> di
 
 
 class Ranks:
-    """``world`` processes of ``python script args``; logs in ``logdir/rank{r}.log``."""
+    """``world`` processes of ``python script args``; logs in ``logdir/rank{r}.log``.
 
-    def __init__(self, script, args, world, logdir, slurm_job=None, extra_env=None):
+    ``zygote=True``: each rank is a child of the test zygote (tests/helpers/zygote.py: torch and Lightning
+    imported once, several seconds of CPU saved per rank) where it can be one. Only for jobs that get no signal
+    but the ones the zygote's client forwards (SIGTERM, SIGINT, SIGHUP, SIGUSR1/2, SIGQUIT) and SIGKILL through
+    :meth:`kill_all`, which then also waits for the forked rank processes themselves to be gone (SIGSTOP, for
+    one, would stop the client and not the rank: those tests keep fresh interpreters)."""
+
+    def __init__(self, script, args, world, logdir, slurm_job=None, extra_env=None, zygote=False):
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.procs = []
+        self.zygote = zygote
         for r in range(world):
             log = open(self.logdir / f"rank{r}.log", "w")
             env = rank_env(r, world, port, slurm_job, extra_env)
-            self.procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env, cwd=ROOT,
+            exe = sys.executable
+            if zygote:
+                from tests.helpers.procs import python_for
+
+                exe, env = python_for(env)
+            self.procs.append(subprocess.Popen([exe, str(script), *map(str, args)], env=env, cwd=ROOT,
                                                stdout=log, stderr=subprocess.STDOUT))
 
     def log(self, r) -> str:
@@ -63,12 +75,47 @@ class Ranks:
         return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
 
     def kill_all(self) -> None:
+        forked = self._forked() if self.zygote else []
         for p in self.procs:
             if p.poll() is None:
                 with _suppress():
                     os.kill(p.pid, signal.SIGCONT)
                 p.kill()
             p.wait()
+        # A zygote's child ends itself once its client is gone; kill it outright and wait, as for a fresh process.
+        deadline = time.monotonic() + 30
+        for pid in forked:
+            with _suppress():
+                os.kill(pid, signal.SIGKILL)
+            while _running(pid):
+                assert time.monotonic() < deadline, f"rank process {pid} outlived SIGKILL"
+                time.sleep(0.02)
+
+    def _forked(self) -> list:
+        """The pids of the zygote children running this job's ranks: children of a zygote whose standard output
+        is one of this job's logs."""
+        from tests.helpers import zygote
+
+        servers = {p.pid for p in zygote._servers}
+        logs = {os.path.realpath(self.logdir / f"rank{r}.log") for r in range(len(self.procs))}
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                if ppid in servers and os.path.realpath(f"/proc/{pid}/fd/1") in logs:
+                    found.append(int(pid))
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class _suppress:
