@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -109,6 +110,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=3, help="steps excluded from the throughput figure")
     p.add_argument("--batch-size", type=int, default=32, help="samples per process per step")
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "warmup_cosine"),
+                   help="constant, or a linear warm-up over 10%% of --schedule-steps then cosine to 0 (per step)")
+    p.add_argument("--schedule-steps", type=int, default=0,
+                   help="--lr-schedule warmup_cosine: the steps the schedule spans (0: --steps)")
     p.add_argument("--hidden", type=int, default=2560, help="width of the MLP head (sets the parameter count)")
     p.add_argument("--depth", type=int, default=0,
                    help="extra square Linear layers (hidden/2 wide) after the second one (default 0)")
@@ -455,6 +460,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             return F.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
+            opt = self._optimizer()
+            if args.lr_schedule == "constant":
+                return opt
+            span = args.schedule_steps or args.steps
+            warm = max(1, span // 10)
+            f = lambda s: (s + 1) / warm if s < warm else 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warm) / max(1, span - warm))))
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, f)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+        def _optimizer(self):
             if lm and args.freeze_variance_after:
                 from lightning_topk.optim import FrozenVarianceAdamW
 

@@ -360,12 +360,13 @@ WORLD, BATCH, EVAL_EVERY = {"lm": 2}, {"lm": 8}, {"lm": 10}  # the others: train
 
 def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], recipes: Sequence[str],
          seeds: Sequence[int], steps: Optional[int] = None, overrides: Optional[Dict[str, Any]] = None,
-         adam_beta1: float = 0.9, schedule: str = "constant") -> List[Run]:
+         adam_beta1: float = 0.9, schedule: str = "constant", dense: bool = True) -> List[Run]:
+    """Every run of the grid, dense first (``dense=False``: without the dense reference runs)."""
     runs = []
     for task in tasks:
         data = load(task)
         for opt in opts:
-            for recipe in ["dense"] + [r for r in recipes if r != "dense"]:
+            for recipe in ["dense"] * dense + [r for r in recipes if r != "dense"]:
                 if opt != "sgd" and recipe.startswith("mc"):
                     continue
                 for density in ([1.0] if recipe == "dense" else densities):
@@ -458,6 +459,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                     help="learning rate: the preset's, or linear warm-up (10%% of the steps) then cosine to 0")
     ap.add_argument("--targets", nargs=2, type=float, metavar=("T1", "T2"),
                     help="the two targets of the table instead of the task's (one task only)")
+    ap.add_argument("--no-dense", action="store_true",
+                    help="skip the dense reference runs (merge their curves from an earlier --json)")
     ap.add_argument("--markdown", help="write the table here too")
     ap.add_argument("--json", help="write the curves here")
     a = ap.parse_args(argv)
@@ -466,7 +469,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             ap.error("--targets takes one --task")
         TARGETS[a.task[0]] = tuple(a.targets)
     torch.set_num_threads(1)
-    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1, a.schedule)
+    runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1, a.schedule,
+                not a.no_dense)
     md = table(runs)
     print(md)
     if a.markdown:

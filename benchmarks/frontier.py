@@ -318,7 +318,8 @@ def run_cell(a: argparse.Namespace, nodes: int, ppn: int, rate: str) -> dict:
     tokens_per_step = world * a.batch_size * SEQ_LEN
     common = MODEL + ["--batch-size", str(a.batch_size), "--lr", str(a.lr), "--eval-every", str(a.eval_every),
                       "--warmup-steps", "3", "--max-time", str(a.max_time), "--min-steps", "0",
-                      "--val-seqs", str(a.val_seqs), "--target-loss", str(a.target_loss)]
+                      "--val-seqs", str(a.val_seqs), "--target-loss", str(a.target_loss),
+                      "--lr-schedule", a.lr_schedule, "--schedule-steps", str(a.max_steps)]
     rows: Dict[str, dict] = {}
     loads = []
     load_before = os.getloadavg()[0]
@@ -367,7 +368,7 @@ def cell_meta(a, nodes, ppn, rate, tokens_per_step, load_before, loads) -> dict:
         commit = "?"
     return {"layout": f"{nodes}x{ppn}", "rate": rate, "date": a.date, "commit": commit, "machine": MACHINE,
             "n_params": N_PARAMS, "target_loss": a.target_loss, "budget_s": a.max_time, "max_steps": a.max_steps,
-            "h": a.h, "expected_steps": a.expected_steps, "batch_size": a.batch_size, "lr": a.lr, "seq_len": SEQ_LEN, "tokens_per_step": tokens_per_step,
+            "h": a.h, "expected_steps": a.expected_steps, "batch_size": a.batch_size, "lr": a.lr, "lr_schedule": a.lr_schedule, "tag": a.tag, "seq_len": SEQ_LEN, "tokens_per_step": tokens_per_step,
             "load_before": round(load_before, 2),
             "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?",
             "settings": {n: {"settings": ENTRIES[n]["settings"], "who": ENTRIES[n]["who"]} for n in ORDER}}
@@ -383,7 +384,7 @@ def retarget(rec: dict, target: float, target2: Optional[float] = None) -> None:
 
 def save(rec: dict, argv: List[str], merge: bool = False) -> str:
     meta = rec["meta"]
-    name = f"frontier_{meta['date']}_{meta['layout']}_{meta['rate']}"
+    name = f"frontier_{meta['date']}_{meta['layout']}_{meta['rate']}" + (f"_{meta['tag']}" if meta.get("tag") else "")
     path = os.path.join(RESULTS, name + ".json")
     if merge and os.path.exists(path):  # a rerun of some entries replaces theirs, keeps the others (and says so)
         with open(path) as f:
@@ -416,6 +417,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--h", type=int, default=8, help="DiLoCo / Streaming DiLoCo sync_every")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per process per step")
     p.add_argument("--lr", type=float, default=0.002, help="AdamW lr (every entry's inner/only optimizer)")
+    p.add_argument("--lr-schedule", default="constant", choices=("constant", "warmup_cosine"),
+                   help="every entry's lr: constant, or linear warm-up over 10%% of --max-steps then cosine to 0")
+    p.add_argument("--tag", default="", help="a suffix of the result file's name (a run beside the cell's main one)")
     p.add_argument("--eval-every", type=int, default=8)
     p.add_argument("--val-seqs", type=int, default=256)
     p.add_argument("--stall-timeout", type=float, default=180.0)

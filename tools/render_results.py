@@ -924,14 +924,33 @@ def frontier_data() -> Dict[str, Any]:
     for n in _frontier_files():
         d = _load(n)
         m = d["meta"]
-        cells[f"{m['layout']} {m['rate']}"] = {
-            "target": m["target_loss"], "budget": m["budget_s"],
+        if m.get("tag"):  # a run beside the cell's main one: frontier_runs_data
+            continue
+        cells[f"{m['layout']} {m['rate']}"] = _frontier_curves(d)
+    return {"source": "benchmarks/results/frontier_*.json",
+            "cells": [[f"{lay} {rate}", cells.get(f"{lay} {rate}")] for lay, rate in FRONTIER_CELLS]}
+
+
+def _frontier_curves(d: Dict[str, Any]) -> Dict[str, Any]:
+    """One frontier result's held-out loss against time and against tokens, per entry."""
+    m = d["meta"]
+    return {"target": m["target_loss"], "budget": m["budget_s"],
             "time": {e: [[round(v["time"], 3), round(v["loss"], 5)] for v in r["evals"]]
                      for e, r in d["rows"].items() if r.get("evals")},
             "tokens": {e: [[v["step"] * m["tokens_per_step"], round(v["loss"], 5)] for v in r["evals"]]
                        for e, r in d["rows"].items() if r.get("evals")}}
-    return {"source": "benchmarks/results/frontier_*.json",
-            "cells": [[f"{lay} {rate}", cells.get(f"{lay} {rate}")] for lay, rate in FRONTIER_CELLS]}
+
+
+def frontier_runs_data() -> Dict[str, Any]:
+    """The tagged frontier runs (``frontier.py --tag``: longer runs beside a cell's main one), one column each."""
+    runs = []
+    for n in _frontier_files():
+        d = _load(n)
+        m = d["meta"]
+        if m.get("tag"):
+            runs.append([f"{m['layout']} {m['rate']}, {m['tag']} ({m.get('lr_schedule', 'constant')} lr)",
+                         _frontier_curves(d)])
+    return {"source": "benchmarks/results/frontier_*_<tag>.json", "cells": runs[:2] + [["", None]] * (2 - len(runs[:2]))}
 
 
 def draw_frontier(d: Dict[str, Any], ax_grid: Any) -> None:
@@ -942,7 +961,7 @@ def draw_frontier(d: Dict[str, Any], ax_grid: Any) -> None:
                                                     ("tokens", "tokens, thousands (all processes)", 1e3))):
             ax = ax_grid[row][col]
             if not c:
-                ax.set_title(f"{cell}: not run", fontsize=8)
+                ax.set_title(f"{cell}: not run" if cell else "", fontsize=8)
                 ax.axis("off")
                 continue
             for name, pts in sorted(c[key].items()):
@@ -967,6 +986,7 @@ PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], A
     "scale_sim": (scale_sim_data, draw_bytes_per_step, (2, 2), (12.0, 9.0)),
     "loss_curves": (loss_curves_data, draw_loss_curves, (1, 2), (12.0, 5.0)),
     "frontier": (frontier_data, draw_frontier, (2, 4), (18.0, 8.0)),
+    "frontier_runs": (frontier_runs_data, draw_frontier, (2, 2), (11.0, 8.0)),
 }
 
 
