@@ -563,9 +563,10 @@ def test_launcher_starts_replicas_and_restarts_a_failed_one(tmp_path):
         "first = not (d / f'{rid}.ran').exists()\n"
         "(d / f'{rid}.ran').write_text('')\n"
         "sys.exit(3 if rid == 'replica1' and first else 0)\n")
-    p = subprocess.run([sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}",
+    exe, env = python_for(_env())  # the launcher from a zygote, as in Cluster (its replicas: this interpreter)
+    p = subprocess.run([exe, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}",
                         "--replicas", "2", "--max_restarts", "1", "--", sys.executable, str(child)],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=100)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=100)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     assert f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port}" in p.stdout
     assert "replica1 exited with 3; restart 1/1" in p.stdout
@@ -585,14 +586,15 @@ def test_launcher_refuses_a_busy_address_and_stops_on_sigterm(tmp_path):
     lighthouse and the launcher exits 0."""
     pytest.importorskip("torchft")
     port = free_port()
-    cmd = [sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}"]
-    first = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    exe, env = python_for(_env())  # the launcher from a zygote, as in Cluster
+    cmd = [exe, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}"]
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:  # the lighthouse's own log lines come first
             if line.startswith("TORCHFT_LIGHTHOUSE="):
                 assert line.strip() == f"TORCHFT_LIGHTHOUSE=http://127.0.0.1:{port}"
                 break
-        second = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+        second = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
         assert second.returncode != 0 and f"127.0.0.1:{port} is in use" in second.stderr, second.stderr[-2000:]
         assert first.poll() is None and _listening(port)
         assert _terminate(first, 30) == 0
@@ -619,13 +621,14 @@ def test_launcher_passes_sigterm_to_its_replicas_and_refuses_fewer_replicas_than
         "signal.signal(signal.SIGTERM, term)\n"
         "(d / f'{rid}.up').write_text(os.environ['TORCHFT_LIGHTHOUSE_MIN_REPLICAS'])\n"
         "time.sleep(600)\n")
-    cmd = [sys.executable, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}"]
+    exe, env = python_for(_env())  # the launcher from a zygote, as in Cluster (its replicas: this interpreter)
+    cmd = [exe, "-m", "lightning_topk.app.elastic_launch", "--bind", f"127.0.0.1:{port}"]
     bad = subprocess.run([*cmd, "--min_replicas", "2", "--replicas", "1", "--", sys.executable, str(child)],
-                         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--replicas 1 is fewer than --min_replicas 2" in bad.stderr, bad.stderr[-2000:]
     assert not list(tmp_path.glob("*.up")) and not _listening(port)
     launcher = subprocess.Popen([*cmd, "--min_replicas", "2", "--replicas", "2", "--", sys.executable, str(child)],
-                                cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait(lambda: len(list(tmp_path.glob("*.up"))) == 2, 60, "both replicas")
         assert {f.read_text() for f in tmp_path.glob("*.up")} == {"2"}
