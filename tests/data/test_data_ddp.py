@@ -3,7 +3,6 @@ under plain ``ddp`` and ``topk_ddp`` (popen launchers, so they run as a script i
 import json
 import os
 import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -11,6 +10,7 @@ import torch.distributed as dist
 
 from lightning_topk.data import WebDataModule, array_samples, load_arrays, write_shards
 from tests.helpers.dist import run_distributed
+from tests.helpers.procs import python_for
 
 N, WORLD, BATCH, EPOCHS = 400, 2, 32, 2
 
@@ -77,7 +77,8 @@ def test_two_ranks_two_workers_see_every_sample_once(two_rank_results, nshards, 
 
 
 SCRIPT = textwrap.dedent('''
-    import json, os, sys
+    import json, os, sys, warnings
+    warnings.simplefilter("ignore")  # (was PYTHONWARNINGS=ignore, which needs a fresh interpreter)
     import pytorch_lightning as pl
     import torch
     import lightning_topk  # registers topk_ddp
@@ -131,8 +132,10 @@ def test_lightning_fit_under_ddp_strategies(shard_sets, tmp_path, strategy):
         pytest.skip(f"{strategy} is not registered")
     script = tmp_path / "fit.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(script), strategy, str(tmp_path)] + shard_sets[7], env=env,
+    # From the test zygote (torch and Lightning imported once; Lightning's popen child too): OMP_NUM_THREADS=1
+    # (what Lightning's DDP sets on 2 cores anyway; threads do not change the sample ids and counts checked).
+    exe, env = python_for(dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run([exe, str(script), strategy, str(tmp_path)] + shard_sets[7], env=env,
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
