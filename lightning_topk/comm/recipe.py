@@ -42,6 +42,7 @@ Layer 1: torch only; the optimizer is duck-typed by its class and ``param_groups
 """
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
@@ -334,8 +335,10 @@ class AdamLiveRecipe(LiveRecipe):
     Dormant, the optimizer is the user's Adam: the ``dense_steps`` warm-up (:data:`ADAM_DENSE_STEPS` where 0) is
     DDP with AdamW bit for bit, and its ``exp_avg_sq`` of the averaged gradient becomes the frozen variance ``vf``.
     From the step after the first sparse one, each rank's gradient is preconditioned before DDP's reducer sees it
-    (a hook on each parameter): ``g' = (1 - b1) g / den``, ``den = max(sqrt(vf / (1 - b2^T)),
-    sqrt(v_i / ((1 - b2^t) W))) + eps``, with ``v_i`` this rank's own second moment (kept per rank in
+    (a hook on each parameter): ``g' = (1 - b1) g / den``, ``den = max(sqrt(b2^(t-T) vf / (1 - b2^t)),
+    sqrt(v_i / ((1 - b2^t) W))) + eps``: the first term is AdamW's own bias-corrected variance at step t had no
+    gradient entered it after T (frozen at T's value instead, it stayed up to sqrt(t / T) too large while AdamW's
+    fell: 2.6x at step 140 on the frontier LM), ``v_i`` this rank's own second moment (kept per rank in
     :attr:`TopKState.recipe_state`, checkpointed, rolled back by a skipped step). Momentum correction with momentum
     and lookahead ``b1`` then keeps ``m_i / den`` as the velocity (seeded with AdamW's ``exp_avg / den``; the residual
     is rescaled to update units), and the optimizer's ``step`` is replaced *during* each step by AdamW's decoupled
@@ -352,7 +355,7 @@ class AdamLiveRecipe(LiveRecipe):
         self._state: Optional[TopKState] = None
         self._staged: List[Tuple[TopKState, str, Tensor]] = []  # (state, name, v_i) of this step, kept on commit
         self._seeds: Optional[Dict[int, Tensor]] = None
-        self._frozen: Dict[int, Tuple[Any, Tensor]] = {}  # id(p) -> (its inputs, den): fixed while engaged
+        self._frozen: Dict[int, Tuple[Any, Tensor]] = {}  # id(p) -> (its inputs, sqrt(vf)): fixed while engaged
 
     def begin_step(self, state: TopKState) -> None:
         """Dormant: extend the dense warm-up by this step while the lr rises (a per-step LR warm-up; measured: the
@@ -441,19 +444,18 @@ class AdamLiveRecipe(LiveRecipe):
 
             p._topk_adam_hook = p.register_hook(hook)
 
-    def _frozen_for(self, p: Tensor, st: Dict[str, Any], b2: float, device: torch.device) -> Optional[Tensor]:
-        """:meth:`_frozen_den` of ``p``, computed once per engagement (its inputs do not change while engaged; a
-        new ``exp_avg_sq`` tensor, beta2 or freeze step computes it again)."""
+    def _frozen_for(self, p: Tensor, st: Dict[str, Any], device: torch.device) -> Optional[Tuple[Tensor, float]]:
+        """(``sqrt(vf)`` of ``p``, the freeze step T), computed once per engagement (its inputs do not change while
+        engaged; a new ``exp_avg_sq`` tensor or freeze step computes it again)."""
         vf = st.get("exp_avg_sq")
         if vf is None:
             return None
-        key = (id(vf), b2, float(st.get(FROZEN_STEP, _count(st))), device)
+        frozen_at = float(st.get(FROZEN_STEP, _count(st)))
+        key = (id(vf), frozen_at, device)
         hit = self._frozen.get(id(p))
         if hit is None or hit[0] != key:
-            den = self._frozen_den(st, b2)
-            assert den is not None
-            hit = self._frozen[id(p)] = (key, den.to(device))
-        return hit[1]
+            hit = self._frozen[id(p)] = (key, vf.detach().float().sqrt().to(device))
+        return hit[1], frozen_at
 
     def precondition(self, state: TopKState, name: str, p: Tensor, grad: Tensor) -> Tensor:
         """``(1 - b1) grad / den`` for this rank (in the gradient's units and dtype); stages its new ``v_i``."""
@@ -469,9 +471,11 @@ class AdamLiveRecipe(LiveRecipe):
         v = v.to(g.device).mul(b2).addcmul_(gs, gs, value=1.0 - b2)
         self._staged.append((state, name, v))
         den = (v / ((1.0 - b2 ** t) * (self.world or 1))).sqrt_()
-        frozen = self._frozen_for(p, st, b2, den.device)
+        frozen = self._frozen_for(p, st, den.device)
         if frozen is not None:
-            den = torch.maximum(den, frozen)
+            # AdamW's bias-corrected variance had no gradient entered it after T: b2^(t-T) vf / (1 - b2^t)
+            root_vf, frozen_at = frozen
+            den = torch.maximum(den, root_vf * math.sqrt(b2 ** max(t - frozen_at, 0.0) / (1.0 - b2 ** t)))
         return g.mul_((1.0 - b1) / den.add_(eps)).to(grad.dtype)
 
     def before_step(self, optimizer: Any) -> Optional[List[Any]]:

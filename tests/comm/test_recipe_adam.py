@@ -58,7 +58,7 @@ def _hooked(rank, world):
 
 def _reference(world):
     """The recipe's update written out: AdamW on the mean gradient for ENGAGE steps, then each rank's
-    v_i = b2 v_i + (1-b2) g_i^2, den_i = max(sqrt(vf / (1-b2^T)), sqrt(v_i / ((1-b2^t) W))) + eps,
+    v_i = b2 v_i + (1-b2) g_i^2, den_i = max(sqrt(b2^(t-T) vf / (1-b2^t)), sqrt(v_i / ((1-b2^t) W))) + eps,
     vel_i = b1 vel_i + (1-b1) g_i / den_i (seeded with exp_avg / den), and p = p (1 - lr wd) - lr / (1-b1^t) mean_i vel_i."""
     m = _model()
     ps = list(m.parameters())
@@ -84,14 +84,15 @@ def _reference(world):
                     p.addcdiv_(mom[i] / (1 - B1 ** t), (v[i] / (1 - B2 ** t)).sqrt() + EPS, value=-lr)
                 continue
             if vf is None:
-                vf = [(vi / (1 - B2 ** ENGAGE)).sqrt() for vi in v]
-                vel = [[mi / (f + EPS) for mi, f in zip(mom, vf)] for _ in range(world)]
+                vf = [vi.clone() for vi in v]
+                vel = [[mi / ((f / (1 - B2 ** ENGAGE)).sqrt() + EPS) for mi, f in zip(mom, vf)] for _ in range(world)]
                 vloc = [[vi.clone() for vi in v] for _ in range(world)]
             for i, p in enumerate(ps):
+                frozen = (vf[i] * B2 ** (t - ENGAGE) / (1 - B2 ** t)).sqrt()
                 for r in range(world):
                     g = grads[r][i]
                     vloc[r][i].mul_(B2).addcmul_(g, g, value=1 - B2)
-                    den = torch.maximum(vf[i], (vloc[r][i] / ((1 - B2 ** t) * world)).sqrt()) + EPS
+                    den = torch.maximum(frozen, (vloc[r][i] / ((1 - B2 ** t) * world)).sqrt()) + EPS
                     vel[r][i].mul_(B1).add_(g / den, alpha=1 - B1)
                 u = sum(vel[r][i] for r in range(world)) / world
                 p.mul_(1 - lr * WD)
