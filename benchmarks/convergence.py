@@ -385,7 +385,7 @@ def grid(tasks: Sequence[str], opts: Sequence[str], densities: Sequence[float], 
 
 
 def _mean(xs: Sequence[Optional[float]]) -> Optional[float]:
-    if any(x is None for x in xs):
+    if not xs or any(x is None for x in xs):
         return None
     return sum(x for x in xs if x is not None) / len(xs)
 
@@ -471,15 +471,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     torch.set_num_threads(1)
     runs = grid(a.task, a.opt, a.density, a.recipe, a.seeds, a.steps, parse_set(a.set), a.adam_beta1, a.schedule,
                 not a.no_dense)
+    if a.json:  # first: the curves are the expensive part
+        with open(a.json, "w") as f:
+            json.dump([dict(task=r.task, opt=r.opt, density=r.density, recipe=r.recipe, adam_beta1=r.adam_beta1,
+                            schedule=r.schedule, curve=r.curve) for r in runs], f)
     md = table(runs)
     print(md)
     if a.markdown:
         with open(a.markdown, "w") as f:
             f.write(md + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump([dict(task=r.task, opt=r.opt, density=r.density, recipe=r.recipe, adam_beta1=r.adam_beta1,
-                            schedule=r.schedule, curve=r.curve) for r in runs], f)
 
 
 if __name__ == "__main__":
