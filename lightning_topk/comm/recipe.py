@@ -29,7 +29,7 @@ density warm-up helps at 0.001, but its length depends on the run). So ``recipe=
 * ``torch.optim.AdamW``, or ``Adam`` without L2 weight decay (no amsgrad, no maximize, one (betas, eps) for all
   groups), under ``topk_ddp`` (:func:`live_recipe` with ``adam=True``; not under ``fault_tolerance="torchft"``): 1-bit
   Adam's frozen variance with a local floor and the momentum in the hook with lookahead ``beta1``
-  (:class:`AdamLiveRecipe`; MNIST-5k at density 0.01: 1.07x dense AdamW's steps to 90%, 1.13x under warm-up +
+  (:class:`AdamLiveRecipe`; MNIST-5k at density 0.01: 1.06x dense AdamW's steps to 90%, 1.03x under warm-up +
   cosine). ``dense_steps`` 0 becomes :data:`ADAM_DENSE_STEPS` (20), extended while the lr rises step to step:
   those steps are the user's AdamW, bit for bit DDP, and its ``exp_avg_sq`` of the averaged gradient is the
   variance frozen when the recipe engages (the step after the first sparse one).
