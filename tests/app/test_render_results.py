@@ -63,7 +63,7 @@ def test_plots_record_their_data_and_a_stale_plot_fails(tmp_path, monkeypatch):
     tool = _tool()
     recorded = json.loads((ROOT / "docs" / "plots.json").read_text())
     assert set(recorded) == set(tool.PLOTS) == {"time_to_accuracy", "time_to_accuracy_local", "cluster", "bytes_per_step",
-                                                 "scale_sim", "loss_curves", "frontier"}
+                                                 "scale_sim", "loss_curves", "frontier", "frontier_runs"}
     for name, rec in recorded.items():
         assert (ROOT / rec["png"]).is_file() and rec["sha256"] == tool.plot_hash(name)
         assert f"docs/plots/{name}.png" in (ROOT / "BENCHMARKS.md").read_text()
