@@ -102,7 +102,8 @@ class StepOptions:
             optimizer's groups hold (schedulers may write it) is followed every step, and weight decay still
             passes through the momentum; for ``torch.optim.AdamW`` (or Adam without L2 decay) under
             ``topk_ddp``, 1-bit Adam's frozen variance with Adam's momentum in the hook, after ``dense_steps``
-            (20 where 0; longer while the lr rises) of the user's AdamW (:class:`~lightning_topk.comm.recipe.AdamLiveRecipe`); for anything
+            (20 where 0; longer while the lr rises) of the user's AdamW and then a density warm-up over
+            ``warmup_steps`` (100 where 0) (:class:`~lightning_topk.comm.recipe.AdamLiveRecipe`); for anything
             else (LARS, Adam under ``topk_fsdp``) plain error feedback.
             ``"none"``: the options as given.
         dense_steps: exchanges run dense at the start (int >= 0). DDP rebuilds its buckets after the
@@ -111,7 +112,8 @@ class StepOptions:
             synchronous, their gradients all-reduced densely in fp32 over every rank as DDP does, and after
             them θ_outer is re-anchored at the (identical) weights and the local rounds start.
         warmup_steps: after ``dense_steps``, the density decays geometrically from ``warmup_start`` to
-            ``density`` over this many steps (int >= 0; DGC's 25% -> 6.25% -> ... warm-up).
+            ``density`` over this many steps (int >= 0; DGC's 25% -> 6.25% -> ... warm-up). ``recipe="auto"``
+            with AdamW makes 0 into 100.
         warmup_start: density at the start of the warm-up, in (0, 1].
         min_sparse_numel: buckets with fewer entries go dense (int >= 0); so does any bucket whose
             packed sparse buffer would not be smaller than the dense one.

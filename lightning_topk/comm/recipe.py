@@ -57,6 +57,11 @@ __all__ = ["RECIPE_CHOICES", "AdamLiveRecipe", "LiveRecipe", "adam_recipe_for", 
 
 WD_MOMENTUM = "topk_wd_momentum"  # the optimizer-state key of weight decay's share of SGD's momentum
 ADAM_DENSE_STEPS = 20  # recipe="auto" with Adam(W): dense_steps where it is 0 (the frozen variance's warm-up T)
+# recipe="auto" with Adam(W): warmup_steps where it is 0, DGC's density warm-up (25% down to the density, geometric)
+# after the dense steps. Measured (docs/convergence.md, "The density warm-up"): on the frontier LM at a constant lr
+# the sparse steps right after the dense ones fell behind for good (seeds 0 and 3: 1.50x dense's steps to loss 3.0),
+# and 100 warm-up steps took them to 1.21x and 0.86x.
+ADAM_WARMUP_STEPS = 100
 FROZEN_STEP = "topk_frozen_step"  # the optimizer-state key of Adam's step count when its exp_avg_sq froze
 
 # recipe="auto" sets momentum_lookahead to the optimizer's momentum m: the residual then accumulates
@@ -168,11 +173,13 @@ def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[An
     if not use and adam:
         use_adam, why_adam = adam_recipe_for(config, optimizers)
         if use_adam:
-            dormant = replace(config, dense_steps=config.dense_steps or ADAM_DENSE_STEPS)
+            dormant = replace(config, dense_steps=config.dense_steps or ADAM_DENSE_STEPS,
+                              warmup_steps=config.warmup_steps or ADAM_WARMUP_STEPS)
             live: LiveRecipe = AdamLiveRecipe(optimizers[0], dormant)
             b1 = live.momentum()
             return live, target_config(dormant, b1), (
-                f"recipe=auto -> Adam in the hook, frozen variance after {dormant.dense_steps} dense steps, "
+                f"recipe=auto -> Adam in the hook, frozen variance after {dormant.dense_steps} dense steps, density "
+                f"warm-up over {dormant.warmup_steps} steps, "
                 f"momentum_lookahead {b1:g}, from the step after the first one that sends sparse ({why_adam}; "
                 f"density {config.density:g})")
         why = why_adam if why.endswith("is not torch.optim.SGD (plain error feedback measured best)") else why

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_topk.comm.recipe import ADAM_DENSE_STEPS, AdamLiveRecipe, adam_recipe_for, live_recipe
+from lightning_topk.comm.recipe import ADAM_DENSE_STEPS, ADAM_WARMUP_STEPS, AdamLiveRecipe, adam_recipe_for, live_recipe
 from lightning_topk.comm.state import TopKConfig, TopKState
 from tests.helpers.dist import run_distributed
 from tests.helpers.exchanges import dormant_allgather_hook
@@ -123,10 +123,13 @@ def test_auto_takes_adamw_and_adam_with_a_dense_warm_up_and_leaves_the_rest():
     a, b = _params()
     live, cfg, note = live_recipe(TopKConfig(density=0.01), [torch.optim.AdamW([a, b], lr=1e-3)], adam=True)
     assert isinstance(live, AdamLiveRecipe) and live.dormant.dense_steps == ADAM_DENSE_STEPS == 20
+    assert live.dormant.warmup_steps == cfg.warmup_steps == ADAM_WARMUP_STEPS == 100  # then DGC's density warm-up
+    assert [round(cfg.schedule.density_at(s), 4) for s in (19, 20, 70, 120)] == [1.0, 0.25, 0.05, 0.01]
     assert not live.dormant.momentum_correction and cfg.momentum_correction and cfg.dense_steps == 20
     assert cfg.momentum == cfg.momentum_lookahead == 0.9 and not cfg.momentum_masking and "Adam in the hook" in note
-    live, cfg, _ = live_recipe(TopKConfig(density=0.01, dense_steps=7), [torch.optim.Adam([a], lr=1e-3)], adam=True)
-    assert live.dormant.dense_steps == cfg.dense_steps == 7  # the user's warm-up wins
+    live, cfg, _ = live_recipe(TopKConfig(density=0.01, dense_steps=7, warmup_steps=3), [torch.optim.Adam([a], lr=1e-3)],
+                               adam=True)
+    assert live.dormant.dense_steps == cfg.dense_steps == 7 and cfg.warmup_steps == 3  # the user's warm-ups win
     # topk_fsdp, torchft and the SGD-only callers pass adam=False: plain error feedback, as before
     assert live_recipe(TopKConfig(density=0.01), [torch.optim.AdamW([a], lr=1e-3)])[0] is None
     for opt, why in [(torch.optim.AdamW([a], amsgrad=True), "amsgrad"),
