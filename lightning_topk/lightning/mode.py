@@ -6,6 +6,10 @@ compute), and the rest is a pure function of the options, the layout and the par
 ``auto_model="constants"`` (``"auto"`` under ``Trainer(deterministic=True)``) nothing is timed: the link is
 ``auto_link_gbps`` and the compute comes from :data:`~lightning_topk.comm.cost.CONSTANTS`, so the choice is the
 same in every run.
+
+A run that resumes goes on in the mode its checkpoint was saved in (:meth:`ModeMixin._keep_saved_mode`): a preempted
+job restarted on other machines, or a link that measures otherwise at the restart, would otherwise switch between
+per-step top-k and local SGD and drop the state of the mode it ran.
 """
 from __future__ import annotations
 
@@ -109,6 +113,28 @@ def decide(config: TopKConfig, nodes: int, local: int, numel: int, device: torch
     return replace(choice, reason=f"{choice.reason}; {source}")
 
 
+def saved_mode(saved_config: Any) -> Optional[Dict[str, Any]]:
+    """The mode options a checkpoint's top-k config (a dict) ran with: ``{"local_steps": 0}`` per step, else local
+    SGD's ``local_steps``, ``outer_density`` and ``outer_value_bits``; None where it has none."""
+    if not isinstance(saved_config, dict) or "local_steps" not in saved_config:
+        return None
+    steps = int(saved_config.get("local_steps") or 0)
+    if steps <= 0:
+        return {"local_steps": 0}
+    return {"local_steps": steps, "outer_density": float(saved_config["outer_density"]),
+            "outer_value_bits": int(saved_config["outer_value_bits"])}
+
+
+def kept_choice(choice: ModeChoice, saved: Dict[str, Any]) -> ModeChoice:
+    """The checkpoint's mode (:func:`saved_mode`), in place of ``choice``, the one this setup's figures made."""
+    now = choice.mode if choice.preset is None else f"{choice.mode} ({choice.preset})"
+    why = f"kept from the checkpoint it resumes (this setup would choose {now}: {choice.reason})"
+    if saved["local_steps"] <= 0:
+        return ModeChoice("per_step", None, {}, choice.scores, why, choice.inputs)
+    preset = next((n for n, o in LOCAL_CANDIDATES.items() if all(saved[k] == o[k] for k in o)), None)
+    return ModeChoice("local", preset, dict(saved), choice.scores, why, choice.inputs)
+
+
 def resolve(config: TopKConfig, choice: ModeChoice) -> TopKConfig:
     """``config`` with the chosen local SGD settings (the options the user set keep their values)."""
     if choice.mode != "local" or config.local_steps > 0:
@@ -141,3 +167,20 @@ class ModeMixin:
             support_cell.check(self)  # the cell of the mode that runs
         if self.global_rank == 0:  # type: ignore[attr-defined]
             log.info("%s: %s", getattr(self, "strategy_name", "topk_ddp"), choice.describe())
+
+    def _keep_saved_mode(self, saved_config: Any) -> None:
+        """Resuming under ``mode="auto"`` with no mode option set: the mode (and local SGD settings) of the checkpoint's
+        top-k config (``saved_config``, the same on every rank) replaces the one chosen at this setup where they
+        differ. Runs before the checkpoint's top-k state is restored."""
+        choice, base = self.topk_mode, getattr(self, "_topk_mode_base", None)
+        saved = saved_mode(saved_config)
+        if choice is None or base is None or saved is None or base.mode != "auto" or base.mode_options_set():
+            return
+        if all(getattr(self.topk_config, k) == v for k, v in saved.items()):
+            return
+        kept = kept_choice(choice, saved)
+        self.topk_mode = kept
+        self.topk_config = self._topk_mode_resolved = resolve(base, kept)
+        support_cell.check(self)
+        if self.global_rank == 0:  # type: ignore[attr-defined]
+            log.warning("%s: %s", getattr(self, "strategy_name", "topk_ddp"), kept.describe())

@@ -18,7 +18,7 @@ from lightning_topk.comm.exchanges.hierarchical import destroy_groups
 from lightning_topk.comm.recipe import AdamLiveRecipe, live_recipe
 from lightning_topk.comm.wire import packed_nbytes
 from lightning_topk.lightning import faults
-from lightning_topk.lightning.checkpoint import remove_rank_state, restore_rank_state, save_rank_state
+from lightning_topk.lightning.checkpoint import META_KEY, remove_rank_state, restore_rank_state, save_rank_state
 from lightning_topk.lightning.precision import TopKPrecisionMixin
 
 log = logging.getLogger("lightning_topk.lightning.strategy")  # the strategy's log, as before the split
@@ -211,6 +211,8 @@ class CheckpointMixin:
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> Dict[str, Any]:
         # DDP restores before setup/configure_ddp, so _register_ddp_hooks applies this pending state.
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        meta = checkpoint.get(META_KEY)
+        self._keep_saved_mode(meta.get("config") if isinstance(meta, dict) else None)  # mode="auto": the saved one
         self._pending_topk_state = restore_rank_state(self, checkpoint_path, checkpoint)
         section = ((self._pending_topk_state or {}).get("exchanges") or {}).get("local") or {}
         if self.topk_config.local_steps > 0 and section.get("inner_optimizer_states") is not None:

@@ -149,3 +149,35 @@ def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, expected)
     assert (r["mode"], r["preset"]) == expected and r["local_sgd"] == (expected[0] == "local")
     if expected[0] == "local":
         assert (r["local_steps"], r["outer_density"], r["outer_value_bits"]) == (16, 0.1, 4)
+
+
+def test_resume_keeps_the_checkpoints_mode_when_the_link_now_chooses_another(tmp_path):
+    # A preempted run resumes on other machines, or its link measures otherwise: mode="auto" would now choose per
+    # step, but the checkpoint holds local SGD's outer state. The resumed run goes on in the checkpoint's mode and
+    # ends where the run that was never stopped ends, bit for bit (rank by rank: mid-round the replicas differ).
+    import json
+
+    from tests.helpers.procs import run_nodes
+
+    addr = _host_address()
+    if addr is None:
+        pytest.skip("no non-loopback address on this host (the rule keeps loopback runs per step)")
+
+    def run(out, link, steps, *extra):  # 8 steps an epoch: the checkpoints are at epochs' ends
+        run_nodes(["tests/scripts/mode_train.py", "--batch-size", 8, "--out", out, "--link-gbps", link,
+                   "--max-steps", steps, *extra], env={"MASTER_ADDR": addr})
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+    # 10 Mbit/s: local SGD (topk_local, 16 local steps); its checkpoint at step 8 is mid-round
+    straight = run(tmp_path / "straight", 0.01, 24, "--ckpt-every", 8, "--ckpt-dir", tmp_path / "local")
+    assert straight[0]["mode"] == "local"
+    resumed = run(tmp_path / "resumed", 10.0, 24, "--resume", tmp_path / "local" / "epoch=0-step=8.ckpt")
+    for r in range(2):  # 10 Gbit/s alone would choose per step
+        assert (resumed[r]["mode"], resumed[r]["preset"], resumed[r]["local_sgd"]) == ("local", "topk_local", True)
+        assert "checkpoint" in resumed[r]["reason"] and "per_step" in resumed[r]["reason"], resumed[r]["reason"]
+        assert resumed[r]["weights"] == straight[r]["weights"], (r, resumed[r]["weights"], straight[r]["weights"])
+    # and the other way: a per-step checkpoint resumed where the link would choose local SGD stays per step
+    ps_straight = run(tmp_path / "ps_straight", 10.0, 16, "--ckpt-every", 8, "--ckpt-dir", tmp_path / "ps")
+    ps = run(tmp_path / "ps_resumed", 0.01, 16, "--resume", tmp_path / "ps" / "epoch=0-step=8.ckpt")
+    assert [(r["mode"], r["local_sgd"]) for r in ps] == [("per_step", False)] * 2
+    assert [r["weights"] for r in ps] == [r["weights"] for r in ps_straight]

@@ -2,6 +2,7 @@
 strategy chose and ran.
 
     python tests/scripts/mode_train.py --out DIR --link-gbps 0.01 [--option name=value]   (once per node)
+        [--max-steps N] [--batch-size B] [--ckpt-every N --ckpt-dir DIR] [--resume CKPT]
 """
 import argparse
 import json
@@ -9,6 +10,7 @@ import os
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_topk import TopKDDPStrategy
@@ -43,6 +45,11 @@ if __name__ == "__main__":
     p.add_argument("--out", required=True)
     p.add_argument("--link-gbps", type=float, default=10.0)
     p.add_argument("--option", action="append", default=[])
+    p.add_argument("--max-steps", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps into --ckpt-dir")
+    p.add_argument("--ckpt-dir")
+    p.add_argument("--resume", help="checkpoint to resume from")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     options = {k: json.loads(v) for k, v in (o.split("=", 1) for o in args.option)}
@@ -50,7 +57,10 @@ if __name__ == "__main__":
     data = TensorDataset(torch.randn(128, 64), torch.randint(0, 10, (128,)))
     strategy = TopKDDPStrategy(auto_link_gbps=args.link_gbps, log_telemetry=False, process_group_backend="gloo",
                                **options)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=16, logger=False,
-                         deterministic=True, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    trainer.fit(Module(), DataLoader(data, batch_size=4))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=strategy, max_steps=args.max_steps,
+                         logger=False,
+                         deterministic=True, enable_checkpointing=bool(args.ckpt_every), enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[ModelCheckpoint(
+                             args.ckpt_dir, every_n_train_steps=args.ckpt_every, save_top_k=-1)] if args.ckpt_every
+                         else None)
+    trainer.fit(Module(), DataLoader(data, batch_size=args.batch_size), ckpt_path=args.resume)
