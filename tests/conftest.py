@@ -18,15 +18,20 @@ LONG_FIRST = (
     "tests/matrix/test_matrix_topk_ddp.py",  # ~110 s: 10 launches of the support matrix's cells
     "tests/lightning/test_elastic.py",  # ~300 s in all, many short tests
     "tests/matrix/test_matrix_topk_fsdp.py",  # ~80 s
-    "tests/app/test_plain_install.py",  # ~87 s: pip into a fresh venv
+    "tests/comm/test_teardown.py",  # ~75 s: 10 spawned pairs in a row (was handed out 65th of 70, near the end)
+    "tests/lightning/test_convergence.py",  # ~75 s: two 24-epoch fits on 2 processes
+    "tests/app/test_plain_install.py",  # ~60 s: pip into a fresh venv
     "tests/lightning/test_faults.py",  # ~90 s
     "tests/comm/test_scatter.py",  # ~70 s: a 4-process training fixture
     "tests/lightning/test_precision_ddp.py",  # ~70 s
     "tests/data/test_data_resume_ddp.py",  # ~60 s
     "tests/benchmarks/test_cluster_wire.py",  # ~45 s
+    "tests/data/test_data_ddp.py",  # ~40 s: a 2-rank, 2-worker fixture
+    "tests/lightning/test_mode.py",  # ~40 s
+    "tests/benchmarks/test_cluster_smoke.py",  # ~35 s
     "tests/data/test_packaged_text.py",  # ~30 s
-    "tests/lightning/test_convergence.py",  # ~25 s
     "tests/lightning/test_strategy.py",  # ~25 s
+    "tests/comm/test_sharded.py",  # ~20 s
 )
 
 
