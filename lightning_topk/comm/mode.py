@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from lightning_topk.comm.cost import BOOKKEEPING_PASSES, DDP_DEFAULT_BUCKET_CAP_MB, TIE_MARGIN, CostModel
 from lightning_topk.comm.local.codec import wire_bytes_per_param
+from lightning_topk.comm.schedule import DensitySchedule
 
 # The sparse local SGD settings the rule chooses between: the registered presets (lightning/registry.py's
 # LOCAL_DEFAULTS and WAN_DEFAULTS; a test checks they agree), the only ones whose time to accuracy was measured
@@ -40,6 +41,13 @@ LOCAL_CANDIDATES: Dict[str, Dict[str, float]] = {
 # topk_local_wan 56 at 4x1 (cluster_local_2026-11-27_outer_exchange.md, 100 and 10 Mbit/s;
 # cluster_local_2026-11-27_wan_owner4bit.md) and 32 at 2x2: the worse, 56/24.
 MODE_PENALTY: Dict[str, float] = {"per_step": 1.0, "topk_local": 32 / 24, "topk_local_wan": 56 / 24}
+# With Adam/AdamW (the frontier LM: a 7.2M-parameter byte-level decoder, AdamW lr 0.002 under warm-up + cosine, 2x2,
+# evaluation every 8 steps; BENCHMARKS.md, "A longer run past the plateau"): topk_local reached held-out loss 3.0 in
+# 40 steps against the per-step exchange's 48 (100 Mbit/s) and 56 (1 Gbit/s, where exchange="auto" sent more
+# buckets dense), and 2.8 in 72 steps against 72: no penalty, and 1 (not the 0.71-0.83 of the 3.0 target) is the
+# reading that does not favour local SGD. topk_local_wan was not measured past the byte-unigram plateau with AdamW:
+# SGD's figure stands.
+ADAM_MODE_PENALTY: Dict[str, float] = {"per_step": 1.0, "topk_local": 1.0, "topk_local_wan": 56 / 24}
 # A step's compute (forward, backward, optimizer) estimated from a dense pass over the parameters:
 # STEP_COMPUTE_FIXED + STEP_COMPUTE_PASSES x numel x pass_per_elem. Calibrated on the cluster model: its
 # no-communication steps took 0.102-0.142 s (11.3M parameters, batch 32; BENCHMARKS.md, the `local` entries of
@@ -121,18 +129,41 @@ def local_seconds(model: CostModel, numel: int, local_steps: int, outer_density:
     return intra + (link * model.comm_scale + compute) / local_steps
 
 
+def warmup_seconds(model: CostModel, sizes: Sequence[int], density: float, candidates: Sequence[str],
+                   value_bytes: int, sparse_penalty: float, min_sparse_numel: int = 0, *, dense_steps: int,
+                   warmup_steps: int, warmup_start: float = 0.25) -> float:
+    """Exchange seconds the per-step mode spends in its first ``dense_steps`` + ``warmup_steps`` steps (dense, then
+    the density warm-up of :class:`~lightning_topk.comm.schedule.DensitySchedule`) beyond what as many steps at
+    ``density`` take: a fixed cost of the run (the AdamW recipe's, :data:`lightning_topk.comm.recipe.ADAM_DENSE_STEPS`
+    and ``ADAM_WARMUP_STEPS``)."""
+    sched = DensitySchedule(density, dense_steps=dense_steps, warmup_steps=warmup_steps, warmup_start=warmup_start)
+    at: Dict[float, float] = {}
+    for t in range(dense_steps + warmup_steps):
+        d = sched.density_at(t)
+        if d not in at:
+            at[d] = per_step_seconds(model, sizes, d, candidates, value_bytes, sparse_penalty, min_sparse_numel)
+    steady = per_step_seconds(model, sizes, density, candidates, value_bytes, sparse_penalty, min_sparse_numel)
+    return sum(at[sched.density_at(t)] - steady for t in range(dense_steps + warmup_steps))
+
+
 def choose_mode(model: CostModel, numel: int, compute_s: float, *, density: float, candidates: Sequence[str],
                 value_bytes: int, sparse_penalty: float, min_sparse_numel: int = 0,
                 allowed: Tuple[str, ...] = ("per_step", "local"),
-                penalties: Optional[Dict[str, float]] = None) -> ModeChoice:
+                penalties: Optional[Dict[str, float]] = None, per_step_fixed_s: float = 0.0,
+                horizon: Optional[int] = None, note: str = "") -> ModeChoice:
     """Per-step top-k or sparse local SGD (and which preset's settings) for ``numel`` parameters on the layout and
     link of ``model``, with ``compute_s`` seconds of compute per step (see the module docstring). ``allowed``:
-    ``("local",)`` chooses among the local SGD settings only. A pure function of its arguments."""
+    ``("local",)`` chooses among the local SGD settings only. ``penalties``: in place of :data:`MODE_PENALTY`'s
+    (:data:`ADAM_MODE_PENALTY` for Adam). ``per_step_fixed_s``: seconds the per-step mode spends once (its recipe's
+    dense steps and density warm-up, :func:`warmup_seconds`), spread over ``horizon`` steps (the run's ``max_steps``;
+    None: a run long enough that it vanishes). ``note``: added to the reason. A pure function of its arguments."""
     if numel < 1 or not compute_s >= 0:
         raise ValueError(f"choose_mode: needs numel >= 1 and compute_s >= 0, got {numel!r}, {compute_s!r}")
     pen = dict(MODE_PENALTY, **(penalties or {}))
     per_step = compute_s + per_step_seconds(model, buckets_of(numel), density, candidates, value_bytes,
                                             sparse_penalty, min_sparse_numel)
+    if per_step_fixed_s > 0 and horizon:
+        per_step += per_step_fixed_s / horizon
     scores: Dict[str, float] = {}
     if "per_step" in allowed:
         scores["per_step"] = pen["per_step"] * per_step
@@ -146,7 +177,7 @@ def choose_mode(model: CostModel, numel: int, compute_s: float, *, density: floa
                   local=float(model.local))
     figures = ", ".join(f"{n} {1e3 * s:.1f}" for n, s in scores.items())
     basis = (f"{link_gbps:.3g} Gbit/s between nodes, {1e3 * compute_s:.1f} ms compute per step; predicted ms per step "
-             f"x measured steps-to-target penalty: {figures}")
+             f"x measured steps-to-target penalty: {figures}{note}")
     if "per_step" in scores and link_gbps >= LOCAL_MAX_GBPS:
         return ModeChoice("per_step", None, {}, scores, f"local SGD is a candidate below {LOCAL_MAX_GBPS:g} Gbit/s "
                           f"only (measured ahead at 100 Mbit/s and below) ({basis})", inputs)

@@ -181,6 +181,7 @@ class TopKFSDPMixin(ModeMixin, ShardedTopKMixin, TelemetryMixin):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
+            self._refine_mode(self.optimizers, adam_recipe=False)  # mode="auto" with the optimizers known
             self._make_topk(self.model, self.optimizers)
             if self.topk_elastic is not None:
                 self._elastic_join()  # the first quorum (a heal from a peer), before the fit loop sets up its data

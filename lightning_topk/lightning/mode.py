@@ -17,8 +17,8 @@ import ipaddress
 import logging
 import os
 import socket
-from dataclasses import replace
-from typing import Any, Callable, Dict, Optional, Tuple
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,16 @@ import torch.distributed as dist
 from lightning_topk.comm import cost
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.exchanges.auto import candidates_for
-from lightning_topk.comm.mode import LOCAL_CANDIDATES, ModeChoice, choose_mode, estimate_compute
+from lightning_topk.comm.mode import (
+    ADAM_MODE_PENALTY,
+    LOCAL_CANDIDATES,
+    ModeChoice,
+    buckets_of,
+    choose_mode,
+    estimate_compute,
+    warmup_seconds,
+)
+from lightning_topk.comm.recipe import ADAM_DENSE_STEPS, ADAM_WARMUP_STEPS, adam_recipe_for
 from lightning_topk.comm.wire import packed_nbytes
 from lightning_topk.lightning import support_cell
 
@@ -69,48 +78,93 @@ def _explicit(config: TopKConfig, why: str) -> ModeChoice:
     return ModeChoice("per_step", reason=why)
 
 
+@dataclass(frozen=True)
+class Figures:
+    """What a link-based choice is made from, the same on every rank: the link (Gbit/s), a dense pass (seconds per
+    entry), a step's compute (seconds) and where they came from (words)."""
+
+    link_gbps: float
+    pass_per_elem: float
+    compute_s: float
+    source: str
+
+
 def decide(config: TopKConfig, nodes: int, local: int, numel: int, device: torch.device, *,
            measure_fn: Measure = measure, loopback: Optional[bool] = None) -> ModeChoice:
     """The mode for these options on ``nodes`` x ``local`` processes and ``numel`` trainable parameters (see the
     module docstring; ``loopback`` None: :func:`on_loopback`). Collective only where it measures."""
+    return decide_with_figures(config, nodes, local, numel, device, measure_fn=measure_fn, loopback=loopback)[0]
+
+
+def decide_with_figures(config: TopKConfig, nodes: int, local: int, numel: int, device: torch.device, *,
+                        measure_fn: Measure = measure, loopback: Optional[bool] = None
+                        ) -> Tuple[ModeChoice, Optional[Figures]]:
+    """:func:`decide`, and the figures where the link decided (None where nothing was chosen from it)."""
     given = config.mode_options_set()
     if config.mode == "per_step":
-        return _explicit(config, "set by mode='per_step'")
+        return _explicit(config, "set by mode='per_step'"), None
     if config.mode == "auto" and given:
-        return _explicit(config, f"mode options set ({', '.join(given)}): they run as given")
+        return _explicit(config, f"mode options set ({', '.join(given)}): they run as given"), None
     if config.local_steps > 0:  # mode="local" with local_steps
-        return _explicit(config, f"set by mode='local', local_steps={config.local_steps}")
+        return _explicit(config, f"set by mode='local', local_steps={config.local_steps}"), None
     only_local = config.mode == "local"
     if nodes < 2 and not only_local:
-        return ModeChoice("per_step", reason="one node: nothing to choose (no inter-node link)")
+        return ModeChoice("per_step", reason="one node: nothing to choose (no inter-node link)"), None
     if numel < 1:
-        return ModeChoice("per_step", reason="no trainable parameters at setup: nothing to choose")
+        return ModeChoice("per_step", reason="no trainable parameters at setup: nothing to choose"), None
     if not only_local and (on_loopback() if loopback is None else loopback):
-        return ModeChoice("per_step", reason=f"every rank on one host (MASTER_ADDR {os.environ.get('MASTER_ADDR')} is "
-                                             "loopback): no slow link between nodes")
+        return ModeChoice("per_step", reason=f"every rank on one host (MASTER_ADDR {os.environ.get('MASTER_ADDR')} "
+                                             "is loopback): no slow link between nodes"), None
     if nodes < 2:  # mode="local" on one node: the outer round is the identity (docs/local_sgd.md)
         name = "topk_local"
-        return ModeChoice("local", name, dict(LOCAL_CANDIDATES[name]), reason="mode='local' on one node")
-    timed = cost.timed_model(config)
-    if timed:
+        return ModeChoice("local", name, dict(LOCAL_CANDIDATES[name]), reason="mode='local' on one node"), None
+    if cost.timed_model(config):
         link_gbps, pass_per_elem = agree(*measure_fn(device), device)
         source = "measured at setup"
     else:
         link_gbps = config.auto_link_gbps
         pass_per_elem = cost.CONSTANTS.get(device.type, cost.CONSTANTS["cpu"])["pass_per_elem"]
         source = "auto_link_gbps and the constants (no timing)"
-    model = replace(cost.constant_model(nodes, local, device.type, link_gbps), pass_per_elem=pass_per_elem)
-    hier = nodes > 1 and local > 1 and config.hierarchical is not False
     if config.auto_step_ms is not None:
         compute, source = config.auto_step_ms / 1e3, f"link {source}, compute per step auto_step_ms={config.auto_step_ms:g}"
     else:
         compute, source = estimate_compute(numel, pass_per_elem), f"link and compute {source}"
-    choice = choose_mode(model, numel, compute, density=config.density,
-                         candidates=candidates_for(config, nodes, local, hier),
-                         value_bytes=packed_nbytes(1, config.wire_dtype) - 4, sparse_penalty=config.sparse_penalty,
-                         min_sparse_numel=config.min_sparse_numel, allowed=("local",) if only_local else
-                         ("per_step", "local"))
-    return replace(choice, reason=f"{choice.reason}; {source}")
+    figures = Figures(link_gbps, pass_per_elem, compute, source)
+    return choose(config, nodes, local, numel, device.type, figures), figures
+
+
+def is_adam(optimizers: Sequence[Any]) -> bool:
+    """Whether the (first) optimizer is torch's Adam or AdamW."""
+    return bool(optimizers) and type(optimizers[0]) in (torch.optim.Adam, torch.optim.AdamW)
+
+
+def choose(config: TopKConfig, nodes: int, local: int, numel: int, device_type: str, figures: Figures,
+           optimizers: Optional[Sequence[Any]] = None, adam_recipe: bool = False,
+           horizon: Optional[int] = None) -> ModeChoice:
+    """:func:`~lightning_topk.comm.mode.choose_mode` on ``figures`` (a pure function). With the ``optimizers``
+    known: Adam/AdamW takes :data:`~lightning_topk.comm.mode.ADAM_MODE_PENALTY`, and where ``adam_recipe`` (the
+    strategy's per-step mode would run the AdamW recipe: ``recipe="auto"``, ``topk_ddp``) the per-step mode pays the
+    recipe's dense steps and density warm-up once, spread over ``horizon`` steps (the run's ``max_steps``)."""
+    model = replace(cost.constant_model(nodes, local, device_type, figures.link_gbps),
+                    pass_per_elem=figures.pass_per_elem)
+    hier = nodes > 1 and local > 1 and config.hierarchical is not False
+    kw: Dict[str, Any] = dict(density=config.density, candidates=candidates_for(config, nodes, local, hier),
+                              value_bytes=packed_nbytes(1, config.wire_dtype) - 4,
+                              sparse_penalty=config.sparse_penalty, min_sparse_numel=config.min_sparse_numel)
+    penalties, fixed, note = None, 0.0, ""
+    if optimizers is not None and is_adam(optimizers):
+        name = type(optimizers[0]).__name__
+        penalties, note = ADAM_MODE_PENALTY, f"; {name}'s penalties (measured on the frontier LM)"
+        if adam_recipe and config.recipe == "auto" and adam_recipe_for(config, optimizers)[0]:
+            fixed = warmup_seconds(model, buckets_of(numel), **kw,
+                                   dense_steps=config.dense_steps or ADAM_DENSE_STEPS,
+                                   warmup_steps=config.warmup_steps or ADAM_WARMUP_STEPS)
+            note += (f"; per step, the {name} recipe's dense steps and density warm-up: {fixed:.1f} s once, "
+                     + (f"over {horizon} steps (max_steps)" if horizon else "not counted (no max_steps)"))
+    choice = choose_mode(model, numel, figures.compute_s, **kw,
+                         allowed=("local",) if config.mode == "local" else ("per_step", "local"),
+                         penalties=penalties, per_step_fixed_s=fixed, horizon=horizon, note=note)
+    return replace(choice, reason=f"{choice.reason}; {figures.source}")
 
 
 def saved_mode(saved_config: Any) -> Optional[Dict[str, Any]]:
@@ -148,10 +202,13 @@ def resolve(config: TopKConfig, choice: ModeChoice) -> TopKConfig:
 class ModeMixin:
     """``mode="auto"``: :meth:`_decide_mode` runs at setup, after the process group exists and before anything reads
     the mode (``topk_ddp``: in ``setup_distributed``, before checkpoints, buckets and hooks; ``topk_fsdp``: first in
-    ``setup``, after ``configure_model``); the choice is ``topk_mode``, the options ``topk_config``."""
+    ``setup``, after ``configure_model``); the choice is ``topk_mode``, the options ``topk_config``. Once the
+    optimizers exist (before the buckets and hooks), :meth:`_refine_mode` chooses again from the same figures with
+    the optimizer's penalties; a resumed run keeps its checkpoint's mode (:meth:`_keep_saved_mode`)."""
 
     topk_mode: Optional[ModeChoice] = None
     topk_config: TopKConfig
+    _topk_mode_figures: Optional[Figures] = None
 
     def _decide_mode(self, module: Any) -> None:
         base = getattr(self, "_topk_mode_base", None)
@@ -160,13 +217,40 @@ class ModeMixin:
             base = self._topk_mode_base = self.topk_config  # each fit decides from the options as given
         params = module.parameters() if module is not None else ()
         numel = sum(p.numel() for p in params if p.requires_grad)
-        choice = decide(base, self.num_nodes, self.num_processes, numel, self.root_device)  # type: ignore[attr-defined]
+        choice, self._topk_mode_figures = decide_with_figures(base, self.num_nodes, self.num_processes,  # type: ignore[attr-defined]
+                                                              numel, self.root_device)  # type: ignore[attr-defined]
+        self._topk_mode_numel = numel
+        self._apply_mode(base, choice, "info")
+
+    def _apply_mode(self, base: TopKConfig, choice: ModeChoice, level: str) -> None:
         self.topk_mode = choice
         self.topk_config = self._topk_mode_resolved = resolve(base, choice)
         if self.topk_config is not base:
             support_cell.check(self)  # the cell of the mode that runs
         if self.global_rank == 0:  # type: ignore[attr-defined]
-            log.info("%s: %s", getattr(self, "strategy_name", "topk_ddp"), choice.describe())
+            getattr(log, level)("%s: %s", getattr(self, "strategy_name", "topk_ddp"), choice.describe())
+
+    def _mode_refinable(self) -> bool:
+        """Whether :meth:`_refine_mode` would choose again: the link chose at this setup, no checkpoint's mode was
+        kept, no torchft replica (its checks ran on the first choice)."""
+        return self._topk_mode_figures is not None and getattr(self, "topk_elastic", None) is None
+
+    def _refine_mode(self, optimizers: Sequence[Any], adam_recipe: bool) -> None:
+        """The choice again, from the figures of this setup, with the ``optimizers`` known (a pure function: the same
+        on every rank): Adam/AdamW's penalties and, per step, its recipe's fixed cost (:func:`choose`) over the
+        run's ``max_steps``. Before anything reads the mode but the checkpoint load."""
+        if not self._mode_refinable():
+            return
+        figures, self._topk_mode_figures = self._topk_mode_figures, None
+        base = self._topk_mode_base
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        steps = getattr(trainer, "max_steps", -1)
+        horizon = int(steps) if isinstance(steps, int) and steps > 0 else None
+        assert figures is not None
+        choice = choose(base, self.num_nodes, self.num_processes, self._topk_mode_numel,  # type: ignore[attr-defined]
+                        self.root_device.type, figures, optimizers, adam_recipe, horizon)  # type: ignore[attr-defined]
+        if choice != self.topk_mode:
+            self._apply_mode(base, choice, "info")
 
     def _keep_saved_mode(self, saved_config: Any) -> None:
         """Resuming under ``mode="auto"`` with no mode option set: the mode (and local SGD settings) of the checkpoint's
@@ -176,11 +260,7 @@ class ModeMixin:
         saved = saved_mode(saved_config)
         if choice is None or base is None or saved is None or base.mode != "auto" or base.mode_options_set():
             return
+        self._topk_mode_figures = None  # the saved mode stands: no second choice
         if all(getattr(self.topk_config, k) == v for k, v in saved.items()):
             return
-        kept = kept_choice(choice, saved)
-        self.topk_mode = kept
-        self.topk_config = self._topk_mode_resolved = resolve(base, kept)
-        support_cell.check(self)
-        if self.global_rank == 0:  # type: ignore[attr-defined]
-            log.warning("%s: %s", getattr(self, "strategy_name", "topk_ddp"), kept.describe())
+        self._apply_mode(base, kept_choice(choice, saved), "warning")

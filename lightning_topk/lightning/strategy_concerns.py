@@ -30,6 +30,10 @@ class BucketsMixin:
 
     @override
     def _setup_model(self, model: Any) -> Any:
+        if self._mode_refinable():  # mode="auto": the choice again with the optimizers known, before the buckets
+            opts = self._topk_optimizers()
+            if opts is not None:
+                self._refine_mode(opts, adam_recipe=self.topk_config.fault_tolerance != "torchft")
         self._configure_buckets(model)
         return super()._setup_model(model)
 

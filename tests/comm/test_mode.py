@@ -142,3 +142,57 @@ def test_a_given_step_time_replaces_the_estimate():
     for bad in (0, -1.0, "fast", float("nan"), True):
         with pytest.raises(ValueError, match=r"auto_step_ms must be null .* or a number > 0"):
             TopKConfig(auto_step_ms=bad)
+
+
+def test_the_recipes_warm_up_is_summed_step_by_step():
+    from lightning_topk.comm.mode import buckets_of, per_step_seconds, warmup_seconds
+    from lightning_topk.comm.schedule import DensitySchedule
+
+    model, sizes = constant_model(2, 2, "cpu", 0.1), buckets_of(CLUSTER_NUMEL)
+    kw = dict(candidates=["dense", "allgather", "hierarchical"], value_bytes=2, sparse_penalty=1.09)
+    cost = lambda d: per_step_seconds(model, sizes, d, **kw)
+    sched = DensitySchedule(0.01, dense_steps=3, warmup_steps=5)
+    by_hand = sum(cost(sched.density_at(t)) - cost(0.01) for t in range(8))
+    assert warmup_seconds(model, sizes, 0.01, **kw, dense_steps=3, warmup_steps=5) == pytest.approx(by_hand)
+    assert by_hand > 3 * (cost(1.0) - cost(0.01)) > 0  # the dense steps, and the warm-up's denser steps on top
+    assert warmup_seconds(model, sizes, 0.01, **kw, dense_steps=0, warmup_steps=0) == 0.0
+
+
+def test_a_fixed_cost_is_spread_over_the_horizon():
+    model = constant_model(2, 2, "cpu", 0.1)
+    kw = dict(density=0.01, candidates=["dense", "allgather", "hierarchical"], value_bytes=2, sparse_penalty=1.09)
+    plain = choose_mode(model, CLUSTER_NUMEL, 0.1, **kw)
+    spread = choose_mode(model, CLUSTER_NUMEL, 0.1, **kw, per_step_fixed_s=12.0, horizon=120)
+    assert spread.scores["per_step"] == pytest.approx(plain.scores["per_step"] + 0.1)
+    assert spread.scores["topk_local"] == plain.scores["topk_local"]
+    assert choose_mode(model, CLUSTER_NUMEL, 0.1, **kw, per_step_fixed_s=12.0).scores == plain.scores  # no horizon
+
+
+def test_adamw_chooses_with_its_own_penalties_and_the_recipes_warm_up():
+    """The frontier LM's 2 x 2 cell at 1 Gbit/s (link 0.994 Gbit/s and 71.9 ms compute, as measured there): SGD's
+    penalties keep per step (as the defaults chose there, 1.15x the first entry's time); AdamW's (measured on that
+    LM: topk_local no slower than per step in steps) choose topk_local, which was first there; the recipe's 20 dense
+    steps and warm-up over a 120-step run weigh on per step. The figures, not a timing, decide: the same every call."""
+    from lightning_topk.comm.mode import ADAM_MODE_PENALTY
+    from lightning_topk.lightning.mode import Figures, choose
+
+    assert ADAM_MODE_PENALTY == {"per_step": 1.0, "topk_local": 1.0, "topk_local_wan": MODE_PENALTY["topk_local_wan"]}
+    figures = Figures(0.994, CONSTANTS["cpu"]["pass_per_elem"], 0.0719, "as measured")
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    adamw, sgd = [torch.optim.AdamW(p, lr=2e-3, weight_decay=0.01)], [torch.optim.SGD(p, lr=0.1, momentum=0.9)]
+    numel, cfg = 7_221_504, TopKConfig()
+    assert choose(cfg, 2, 2, numel, "cpu", figures).mode == "per_step"
+    assert choose(cfg, 2, 2, numel, "cpu", figures, sgd, True, 120).mode == "per_step"
+    long_run = choose(cfg, 2, 2, numel, "cpu", figures, adamw, True)
+    run = choose(cfg, 2, 2, numel, "cpu", figures, adamw, True, 120)
+    assert (run.mode, run.preset) == ("local", "topk_local") and long_run.mode == "local"
+    assert run.scores["per_step"] > long_run.scores["per_step"]  # the warm-up's seconds over 120 steps
+    assert "AdamW's penalties" in run.reason and "over 120 steps (max_steps)" in run.reason
+    assert run == choose(cfg, 2, 2, numel, "cpu", figures, adamw, True, 120)
+    # the recipe's cost counts only where the per-step mode runs it (topk_fsdp, torchft, recipe="none": not)
+    no_recipe = choose(cfg, 2, 2, numel, "cpu", figures, adamw, False, 120)
+    assert no_recipe.scores["per_step"] == pytest.approx(long_run.scores["per_step"])
+    assert choose(TopKConfig(recipe="none"), 2, 2, numel, "cpu", figures, adamw, True, 120).scores == no_recipe.scores
+    # above 1 Gbit/s local SGD is no candidate, whatever the optimizer (not measured there)
+    fast = Figures(2.0, CONSTANTS["cpu"]["pass_per_elem"], 0.0719, "as measured")
+    assert choose(cfg, 2, 2, numel, "cpu", fast, adamw, True, 120).mode == "per_step"

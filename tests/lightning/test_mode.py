@@ -126,12 +126,14 @@ def _host_address():
     return None if ipaddress.ip_address(addr).is_loopback else addr
 
 
-@pytest.mark.parametrize("link,options,expected", [
-    (0.01, [], ("local", "topk_local")),  # chosen from the link: local SGD runs, the same on both nodes
-    (0.01, ["density=0.05"], ("per_step", None)),  # an explicit option wins
-    (10.0, [], ("per_step", None)),  # the constants' default rate
+@pytest.mark.parametrize("link,options,opt,expected", [
+    (0.01, [], "sgd", ("local", "topk_local")),  # chosen from the link: local SGD runs, the same on both nodes
+    (0.01, ["density=0.05"], "sgd", ("per_step", None)),  # an explicit option wins
+    (10.0, [], "sgd", ("per_step", None)),  # the constants' default rate
+    (0.3, [], "sgd", ("per_step", None)),  # SGD: local SGD's measured penalty (32/24 steps) outweighs the link
+    (0.3, [], "adamw", ("local", "topk_local")),  # AdamW: no penalty measured, and the recipe's dense steps
 ])
-def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, expected):
+def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, opt, expected):
     import json
 
     from tests.helpers.procs import run_nodes
@@ -139,7 +141,7 @@ def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, expected)
     addr = _host_address()
     if addr is None:
         pytest.skip("no non-loopback address on this host (the rule keeps loopback runs per step)")
-    args = ["tests/scripts/mode_train.py", "--out", tmp_path, "--link-gbps", link]
+    args = ["tests/scripts/mode_train.py", "--out", tmp_path, "--link-gbps", link, "--opt", opt]
     for o in options:
         args += ["--option", o]
     run_nodes(args, env={"MASTER_ADDR": addr})
@@ -149,6 +151,8 @@ def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, expected)
     assert (r["mode"], r["preset"]) == expected and r["local_sgd"] == (expected[0] == "local")
     if expected[0] == "local":
         assert (r["local_steps"], r["outer_density"], r["outer_value_bits"]) == (16, 0.1, 4)
+    if opt == "adamw":  # chosen again once the optimizer was known, over the run's 16 steps
+        assert "AdamW's penalties" in r["reason"] and "over 16 steps (max_steps)" in r["reason"], r["reason"]
 
 
 def test_resume_keeps_the_checkpoints_mode_when_the_link_now_chooses_another(tmp_path):

@@ -2,7 +2,7 @@
 strategy chose and ran.
 
     python tests/scripts/mode_train.py --out DIR --link-gbps 0.01 [--option name=value]   (once per node)
-        [--max-steps N] [--batch-size B] [--ckpt-every N --ckpt-dir DIR] [--resume CKPT]
+        [--max-steps N] [--batch-size B] [--opt sgd|adamw] [--ckpt-every N --ckpt-dir DIR] [--resume CKPT]
 """
 import argparse
 import json
@@ -27,6 +27,8 @@ class Module(pl.LightningModule):
         return torch.nn.functional.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self):
+        if args.opt == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
     def on_train_end(self):
@@ -47,6 +49,7 @@ if __name__ == "__main__":
     p.add_argument("--option", action="append", default=[])
     p.add_argument("--max-steps", type=int, default=16)
     p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--opt", choices=("sgd", "adamw"), default="sgd")
     p.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps into --ckpt-dir")
     p.add_argument("--ckpt-dir")
     p.add_argument("--resume", help="checkpoint to resume from")
