@@ -656,7 +656,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 fragments[-1].extend([net.norm, net.head])
             outer = [torch.optim.SGD(f.parameters(), lr=args.outer_lr if args.outer_lr is not None else 0.7,
                                      momentum=args.outer_momentum if args.outer_momentum is not None else 0.9,
-                                     nesterov=True) for f in fragments]
+                                     nesterov=args.outer_momentum != 0.0) for f in fragments]
             self.diloco = DiLoCo(self.manager, fragments, trainer.optimizers[0], outer if k > 1 else outer[0],
                                  sync_every=args.diloco_sync_every, backup_device=torch.device("cpu"),
                                  pin_memory=False, should_quantize=False, fragment_sync_delay=args.diloco_delay,

@@ -76,6 +76,14 @@ ENTRIES: Dict[str, Dict[str, object]] = {
         "who": "DiLoCo (Douillard et al. 2023) / torchft's example: outer Nesterov 0.7/0.9, inner AdamW; H=100-500 "
                "in a 88k-step run, scaled here",
     },
+    "diloco_avg": {
+        "args": {"*": ["--strategy", "diloco", "--diloco-sync-every", "{h}", "--outer-lr", "1.0", "--outer-momentum",
+                       "0.0"]},
+        "settings": "torchft.local_sgd.DiLoCo as `diloco` with the averaging outer step: outer SGD lr 1.0, no "
+                    "momentum (the replicas' parameters averaged every {h} steps: FedAvg / post-local SGD)",
+        "who": "the DiLoCo paper's baseline outer optimizer (its ablation of outer optimizers); added because the "
+               "recommended Nesterov step did not reach the target from scratch in 120 steps",
+    },
     "streaming_diloco": {
         "args": {"*": ["--strategy", "diloco", "--diloco-sync-every", "{h}", "--diloco-fragments", "2",
                        "--diloco-delay", "1", "--diloco-alpha", "0.5", "--outer-lr", "0.7", "--outer-momentum",
@@ -324,7 +332,7 @@ def run_cell(a: argparse.Namespace, nodes: int, ppn: int, rate: str) -> dict:
     loads = []
     load_before = os.getloadavg()[0]
     for name in a.only:
-        steps = diloco_steps(a.max_steps, a.h) if name in ("diloco", "streaming_diloco") else a.max_steps
+        steps = diloco_steps(a.max_steps, a.h) if name.startswith(("diloco", "streaming_diloco")) else a.max_steps
         # {warm} (PowerSGD's start_powerSGD_iter): 10% of the steps an entry gets in the budget here, not of the cap
         args = entry_args(name, ppn, a.expected_steps, a.h)
         if args is None:

@@ -42,8 +42,10 @@ def test_held_out_works_exist_in_the_installed_corpus():
 
 
 def test_entry_table():
-    assert set(frontier.ORDER) == {"dense", "powersgd", "diloco", "streaming_diloco", "topk_ddp", "defaults",
-                                   "topk_fsdp", "topk_local", "topk_local_wan"}
+    assert set(frontier.ORDER) == {"dense", "powersgd", "diloco", "diloco_avg", "streaming_diloco", "topk_ddp",
+                                   "defaults", "topk_fsdp", "topk_local", "topk_local_wan"}
+    avg = frontier.entry_args("diloco_avg", 2, 100, 8)  # torchft's DiLoCo with the averaging outer step
+    assert avg[avg.index("--outer-lr") + 1] == "1.0" and avg[avg.index("--outer-momentum") + 1] == "0.0"
     assert frontier.entry_args("topk_ddp", 2, 100, 8)[-2:] == ["--mode", "per_step"]  # per step, whatever the link
     assert "--mode" not in frontier.entry_args("defaults", 2, 100, 8)  # the strategy's mode="auto" decides
     assert frontier.entry_args("dense", 2, 100, 8) == ["--strategy", "hsdp"]
