@@ -1,5 +1,5 @@
 """Convergence parity on real data: the digits CNN at density 0.001 with the flat all-gather pinned (with
-defaults ``auto`` sends this small model dense) ends within 1 point of dense DDP after the same epochs, on
+defaults ``auto`` sends this small model dense) ends within 3 points of dense DDP after the same epochs, on
 2 real processes. SGD with momentum: ``recipe="auto"`` moves the momentum into the hook (DGC momentum
 correction, docs/convergence.md)."""
 import json
@@ -62,7 +62,8 @@ def test_digits_at_density_0_001_is_within_three_points_of_dense(tmp_path):
     d, s = dense[0]["accuracy"], sparse[0]["accuracy"]
     assert dense[1]["accuracy"] == d and sparse[1]["accuracy"] == s  # the ranks agree
     assert d > 0.95
-    # 3 points = 11 of the 360 test digits. A 1-point margin (3.6 digits) held on AMD's native kernels but not under
-    # ATEN_CPU_CAPABILITY=default (2026-11-29: 0.9694 against 0.9833, 1.4 points): too close to the rounding of
-    # another CPU for a single-seed run
+    # 3 points = 11 of the 360 test digits. The gap (dense - sparse) over seeds 0-4 for the init and the shuffling,
+    # on AMD's native kernels and under ATEN_CPU_CAPABILITY=default (10 runs, 2026-11-29): mean +0.1 points, sd 0.7,
+    # worst +1.4 (seed 0 under default, 5 digits); another CPU's rounding moves a run as another seed does. So the
+    # threshold sits 4 sd above the mean and 6 digits past the worst run seen (a 1-point margin failed that one)
     assert s >= d - 0.03, (s, d)
