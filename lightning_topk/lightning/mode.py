@@ -27,8 +27,10 @@ from lightning_topk.comm import cost
 from lightning_topk.comm.config import TopKConfig
 from lightning_topk.comm.exchanges.auto import candidates_for
 from lightning_topk.comm.mode import (
+    ADAM_LOCAL_MAX_GBPS,
     ADAM_MODE_PENALTY,
     LOCAL_CANDIDATES,
+    LOCAL_MAX_GBPS,
     ModeChoice,
     buckets_of,
     choose_mode,
@@ -151,10 +153,10 @@ def choose(config: TopKConfig, nodes: int, local: int, numel: int, device_type: 
     kw: Dict[str, Any] = dict(density=config.density, candidates=candidates_for(config, nodes, local, hier),
                               value_bytes=packed_nbytes(1, config.wire_dtype) - 4,
                               sparse_penalty=config.sparse_penalty, min_sparse_numel=config.min_sparse_numel)
-    penalties, fixed, note = None, 0.0, ""
+    penalties, fixed, note, bound = None, 0.0, "", LOCAL_MAX_GBPS
     if optimizers is not None and is_adam(optimizers):
         name = type(optimizers[0]).__name__
-        penalties, note = ADAM_MODE_PENALTY, f"; {name}'s penalties (measured on the frontier LM)"
+        penalties, note, bound = ADAM_MODE_PENALTY, f"; {name}'s penalties (measured on the frontier LM)", ADAM_LOCAL_MAX_GBPS
         if adam_recipe and config.recipe == "auto" and adam_recipe_for(config, optimizers)[0]:
             fixed = warmup_seconds(model, buckets_of(numel), **kw,
                                    dense_steps=config.dense_steps or ADAM_DENSE_STEPS,
@@ -163,7 +165,8 @@ def choose(config: TopKConfig, nodes: int, local: int, numel: int, device_type: 
                      + (f"over {horizon} steps (max_steps)" if horizon else "not counted (no max_steps)"))
     choice = choose_mode(model, numel, figures.compute_s, **kw,
                          allowed=("local",) if config.mode == "local" else ("per_step", "local"),
-                         penalties=penalties, per_step_fixed_s=fixed, horizon=horizon, note=note)
+                         penalties=penalties, per_step_fixed_s=fixed, horizon=horizon, note=note,
+                         local_max_gbps=bound)
     return replace(choice, reason=f"{choice.reason}; {figures.source}")
 
 
