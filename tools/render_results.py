@@ -884,12 +884,20 @@ def frontier_tables() -> str:
 
 
 def frontier_summary() -> str:
-    """docs/modes.md's opening table: each entry's time to the target and bytes per rank per step in every cell, and
-    what the defaults (``mode="auto"``) chose there."""
-    cells = [(f"{lay} {rate}", _load(n)) for n in _frontier_files()
-             for lay, rate in FRONTIER_CELLS if n.endswith(f"_{lay}_{rate}.json")]
-    if not cells:
-        return "(no `frontier.py` result yet)"
+    """docs/modes.md's opening tables: each entry's time to the target and bytes per rank per step in every cell, and
+    what the defaults (``mode="auto"``) chose there; the longer runs (``--tag long``) first, then the first cells."""
+    parts = []
+    for tag, title in (("long", "**Past the plateau** (120 steps, warm-up + cosine lr; `--tag long`)"),
+                       ("", "**The first cells** (on the byte-unigram plateau; 100 s budget)")):
+        suffix = f"_{tag}.json" if tag else ".json"
+        cells = [(f"{lay} {rate}", _load(n)) for n in _frontier_files()
+                 for lay, rate in FRONTIER_CELLS if n.endswith(f"_{lay}_{rate}{suffix}")]
+        if cells:
+            parts.append(title + ":\n\n" + _frontier_summary_table(cells))
+    return "\n\n".join(parts) if parts else "(no `frontier.py` result yet)"
+
+
+def _frontier_summary_table(cells: List[Tuple[str, Dict[str, Any]]]) -> str:
     names = [e for e in _module("benchmarks/frontier.py").ORDER if any(e in d["rows"] for _, d in cells)]
     head = "| entry | " + " | ".join(f"{c} s to {d['meta']['target_loss']} / MB per rank per step" for c, d in cells)
     lines = [head + " |", "|---|" + "---|" * len(cells)]
@@ -912,7 +920,8 @@ def frontier_summary() -> str:
         lines += ["", "What `mode=\"auto\"` (the defaults) chose: " + "; ".join(chosen) + "."]
     commits = sorted({d["meta"].get(k) or "?" for _, d in cells for k in ("commit", "rerun_commit")
                       if k == "commit" or d["meta"].get(k)})
-    lines += ["", f"From `benchmarks/results/frontier_*.json` ({cells[0][1]['meta']['date']}, commits "
+    dates = sorted({d["meta"]["date"] for _, d in cells})
+    lines += ["", f"From `benchmarks/results/frontier_*.json` ({', '.join(dates)}, commits "
               f"{', '.join(commits)}); the full tables, with the load and the second target, are in BENCHMARKS.md."]
     return "\n".join(lines)
 
@@ -942,15 +951,16 @@ def _frontier_curves(d: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def frontier_runs_data() -> Dict[str, Any]:
-    """The tagged frontier runs (``frontier.py --tag``: longer runs beside a cell's main one), one column each."""
-    runs = []
+    """The longer frontier runs (``frontier.py --tag long``), one column per cell in the issue's order."""
+    runs: Dict[str, Any] = {}
     for n in _frontier_files():
         d = _load(n)
         m = d["meta"]
-        if m.get("tag"):
-            runs.append([f"{m['layout']} {m['rate']}, {m['tag']} ({m.get('lr_schedule', 'constant')} lr)",
-                         _frontier_curves(d)])
-    return {"source": "benchmarks/results/frontier_*_<tag>.json", "cells": runs[:2] + [["", None]] * (2 - len(runs[:2]))}
+        if m.get("tag") == "long":
+            runs[f"{m['layout']} {m['rate']}"] = [f"{m['layout']} {m['rate']}, {m['tag']} "
+                                                  f"({m.get('lr_schedule', 'constant')} lr)", _frontier_curves(d)]
+    return {"source": "benchmarks/results/frontier_*_long.json",
+            "cells": [runs.get(f"{lay} {rate}", [f"{lay} {rate}, long", None]) for lay, rate in FRONTIER_CELLS]}
 
 
 def draw_frontier(d: Dict[str, Any], ax_grid: Any) -> None:
@@ -986,7 +996,7 @@ PLOTS: Dict[str, Tuple[Callable[[], Dict[str, Any]], Callable[[Dict[str, Any], A
     "scale_sim": (scale_sim_data, draw_bytes_per_step, (2, 2), (12.0, 9.0)),
     "loss_curves": (loss_curves_data, draw_loss_curves, (1, 2), (12.0, 5.0)),
     "frontier": (frontier_data, draw_frontier, (2, 4), (18.0, 8.0)),
-    "frontier_runs": (frontier_runs_data, draw_frontier, (2, 2), (11.0, 8.0)),
+    "frontier_runs": (frontier_runs_data, draw_frontier, (2, 4), (18.0, 8.0)),
 }
 
 
