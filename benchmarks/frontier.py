@@ -347,7 +347,7 @@ def run_cell(a: argparse.Namespace, nodes: int, ppn: int, rate: str) -> dict:
             s = cluster.summarize(res)
             s["evals"] = res.ranks[0]["evals"]
             s["mode"] = res.ranks[0].get("mode")  # mode="auto"'s choice (the defaults entry)
-            s.update(figures(s, a.target_loss, a.max_time, tokens_per_step))
+            s.update(figures(s, a.target_loss, a.max_time, tokens_per_step, a.target2))
         except cluster.ClusterError as e:
             s = {"error": str(e)[:3000]}
         s["entry"], s["args"], s["wall_s"] = name, args, time.perf_counter() - t0
@@ -358,7 +358,7 @@ def run_cell(a: argparse.Namespace, nodes: int, ppn: int, rate: str) -> dict:
             todo = a.only[a.only.index(name) + 1:]
             part = {"meta": cell_meta(a, nodes, ppn, rate, tokens_per_step, load_before, loads), "rows": dict(rows)}
             part["meta"]["partial_not_run"] = todo
-            save(part, sys.argv)
+            save(part, sys.argv, merge=a.merge)  # --merge: the cell's other rows stay in the file
         print(f"[frontier] {nodes}x{ppn} {rate:>8} {name:<17} tta {fmt(s.get('time_to_target_s'), '.0f')} s  "
               f"loss@budget {fmt(s.get('loss_at_budget'), '.3f')}  final {fmt(s.get('final_loss'), '.3f')} "
               f"({s.get('steps')} steps)  {fmt((s.get('bytes_per_rank_per_step') or 0) / 1e6, '.3f')} MB/rank/step  "
@@ -375,7 +375,7 @@ def cell_meta(a, nodes, ppn, rate, tokens_per_step, load_before, loads) -> dict:
     except OSError:
         commit = "?"
     return {"layout": f"{nodes}x{ppn}", "rate": rate, "date": a.date, "commit": commit, "machine": MACHINE,
-            "n_params": N_PARAMS, "target_loss": a.target_loss, "budget_s": a.max_time, "max_steps": a.max_steps,
+            "n_params": N_PARAMS, "target_loss": a.target_loss, "target2": a.target2, "budget_s": a.max_time, "max_steps": a.max_steps,
             "h": a.h, "expected_steps": a.expected_steps, "batch_size": a.batch_size, "lr": a.lr, "lr_schedule": a.lr_schedule, "tag": a.tag, "seq_len": SEQ_LEN, "tokens_per_step": tokens_per_step,
             "load_before": round(load_before, 2),
             "load_range": f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?",
