@@ -104,3 +104,26 @@ def test_figures_and_table():
     assert next(ln for ln in lines if "| dense |" in ln).startswith("| 1 |")
     assert "| 2 | diloco | 82 |" in md and "| 0.50 |" in md  # half dense's speed
     assert "failed: rank 1 exited with code 1: boom" in md
+
+
+def test_a_merged_rerun_saved_entry_by_entry_keeps_the_cells_other_rows(tmp_path, monkeypatch):
+    # --save-each writes the cell after every entry; with --merge each of those writes must keep the rows of the
+    # entries not rerun (they were overwritten, and the final merge then read the overwritten file)
+    import json
+
+    real = frontier.write_results
+    monkeypatch.setattr(frontier, "RESULTS", str(tmp_path))
+    monkeypatch.setattr(frontier, "write_results", lambda *a, **k: real(*a, directory=str(tmp_path), **k))
+    evals = [{"step": 8, "time": 10.0, "acc": None, "loss": 2.9}]
+    monkeypatch.setattr(frontier.cluster, "run_cluster",
+                        lambda *a, **k: frontier.cluster.RunResult("netns", "", [{"evals": evals}], "", 1.0))
+    monkeypatch.setattr(frontier.cluster, "summarize", lambda res: {"steps": 8})
+    monkeypatch.setattr(frontier.cluster, "namespaces_available", lambda: (True, ""))
+    monkeypatch.setattr(frontier, "corpus_files", list)
+    argv = ["--cells", "2x2@100mbit", "--max-time", "60", "--max-steps", "8", "--target-loss", "3.0", "--tag", "t",
+            "--save-each", "--run-dir", str(tmp_path / "runs"), "--date", "2026-01-01"]
+    assert frontier.main(argv + ["--only", "dense,topk_local"]) == 0
+    assert frontier.main(argv + ["--only", "defaults", "--merge"]) == 0
+    d = json.loads((tmp_path / "frontier_2026-01-01_2x2_100mbit_t.json").read_text())
+    assert set(d["rows"]) == {"dense", "topk_local", "defaults"} and d["meta"]["rerun"] == ["defaults"]
+    assert d["rows"]["dense"]["time_to_target_s"] == 10.0
