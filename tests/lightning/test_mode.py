@@ -130,8 +130,9 @@ def _host_address():
     (0.01, [], "sgd", ("local", "topk_local")),  # chosen from the link: local SGD runs, the same on both nodes
     (0.01, ["density=0.05"], "sgd", ("per_step", None)),  # an explicit option wins
     (10.0, [], "sgd", ("per_step", None)),  # the constants' default rate
-    (0.3, [], "sgd", ("per_step", None)),  # SGD: local SGD's measured penalty (32/24 steps) outweighs the link
-    (0.3, [], "adamw", ("local", "topk_local")),  # AdamW: no penalty measured, and the recipe's dense steps
+    # AdamW: local SGD's penalty 1 and the recipe's dense steps; the first choice, before the optimizer is known, is
+    # per step there (test_the_first_choice_is_made_without_the_optimizer)
+    (0.3, [], "adamw", ("local", "topk_local")),
 ])
 def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, opt, expected):
     import json
@@ -153,6 +154,14 @@ def test_trainer_two_nodes_runs_what_it_chose(tmp_path, link, options, opt, expe
         assert (r["local_steps"], r["outer_density"], r["outer_value_bits"]) == (16, 0.1, 4)
     if opt == "adamw":  # chosen again once the optimizer was known, over the run's 16 steps
         assert "AdamW's penalties" in r["reason"] and "over 16 steps (max_steps)" in r["reason"], r["reason"]
+
+
+def test_the_first_choice_is_made_without_the_optimizer():
+    from lightning_topk.lightning.mode import decide
+
+    numel = 64 * 1024 + 1024 + 1024 * 1024 + 1024 + 1024 * 10 + 10  # tests/scripts/mode_train.py's model
+    cfg = TopKConfig(auto_link_gbps=0.3, auto_model="constants")
+    assert decide(cfg, 2, 1, numel, torch.device("cpu"), loopback=False).mode == "per_step"
 
 
 def test_resume_keeps_the_checkpoints_mode_when_the_link_now_chooses_another(tmp_path):
