@@ -22,12 +22,22 @@ needs_netns = pytest.mark.skipif(not NS_OK, reason=f"network namespaces not perm
 TINY = ["--hidden", "256", "--eval-every", "0", "--warmup-steps", "1", "--batch-size", "16"]
 
 
+# This module's runs name their namespaces and links with a prefix of their own (cluster.NAME_PREFIX is what
+# every run's random prefix starts with), so a cluster benchmark running beside the suite is not a leftover.
+OWN = "ltt"
+
+
+@pytest.fixture(autouse=True)
+def own_prefix(monkeypatch):
+    monkeypatch.setattr(cluster, "NAME_PREFIX", OWN)
+
+
 def _leftovers(before):
-    return (set(cluster.list_namespaces()) | set(cluster.list_links())) - before
+    return (set(cluster.list_namespaces(OWN)) | set(cluster.list_links(OWN))) - before
 
 
 def _snapshot():
-    return set(cluster.list_namespaces()) | set(cluster.list_links())
+    return set(cluster.list_namespaces(OWN)) | set(cluster.list_links(OWN))
 
 
 def test_parse_rate_checks_input():
@@ -67,9 +77,11 @@ def test_failing_worker_is_reported_and_torn_down(tmp_path):
 @needs_netns
 def test_sigint_tears_down(tmp_path):
     before = _snapshot()
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "cluster.py"), "--nodes", "2",
-                             "--procs-per-node", "1", "--rate", "10mbit", "--run-dir", str(tmp_path), "--",
-                             "--strategy", "ddp", "--steps", "1000", *TINY],
+    argv = [os.path.join(ROOT, "benchmarks", "cluster.py"), "--nodes", "2", "--procs-per-node", "1", "--rate",
+            "10mbit", "--run-dir", str(tmp_path), "--", "--strategy", "ddp", "--steps", "1000", *TINY]
+    main = (f"import sys; sys.path.insert(0, {os.path.join(ROOT, 'benchmarks')!r}); sys.argv = {argv!r}; "
+            f"import cluster; cluster.NAME_PREFIX = {OWN!r}; sys.exit(cluster.main())")
+    proc = subprocess.Popen([sys.executable, "-c", main],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and len(_leftovers(before)) < 3:  # hub + 2 nodes
