@@ -164,6 +164,13 @@ def unresolved_note(config: TopKConfig) -> str:
     return "recipe=none" if config.recipe == "none" else "recipe=auto: not resolved yet"
 
 
+def adam_schedule(config: TopKConfig) -> TopKConfig:
+    """``config`` with the AdamW recipe's schedule: ``dense_steps`` 0 becomes :data:`ADAM_DENSE_STEPS`, ``warmup_steps``
+    0 :data:`ADAM_WARMUP_STEPS` (values the user set are kept)."""
+    return replace(config, dense_steps=config.dense_steps or ADAM_DENSE_STEPS,
+                   warmup_steps=config.warmup_steps or ADAM_WARMUP_STEPS)
+
+
 def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[Any] = None, adam: bool = False
                 ) -> Tuple[Optional["LiveRecipe"], TopKConfig, str]:
     """``recipe="auto"`` in a run (``topk_ddp`` and ``topk_fsdp`` alike): (the dormant :class:`LiveRecipe`, or None;
@@ -174,8 +181,7 @@ def live_recipe(config: TopKConfig, optimizers: Sequence[Any], make: Optional[An
     if not use and adam:
         use_adam, why_adam = adam_recipe_for(config, optimizers)
         if use_adam:
-            dormant = replace(config, dense_steps=config.dense_steps or ADAM_DENSE_STEPS,
-                              warmup_steps=config.warmup_steps or ADAM_WARMUP_STEPS)
+            dormant = adam_schedule(config)
             live: LiveRecipe = AdamLiveRecipe(optimizers[0], dormant)
             b1 = live.momentum()
             return live, target_config(dormant, b1), (

@@ -37,7 +37,7 @@ from lightning_topk.comm.mode import (
     estimate_compute,
     warmup_seconds,
 )
-from lightning_topk.comm.recipe import ADAM_DENSE_STEPS, ADAM_WARMUP_STEPS, adam_recipe_for
+from lightning_topk.comm.recipe import adam_recipe_for, adam_schedule
 from lightning_topk.comm.wire import packed_nbytes
 from lightning_topk.lightning import support_cell
 
@@ -158,9 +158,9 @@ def choose(config: TopKConfig, nodes: int, local: int, numel: int, device_type: 
         name = type(optimizers[0]).__name__
         penalties, note, bound = ADAM_MODE_PENALTY, f"; {name}'s penalties (measured on the frontier LM)", ADAM_LOCAL_MAX_GBPS
         if adam_recipe and config.recipe == "auto" and adam_recipe_for(config, optimizers)[0]:
-            fixed = warmup_seconds(model, buckets_of(numel), **kw,
-                                   dense_steps=config.dense_steps or ADAM_DENSE_STEPS,
-                                   warmup_steps=config.warmup_steps or ADAM_WARMUP_STEPS)
+            sched = adam_schedule(config)
+            fixed = warmup_seconds(model, buckets_of(numel), **kw, dense_steps=sched.dense_steps,
+                                   warmup_steps=sched.warmup_steps)
             note += (f"; per step, the {name} recipe's dense steps and density warm-up: {fixed:.1f} s once, "
                      + (f"over {horizon} steps (max_steps)" if horizon else "not counted (no max_steps)"))
     choice = choose_mode(model, numel, figures.compute_s, **kw,
